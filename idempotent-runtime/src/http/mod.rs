@@ -1,0 +1,1 @@
+//! HTTP `Idempotency-Key` support (being written).

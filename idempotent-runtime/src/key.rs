@@ -1,0 +1,210 @@
+//! Idempotency keys: what may be a key, how it is validated, and how it is scoped.
+
+use std::fmt::Write as _;
+
+/// The longest key accepted, in bytes (the same cap as Stripe's).
+pub const MAX_KEY_BYTES: usize = 255;
+
+/// A value that can serve as an idempotency key.
+///
+/// Implemented for strings, integers, [`uuid::Uuid`] and references or smart pointers to them.
+/// Implement it for your own key types by writing a stable textual form:
+///
+/// ```
+/// use idempotent_runtime::IdempotencyKey;
+///
+/// struct OrderNo(u64);
+///
+/// impl IdempotencyKey for OrderNo {
+///     fn write_key(&self, out: &mut String) {
+///         self.0.write_key(out);
+///     }
+/// }
+/// ```
+///
+/// The text must not change between releases of your program, or retries would run again.
+pub trait IdempotencyKey {
+    /// Appends this key's text to `out`.
+    fn write_key(&self, out: &mut String);
+}
+
+impl IdempotencyKey for str {
+    fn write_key(&self, out: &mut String) {
+        out.push_str(self);
+    }
+}
+
+impl IdempotencyKey for String {
+    fn write_key(&self, out: &mut String) {
+        out.push_str(self);
+    }
+}
+
+impl IdempotencyKey for std::borrow::Cow<'_, str> {
+    fn write_key(&self, out: &mut String) {
+        out.push_str(self);
+    }
+}
+
+impl IdempotencyKey for uuid::Uuid {
+    fn write_key(&self, out: &mut String) {
+        let _ = write!(out, "{}", self.hyphenated());
+    }
+}
+
+macro_rules! integer_keys {
+    ($($t:ty),*) => {$(
+        impl IdempotencyKey for $t {
+            fn write_key(&self, out: &mut String) {
+                let _ = write!(out, "{self}");
+            }
+        }
+    )*};
+}
+integer_keys!(u8, u16, u32, u64, u128, usize, i8, i16, i32, i64, i128, isize);
+
+impl<T: IdempotencyKey + ?Sized> IdempotencyKey for &T {
+    fn write_key(&self, out: &mut String) {
+        (**self).write_key(out);
+    }
+}
+
+impl<T: IdempotencyKey + ?Sized> IdempotencyKey for Box<T> {
+    fn write_key(&self, out: &mut String) {
+        (**self).write_key(out);
+    }
+}
+
+impl<T: IdempotencyKey + ?Sized> IdempotencyKey for std::sync::Arc<T> {
+    fn write_key(&self, out: &mut String) {
+        (**self).write_key(out);
+    }
+}
+
+/// Why a key or scope was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The key is the empty string.
+    #[error("the key is empty; pass a non-empty key such as a request id")]
+    Empty,
+    /// The key is longer than [`MAX_KEY_BYTES`].
+    #[error("the key is {len} bytes long, over the limit of {MAX_KEY_BYTES}; use a shorter key such as a UUID")]
+    TooLong {
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// The key holds a control character (such as NUL or a newline), which no store keeps reliably.
+    #[error("the key holds the control character {ch:?} at byte {at}; keys must be printable text")]
+    ControlCharacter {
+        /// The character.
+        ch: char,
+        /// Its byte offset.
+        at: usize,
+    },
+    /// The scope is empty or holds a `:` or a control character.
+    #[error("the scope {0:?} is invalid: it must be non-empty printable text without ':'")]
+    InvalidScope(String),
+}
+
+/// A validated key inside its scope, as stores see it: `scope:key`.
+///
+/// The scope holds no `:`, so the first `:` always separates the two parts and no user key can
+/// reach into another scope.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Key {
+    full: String,
+    scope_len: usize,
+}
+
+impl Key {
+    /// Validates `key` and places it in `scope`.
+    ///
+    /// ```
+    /// use idempotent_runtime::Key;
+    ///
+    /// let key = Key::new("payments", &"req-42").unwrap();
+    /// assert_eq!(key.as_str(), "payments:req-42");
+    /// assert_eq!(key.scope(), "payments");
+    /// assert_eq!(key.key(), "req-42");
+    /// assert!(Key::new("payments", &"").is_err());
+    /// ```
+    pub fn new(scope: &str, key: &(impl IdempotencyKey + ?Sized)) -> Result<Self, KeyError> {
+        validate_scope(scope)?;
+        let mut full = String::with_capacity(scope.len() + 1 + 40);
+        full.push_str(scope);
+        full.push(':');
+        key.write_key(&mut full);
+        let user = &full[scope.len() + 1..];
+        if user.is_empty() {
+            return Err(KeyError::Empty);
+        }
+        if user.len() > MAX_KEY_BYTES {
+            return Err(KeyError::TooLong { len: user.len() });
+        }
+        if let Some((at, ch)) = user.char_indices().find(|(_, c)| c.is_control()) {
+            return Err(KeyError::ControlCharacter { ch, at });
+        }
+        Ok(Key { scope_len: scope.len(), full })
+    }
+
+    /// `scope:key`, the text stores index by.
+    #[must_use]
+    pub fn as_str(&self) -> &str {
+        &self.full
+    }
+
+    /// The scope part.
+    #[must_use]
+    pub fn scope(&self) -> &str {
+        &self.full[..self.scope_len]
+    }
+
+    /// The caller's key part.
+    #[must_use]
+    pub fn key(&self) -> &str {
+        &self.full[self.scope_len + 1..]
+    }
+}
+
+impl std::fmt::Display for Key {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.full)
+    }
+}
+
+fn validate_scope(scope: &str) -> Result<(), KeyError> {
+    if scope.is_empty() || scope.len() > MAX_KEY_BYTES || scope.chars().any(|c| c == ':' || c.is_control()) {
+        return Err(KeyError::InvalidScope(scope.to_owned()));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_keys_are_validated() {
+        assert_eq!(Key::new("s", &"").unwrap_err(), KeyError::Empty);
+        let long = "k".repeat(MAX_KEY_BYTES + 1);
+        assert_eq!(Key::new("s", &long).unwrap_err(), KeyError::TooLong { len: 256 });
+        assert!(Key::new("s", &"k".repeat(MAX_KEY_BYTES)).is_ok());
+        assert_eq!(
+            Key::new("s", &"a\0b").unwrap_err(),
+            KeyError::ControlCharacter { ch: '\0', at: 1 }
+        );
+        assert!(matches!(Key::new("a:b", &"k"), Err(KeyError::InvalidScope(_))));
+        assert!(matches!(Key::new("", &"k"), Err(KeyError::InvalidScope(_))));
+    }
+
+    #[test]
+    fn memory_keys_of_every_kind() {
+        assert_eq!(Key::new("s", &42u64).unwrap().key(), "42");
+        assert_eq!(Key::new("s", &-7i32).unwrap().key(), "-7");
+        assert_eq!(Key::new("s", &String::from("x")).unwrap().key(), "x");
+        let id = uuid::Uuid::nil();
+        assert_eq!(Key::new("s", &id).unwrap().key(), "00000000-0000-0000-0000-000000000000");
+        assert_eq!(Key::new("s", &"ключ:1").unwrap().as_str(), "s:ключ:1");
+    }
+}

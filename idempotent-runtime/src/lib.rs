@@ -1,0 +1,90 @@
+//! Exactly-once execution per key for async functions.
+//!
+//! Annotate an `async fn` that returns `Result<T, E>` with [`#[idempotent]`](macro@idempotent) and
+//! it runs at most once per key; every repeat with that key gets the recorded result back:
+//!
+//! ```
+//! use idempotent_runtime::{idempotent, Error, MemoryStore};
+//! use serde::{Deserialize, Serialize};
+//!
+//! #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+//! struct Receipt { user: String, amount: i64 }
+//!
+//! struct Payments { store: MemoryStore }
+//!
+//! impl Payments {
+//!     #[idempotent(key = request_id, store = self.store, fingerprint = (user, amount))]
+//!     async fn deduct_balance(&self, request_id: &str, user: &str, amount: i64) -> Result<Receipt, Error> {
+//!         // ... the non-idempotent work: UPDATE users SET balance = balance - amount ...
+//!         Ok(Receipt { user: user.to_owned(), amount })
+//!     }
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let payments = Payments { store: MemoryStore::new() };
+//! let first = payments.deduct_balance("req-1", "alice", 100).await.unwrap();
+//! let retry = payments.deduct_balance("req-1", "alice", 100).await.unwrap(); // replayed
+//! assert_eq!(first, retry);
+//! # }
+//! ```
+//!
+//! # The protocol
+//!
+//! Each call goes **check → claim → execute → record**:
+//!
+//! 1. The key (with its scope) is looked up and, if free, claimed for this call in one atomic store
+//!    operation, with a *lease*: of any number of concurrent callers, exactly one wins.
+//! 2. A completed record is replayed (decoded from JSON) without running the body; a live claim held
+//!    by another caller gives [`Error::InProgress`], or with `wait` is waited for.
+//! 3. The winner runs the body, then records `Ok` (and, if asked, `Err`) for `retention`, fenced by
+//!    its owner [`Token`]: a caller whose lease ran out and was taken over gets [`Error::LeaseLost`]
+//!    and overwrites nothing.
+//! 4. An unrecorded `Err`, a panic or a dropped future releases the claim so a retry can run; a
+//!    crashed process's claim frees itself when the lease ends.
+//!
+//! # Record format
+//!
+//! Outcomes are stored as JSON: `{"Ok": <value>}`, `{"Err": <error>}` (only with `record_err`) or
+//! `{"Unrecordable": "<reason>"}` when the result was too large or failed to serialise (the call
+//! ran; replays get [`Error::Unrecordable`] and it does not run again). Fingerprints are the
+//! SHA-256 of the fingerprinted value's JSON, in hex.
+//!
+//! Note JSON's limits: `Some(())` and `None` both encode as `null`, and so do `Some(None)` and
+//! `None`; a `HashMap` with non-string keys does not serialise. Give such results a struct.
+
+mod call;
+mod error;
+mod fingerprint;
+mod key;
+mod outcome;
+mod store;
+pub mod stores;
+#[cfg(feature = "axum")]
+pub mod http;
+
+pub use call::{Call, DEFAULT_LEASE, DEFAULT_RETENTION};
+pub use error::{Error, StoreError};
+pub use fingerprint::Fingerprint;
+pub use key::{IdempotencyKey, Key, KeyError, MAX_KEY_BYTES};
+pub use outcome::{ErrorPolicy, RecordErrors, RecordErrorsIf, ReleaseErrors};
+pub use store::{Claim, ClaimRequest, DEFAULT_MAX_RECORD_BYTES, Record, Store, Token};
+pub use stores::memory::MemoryStore;
+
+#[doc(inline)]
+pub use idempotent_macros::idempotent;
+
+/// What the attribute's expansion refers to. Not a public API: it may change in any release.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::{Call, RecordErrors, RecordErrorsIf, ReleaseErrors};
+    pub use core::time::Duration;
+
+    /// Pins a `record_err = <fn>` predicate to the function's error type, for type inference.
+    pub fn record_errors_if<T, E, F: Fn(&E) -> bool>(
+        predicate: F,
+        _: core::marker::PhantomData<fn() -> Result<T, E>>,
+    ) -> RecordErrorsIf<F> {
+        RecordErrorsIf(predicate)
+    }
+}

@@ -1,0 +1,1 @@
+//! The SQL stores (being written).

@@ -1,0 +1,1 @@
+//! The store conformance suite (being written).

@@ -1,0 +1,5 @@
+//! Shared pieces of the integration tests: finding the servers, and the store conformance suite
+//! that every store must pass.
+
+pub mod conformance;
+pub mod services;

@@ -1,0 +1,80 @@
+//! Finding the test servers: a URL from the environment with a loopback default, and the rule for
+//! an absent server: skip loudly, or fail when `IDEMPOTENT_REQUIRE_SERVICES=1` (as `.ci/run` sets).
+
+use std::net::ToSocketAddrs;
+use std::time::Duration;
+
+/// `true` when an unreachable service must fail the test instead of skipping it.
+#[must_use]
+pub fn services_required() -> bool {
+    std::env::var("IDEMPOTENT_REQUIRE_SERVICES").is_ok_and(|v| v == "1")
+}
+
+/// The URL in `var`, or `default`, if a TCP connection to its host and port succeeds.
+///
+/// Otherwise prints a loud `SKIPPED` line and returns `None`, or panics when services are required.
+#[must_use]
+pub fn service_url(var: &str, default: &str, test: &str) -> Option<String> {
+    let url = std::env::var(var).unwrap_or_else(|_| default.to_owned());
+    if reachable(&url) {
+        return Some(url);
+    }
+    let message = format!("{test}: no server at {url} (set {var} to point elsewhere)");
+    assert!(!services_required(), "{message}, and IDEMPOTENT_REQUIRE_SERVICES=1 requires it");
+    eprintln!("\n*** SKIPPED {message} ***\n");
+    None
+}
+
+/// The Redis URL (`REDIS_URL`, default `redis://127.0.0.1:6379`).
+#[must_use]
+pub fn redis_url(test: &str) -> Option<String> {
+    service_url("REDIS_URL", "redis://127.0.0.1:6379", test)
+}
+
+/// The PostgreSQL URL (`POSTGRES_URL`, default `postgres://postgres@127.0.0.1:5432/test`).
+#[must_use]
+pub fn postgres_url(test: &str) -> Option<String> {
+    service_url("POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test", test)
+}
+
+/// The MySQL/MariaDB URL (`MYSQL_URL`, default `mysql://root@127.0.0.1:3306/test`).
+#[must_use]
+pub fn mysql_url(test: &str) -> Option<String> {
+    service_url("MYSQL_URL", "mysql://root@127.0.0.1:3306/test", test)
+}
+
+fn reachable(url: &str) -> bool {
+    let Some((host, port)) = host_port(url) else { return false };
+    let Ok(addrs) = (host, port).to_socket_addrs() else { return false };
+    addrs.into_iter().any(|addr| std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_ok())
+}
+
+/// `scheme://[user[:pass]@]host[:port][/...]` → (host, port).
+fn host_port(url: &str) -> Option<(String, u16)> {
+    let rest = url.split_once("://")?.1;
+    let authority = rest.split(['/', '?']).next()?;
+    let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let default_port = match url.split_once("://")?.0 {
+        "redis" | "rediss" => 6379,
+        "postgres" | "postgresql" => 5432,
+        "mysql" | "mariadb" => 3306,
+        _ => return None,
+    };
+    match host_port.rsplit_once(':') {
+        Some((host, port)) => Some((host.to_owned(), port.parse().ok()?)),
+        None => Some((host_port.to_owned(), default_port)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_port;
+
+    #[test]
+    fn conformance_urls_are_split() {
+        assert_eq!(host_port("redis://127.0.0.1:6379"), Some(("127.0.0.1".into(), 6379)));
+        assert_eq!(host_port("postgres://postgres@127.0.0.1/test"), Some(("127.0.0.1".into(), 5432)));
+        assert_eq!(host_port("mysql://root:pw@db:3307/test?x=1"), Some(("db".into(), 3307)));
+        assert_eq!(host_port("nonsense"), None);
+    }
+}

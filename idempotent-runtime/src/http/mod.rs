@@ -1,1 +1,73 @@
-//! HTTP `Idempotency-Key` support (being written).
+//! HTTP `Idempotency-Key` support for axum (feature `axum`).
+//!
+//! Clients make a non-idempotent request (a `POST` that charges a card) safe to retry by sending a
+//! unique `Idempotency-Key` header with it, as in the IETF draft "The Idempotency-Key HTTP Header
+//! Field": the server runs the request once and answers every retry with the same key with the
+//! recorded response. There are two ways in, sharing one implementation (the [`Call`](crate::Call)
+//! protocol) and working with every [`Store`](crate::Store):
+//!
+//! - [`IdempotencyLayer`]: a tower layer for whole routes. It fingerprints the method, path, query
+//!   and body, records the response's status, [headers](DEFAULT_RECORDED_HEADERS) and body, and
+//!   replays it with `Idempotent-Replayed: true`.
+//! - [`#[idempotent]`](macro@crate::idempotent) on a handler, with the key from the
+//!   [`IdempotencyKeyHeader`] extractor: the handler's result is recorded as a value (return a
+//!   [`JsonResponse`]), the fingerprint is whatever the attribute names, and the handler's error type
+//!   turns idempotency errors into responses with [`HttpError`] or [`problem_response`].
+//!
+//! # Statuses
+//!
+//! Both follow the draft, with `application/problem+json` bodies ([`Problem`]):
+//!
+//! | case | status |
+//! |---|---|
+//! | key missing on a route that requires one | 400 |
+//! | key malformed (empty, control or non-ASCII characters, repeated header) or over 255 bytes | 400 |
+//! | a request with the same key is still running | 409 with `Retry-After` |
+//! | the key was used with a different request | 422 |
+//! | the store is unreachable | 503 with `Retry-After` |
+//!
+//! # The header value
+//!
+//! The draft makes the value a structured-field string (`Idempotency-Key: "8e03978e-..."`). Most
+//! clients send it unquoted, so both are accepted: a quoted string (with `\"` and `\\` escapes) or a
+//! bare run of visible ASCII without `"`, `\`, `,` and `;`. Keys are at most
+//! [`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES) bytes.
+//!
+//! # Which responses are recorded
+//!
+//! By default every response below 500 is recorded, except `408`, `425` and `429`. A `5xx` means
+//! the server failed to finish the request, so the key is released and a retry runs it again;
+//! recording it would make a passing outage permanent for that key. The layer's
+//! [`record_status`](IdempotencyLayer::record_status) changes this; under the attribute, an `Err`
+//! releases the key unless `record_err` says otherwise.
+//!
+//! # Callers
+//!
+//! A key is only unique per client, so bind it to the caller:
+//! [`IdempotencyLayer::caller`] for the layer, `key = key.for_caller(&user_id)`
+//! ([`IdempotencyKeyHeader::for_caller`]) for the attribute. Two users sending the same key then
+//! never see each other's responses.
+
+mod extractor;
+mod json;
+mod key_header;
+mod layer;
+mod problem;
+mod recorded;
+
+pub use extractor::IdempotencyKeyHeader;
+pub use json::JsonResponse;
+pub use key_header::CallerKey;
+pub use layer::{
+    DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, IdempotencyLayer, IdempotencyService,
+    records_by_default,
+};
+pub use problem::{HttpError, Problem, RETRY_AFTER_SECS, problem_response};
+pub use recorded::DEFAULT_RECORDED_HEADERS;
+
+/// The request header that carries the key: `Idempotency-Key`.
+pub const IDEMPOTENCY_KEY: http::HeaderName = http::HeaderName::from_static("idempotency-key");
+
+/// The response header that marks a replayed response: `Idempotent-Replayed: true`.
+pub const IDEMPOTENT_REPLAYED: http::HeaderName =
+    http::HeaderName::from_static("idempotent-replayed");

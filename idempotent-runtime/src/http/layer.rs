@@ -1,0 +1,470 @@
+//! The tower layer: `Idempotency-Key` handling for whole routes.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::Request;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::request::Parts;
+use http::{HeaderName, StatusCode, header};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tower::{Layer, Service};
+
+use super::key_header::{self, CallerKey};
+use super::problem::{Problem, problem_response};
+use super::recorded::{DEFAULT_RECORDED_HEADERS, Recorded};
+use crate::{
+    Call, DEFAULT_LEASE, DEFAULT_RETENTION, Error, Fingerprint, Key, ReleaseErrors, Store,
+};
+
+/// The largest request body the layer buffers to fingerprint it by default (1 MiB); larger bodies
+/// get `413 Payload Too Large`.
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 1024 * 1024;
+
+/// The largest response body the layer records by default (512 KiB). Binary bodies are stored as
+/// base64, a third larger, so this keeps every record within stores' default limit of
+/// [`DEFAULT_MAX_RECORD_BYTES`](crate::DEFAULT_MAX_RECORD_BYTES).
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 512 * 1024;
+
+type CallerFn = dyn Fn(&Parts) -> String + Send + Sync;
+type StatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
+
+/// Makes the routes it wraps run at most once per `Idempotency-Key`, replaying the recorded
+/// response to retries.
+///
+/// For each request it reads the `Idempotency-Key` header, buffers the body (up to
+/// [`max_request_bytes`](Self::max_request_bytes)) and fingerprints the method, path, query and body,
+/// then runs the request through [`Call`] against the store: the inner service runs once per key; its
+/// response (status, the [recorded headers](Self::record_header) and the body) is recorded and
+/// replayed to later requests with the same key, with `Idempotent-Replayed: true` added.
+///
+/// | request | response |
+/// |---|---|
+/// | no key (when [required](Self::optional)) | `400`, `urn:idempotent:key-missing` |
+/// | malformed key, repeated header, over 255 bytes | `400`, `urn:idempotent:key-malformed` |
+/// | body over the limit | `413`, `urn:idempotent:request-too-large` |
+/// | the first request with this key is still running | `409` with `Retry-After` |
+/// | the key was used with another method, path, query or body | `422`, `urn:idempotent:key-reused` |
+/// | response body over [`max_response_bytes`](Self::max_response_bytes) | `500`, `urn:idempotent:response-too-large`, to this request and its retries |
+/// | the store is down | `503` with `Retry-After` |
+///
+/// Which responses are recorded is chosen by [`record_status`](Self::record_status). By default
+/// every status below 500 is recorded except 408, 425 and 429: those and every 5xx mean the server
+/// did not (or could not) finish the request, so the key is released and a retry runs it again.
+/// Errors of the inner service also release the key.
+///
+/// The first response passes through with all its headers; replays carry only the recorded
+/// ones. The layer takes `axum::body::Body` requests and responses, as axum routes do; apply it
+/// to the routes that need it with `route_layer`, or to one method with `post(handler).layer(...)`.
+///
+/// ```
+/// use axum::{Router, routing::post};
+/// use idempotent_runtime::{MemoryStore, http::IdempotencyLayer};
+///
+/// async fn pay() -> &'static str { "paid" }
+///
+/// let app: Router = Router::new().route("/payments", post(pay)).route_layer(
+///     IdempotencyLayer::new(MemoryStore::new())
+///         .scope("payments")
+///         .caller(|parts| parts.headers.get("x-user").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned()),
+/// );
+/// ```
+pub struct IdempotencyLayer<St> {
+    config: Config<St>,
+}
+
+struct Config<St> {
+    store: Arc<St>,
+    scope: String,
+    required: bool,
+    caller: Option<Arc<CallerFn>>,
+    recorded_headers: Vec<HeaderName>,
+    record_status: Arc<StatusFn>,
+    max_request_bytes: usize,
+    max_response_bytes: usize,
+    lease: Duration,
+    retention: Duration,
+    wait: Option<Duration>,
+}
+
+impl<St> Clone for Config<St> {
+    fn clone(&self) -> Self {
+        Config {
+            store: Arc::clone(&self.store),
+            scope: self.scope.clone(),
+            required: self.required,
+            caller: self.caller.clone(),
+            recorded_headers: self.recorded_headers.clone(),
+            record_status: Arc::clone(&self.record_status),
+            max_request_bytes: self.max_request_bytes,
+            max_response_bytes: self.max_response_bytes,
+            lease: self.lease,
+            retention: self.retention,
+            wait: self.wait,
+        }
+    }
+}
+
+impl<St> Clone for IdempotencyLayer<St> {
+    fn clone(&self) -> Self {
+        IdempotencyLayer {
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<St> std::fmt::Debug for IdempotencyLayer<St> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("scope", &self.config.scope)
+            .field("required", &self.config.required)
+            .field("caller", &self.config.caller.is_some())
+            .field("recorded_headers", &self.config.recorded_headers)
+            .field("max_request_bytes", &self.config.max_request_bytes)
+            .field("max_response_bytes", &self.config.max_response_bytes)
+            .field("lease", &self.config.lease)
+            .field("retention", &self.config.retention)
+            .field("wait", &self.config.wait)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The default of [`IdempotencyLayer::record_status`]: below 500, except 408, 425 and 429.
+#[must_use]
+pub fn records_by_default(status: StatusCode) -> bool {
+    !status.is_server_error()
+        && !matches!(
+            status,
+            StatusCode::REQUEST_TIMEOUT | StatusCode::TOO_EARLY | StatusCode::TOO_MANY_REQUESTS
+        )
+}
+
+impl<St: Store + 'static> IdempotencyLayer<St> {
+    /// A layer keeping its records in `store`, with the scope `"http"`, a required key, no caller
+    /// scoping, the [default headers](super::DEFAULT_RECORDED_HEADERS), and the default limits,
+    /// lease and retention.
+    pub fn new(store: St) -> Self {
+        IdempotencyLayer {
+            config: Config {
+                store: Arc::new(store),
+                scope: "http".to_owned(),
+                required: true,
+                caller: None,
+                recorded_headers: DEFAULT_RECORDED_HEADERS.to_vec(),
+                record_status: Arc::new(records_by_default),
+                max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+                max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+                lease: DEFAULT_LEASE,
+                retention: DEFAULT_RETENTION,
+                wait: None,
+            },
+        }
+    }
+
+    /// The namespace of this layer's keys in the store (default `"http"`): give routes that share
+    /// a store different scopes if clients may use the same key on both.
+    ///
+    /// # Panics
+    ///
+    /// If `scope` is empty, over 255 bytes, or holds `:` or a control character: a bug in the
+    /// program, caught when the layer is built rather than on the first request.
+    #[must_use]
+    pub fn scope(mut self, scope: impl Into<String>) -> Self {
+        let scope = scope.into();
+        if let Err(e) = Key::new(&scope, "k") {
+            panic!("IdempotencyLayer::scope: {e}");
+        }
+        self.config.scope = scope;
+        self
+    }
+
+    /// Lets requests without an `Idempotency-Key` through, without idempotency (by default they
+    /// get `400`). A malformed key is still refused.
+    #[must_use]
+    pub fn optional(mut self) -> Self {
+        self.config.required = false;
+        self
+    }
+
+    /// Scopes keys to the caller: `identity` reads who sent the request (a user id set by an
+    /// authentication layer in the extensions, an API-key id from a header) and the key is bound to
+    /// it (see [`CallerKey`]), so two callers that send the same key never see each other's
+    /// responses. Callers mapped to the same text share their keys; map anonymous callers to
+    /// something unique or refuse them before this layer.
+    #[must_use]
+    pub fn caller(mut self, identity: impl Fn(&Parts) -> String + Send + Sync + 'static) -> Self {
+        self.config.caller = Some(Arc::new(identity));
+        self
+    }
+
+    /// Also records and replays the response header `name`.
+    #[must_use]
+    pub fn record_header(mut self, name: HeaderName) -> Self {
+        if !self.config.recorded_headers.contains(&name) {
+            self.config.recorded_headers.push(name);
+        }
+        self
+    }
+
+    /// Records exactly these response headers, instead of [`DEFAULT_RECORDED_HEADERS`](super::DEFAULT_RECORDED_HEADERS).
+    #[must_use]
+    pub fn recorded_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config.recorded_headers = names.into_iter().collect();
+        self
+    }
+
+    /// Chooses which responses are recorded (and replayed): a status for which `record` says
+    /// `false` releases the key, so a retry runs the request again. The default is
+    /// [`records_by_default`].
+    #[must_use]
+    pub fn record_status(
+        mut self,
+        record: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.config.record_status = Arc::new(record);
+        self
+    }
+
+    /// The largest request body buffered (default [`DEFAULT_MAX_REQUEST_BYTES`]); larger ones get `413`.
+    #[must_use]
+    pub fn max_request_bytes(mut self, limit: usize) -> Self {
+        self.config.max_request_bytes = limit;
+        self
+    }
+
+    /// The largest response body recorded (default [`DEFAULT_MAX_RESPONSE_BYTES`]).
+    ///
+    /// A larger body is never truncated: the request has run, but the client gets a `500` problem
+    /// (`urn:idempotent:response-too-large`) and so does every retry with that key, which does not
+    /// run it again. Raise the limit for routes with large responses (the store's own record
+    /// limit applies too: over it, the first response goes through and retries get `500`).
+    #[must_use]
+    pub fn max_response_bytes(mut self, limit: usize) -> Self {
+        self.config.max_response_bytes = limit;
+        self
+    }
+
+    /// How long a request holds its key if the process dies (default [`DEFAULT_LEASE`]); make it
+    /// longer than the route can take.
+    #[must_use]
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.config.lease = lease;
+        self
+    }
+
+    /// How long a recorded response is replayed (default [`DEFAULT_RETENTION`]).
+    #[must_use]
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.config.retention = retention;
+        self
+    }
+
+    /// Makes a request that arrives while the first with its key is running wait up to `wait` for
+    /// its response, instead of getting `409` at once.
+    #[must_use]
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.config.wait = Some(wait);
+        self
+    }
+}
+
+impl<S, St> Layer<S> for IdempotencyLayer<St> {
+    type Service = IdempotencyService<S, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyService {
+            inner,
+            config: Arc::new(self.config.clone()),
+        }
+    }
+}
+
+/// The service [`IdempotencyLayer`] wraps around a route.
+pub struct IdempotencyService<S, St> {
+    inner: S,
+    config: Arc<Config<St>>,
+}
+
+impl<S: Clone, St> Clone for IdempotencyService<S, St> {
+    fn clone(&self) -> Self {
+        IdempotencyService {
+            inner: self.inner.clone(),
+            config: Arc::clone(&self.config),
+        }
+    }
+}
+
+impl<S: std::fmt::Debug, St> std::fmt::Debug for IdempotencyService<S, St> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, St> Service<Request> for IdempotencyService<S, St>
+where
+    S: Service<Request, Response = Response> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Send + 'static,
+    St: Store + 'static,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        // The clone may not be ready: keep the ready service for this request (tower's usual dance).
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let config = Arc::clone(&self.config);
+        Box::pin(async move { config.handle(inner, request).await })
+    }
+}
+
+/// Why the body given to [`Call`] did not produce a recordable response; every case releases the key.
+enum Failure<E> {
+    Idempotency(Error),
+    Inner(E),
+    NotRecorded(Response),
+    ResponseUnreadable(String),
+}
+
+impl<E> From<Error> for Failure<E> {
+    fn from(error: Error) -> Self {
+        Failure::Idempotency(error)
+    }
+}
+
+impl<St: Store> Config<St> {
+    async fn handle<S>(&self, mut inner: S, request: Request) -> Result<Response, S::Error>
+    where
+        S: Service<Request, Response = Response>,
+    {
+        let (parts, body) = request.into_parts();
+        let key = match key_header::from_headers(&parts.headers) {
+            Ok(Some(key)) => key,
+            Ok(None) if !self.required => {
+                return inner.call(Request::from_parts(parts, body)).await;
+            }
+            Ok(None) => return Ok(Problem::missing_key().into_response()),
+            Err(error) => return Ok(Problem::from_key_header(&error).into_response()),
+        };
+        let bytes = match read_request(&parts, body, self.max_request_bytes).await {
+            Ok(bytes) => bytes,
+            Err(problem) => return Ok(problem.into_response()),
+        };
+        let fingerprint = request_fingerprint(&parts, &bytes);
+        let caller = self.caller.as_ref().map(|identity| identity(&parts));
+        let call = match &caller {
+            Some(caller) => Call::new(&self.scope, &CallerKey::new(caller, &key)),
+            None => Call::new(&self.scope, &key),
+        };
+        let mut call = call
+            .with_fingerprint(Ok(fingerprint))
+            .lease(self.lease)
+            .retention(self.retention);
+        if let Some(wait) = self.wait {
+            call = call.wait(wait);
+        }
+
+        let request = Request::from_parts(parts, Body::from(bytes));
+        let mut first = None;
+        let body = async {
+            let response = inner.call(request).await.map_err(Failure::Inner)?;
+            if !(self.record_status)(response.status()) {
+                return Err(Failure::NotRecorded(response));
+            }
+            let (parts, body) = response.into_parts();
+            let recorded = match Limited::new(body, self.max_response_bytes).collect().await {
+                Ok(collected) => {
+                    let bytes = collected.to_bytes();
+                    let recorded = Recorded::response(
+                        parts.status,
+                        &parts.headers,
+                        &self.recorded_headers,
+                        &bytes,
+                    );
+                    first = Some(Response::from_parts(parts, Body::from(bytes)));
+                    recorded
+                }
+                Err(error) if error.is::<LengthLimitError>() => {
+                    tracing::error!(
+                        target: "idempotent", limit = self.max_response_bytes,
+                        "a response body is over the recording limit; answering 500 to this request and its retries"
+                    );
+                    first =
+                        Some(Problem::response_too_large(self.max_response_bytes).into_response());
+                    Recorded::TooLarge {
+                        limit: self.max_response_bytes,
+                    }
+                }
+                Err(error) => return Err(Failure::ResponseUnreadable(error.to_string())),
+            };
+            Ok(recorded)
+        };
+        let result = call.run_with(&*self.store, ReleaseErrors, body).await;
+        match result {
+            Ok(recorded) => Ok(match first {
+                Some(response) => response,
+                None => recorded.into_replay(),
+            }),
+            Err(Failure::Inner(error)) => Err(error),
+            Err(Failure::NotRecorded(response)) => Ok(response),
+            Err(Failure::Idempotency(error)) => Ok(problem_response(&error)),
+            Err(Failure::ResponseUnreadable(reason)) => {
+                tracing::error!(target: "idempotent", reason, "a response body failed while being recorded");
+                Ok(Problem::internal(
+                    "Response failed",
+                    "The server failed while sending its response; retry the request.",
+                )
+                .into_response())
+            }
+        }
+    }
+}
+
+/// Buffers the request body up to `limit` bytes: `413` past it (from `Content-Length` at once).
+async fn read_request(parts: &Parts, body: Body, limit: usize) -> Result<Bytes, Problem> {
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > limit as u64) {
+        return Err(Problem::request_too_large(limit));
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(error) if error.is::<LengthLimitError>() => Err(Problem::request_too_large(limit)),
+        Err(error) => Err(Problem::request_unreadable(&error.to_string())),
+    }
+}
+
+/// SHA-256 over the method, the path with its query, and the body, each length-prefixed.
+fn request_fingerprint(parts: &Parts, body: &[u8]) -> Fingerprint {
+    let target = parts
+        .uri
+        .path_and_query()
+        .map_or("/", http::uri::PathAndQuery::as_str);
+    let mut bytes = Vec::with_capacity(32 + target.len() + body.len());
+    for field in [parts.method.as_str().as_bytes(), target.as_bytes(), body] {
+        bytes.extend_from_slice(&(field.len() as u64).to_be_bytes());
+        bytes.extend_from_slice(field);
+    }
+    Fingerprint::of_bytes(&bytes)
+}
+
+const _: fn() = || {
+    fn service<T: Service<Request, Response = Response, Error = Infallible>>() {}
+    service::<IdempotencyService<axum::routing::Route, crate::MemoryStore>>();
+};

@@ -1,0 +1,289 @@
+//! `application/problem+json` responses (RFC 9457) for every idempotency error.
+
+use axum::response::{IntoResponse, Response};
+use http::{HeaderValue, StatusCode, header};
+use serde::Serialize;
+
+use super::key_header::KeyHeaderError;
+use crate::{Error, KeyError, MAX_KEY_BYTES};
+
+/// The `Retry-After` value, in seconds, sent with `409 Conflict` and `503 Service Unavailable`.
+///
+/// A concurrent duplicate usually finishes in far less than its lease, so clients are told to come
+/// back soon rather than after the whole lease; a retry that comes too early gets another 409.
+pub const RETRY_AFTER_SECS: u64 = 1;
+
+const PROBLEM_JSON: &str = "application/problem+json";
+
+/// A problem detail (RFC 9457): what the idempotency layer and extractor answer when they refuse a
+/// request, and what [`problem_response`] builds from an [`Error`].
+///
+/// It serialises as `{"type", "title", "status", "detail"}` with the content type
+/// `application/problem+json`, plus `Retry-After` when one is set. The `type` URIs are stable
+/// names (`urn:idempotent:...`), not pages to fetch; match on them to tell the cases apart.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Problem {
+    /// A URI naming the kind of problem, such as `urn:idempotent:key-missing`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// A short summary of the kind of problem, the same for every occurrence.
+    pub title: &'static str,
+    /// The HTTP status code.
+    #[serde(serialize_with = "status_code")]
+    pub status: StatusCode,
+    /// What happened this time and what the client should do.
+    pub detail: String,
+    /// Seconds after which a retry may succeed (sent as `Retry-After`).
+    #[serde(skip)]
+    pub retry_after: Option<u64>,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's `serialize_with` passes a reference
+fn status_code<S: serde::Serializer>(
+    status: &StatusCode,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    serializer.serialize_u16(status.as_u16())
+}
+
+impl Problem {
+    /// A problem with the given status, type URI, title and detail.
+    #[must_use]
+    pub fn new(
+        status: StatusCode,
+        kind: &'static str,
+        title: &'static str,
+        detail: impl Into<String>,
+    ) -> Self {
+        Problem {
+            kind,
+            title,
+            status,
+            detail: detail.into(),
+            retry_after: None,
+        }
+    }
+
+    /// Adds a `Retry-After` header of `seconds`.
+    #[must_use]
+    pub fn retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after = Some(seconds);
+        self
+    }
+
+    /// `400`: a route that requires an `Idempotency-Key` got none.
+    #[must_use]
+    pub fn missing_key() -> Self {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            "urn:idempotent:key-missing",
+            "Idempotency-Key header missing",
+            "This operation requires an Idempotency-Key header; send a unique value (such as a UUID) \
+             and reuse it only to retry the same request.",
+        )
+    }
+
+    /// `413`: the request body is over the limit the layer buffers to fingerprint it.
+    #[must_use]
+    pub fn request_too_large(limit: usize) -> Self {
+        Problem::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "urn:idempotent:request-too-large",
+            "Request body too large",
+            format!(
+                "The request body is over the limit of {limit} bytes for idempotent requests; send a smaller body."
+            ),
+        )
+    }
+
+    /// `400`: the request body could not be read (the client went away or sent a broken body).
+    #[must_use]
+    pub fn request_unreadable(reason: &str) -> Self {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            "urn:idempotent:request-unreadable",
+            "Request body unreadable",
+            format!("The request body could not be read ({reason}); send the request again."),
+        )
+    }
+
+    /// `500`: the handler ran, but its response body is over the recording limit. The request will
+    /// not be processed again under this key.
+    #[must_use]
+    pub fn response_too_large(limit: usize) -> Self {
+        Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "urn:idempotent:response-too-large",
+            "Response too large to record",
+            format!(
+                "The request was processed, but its response body is over the server's limit of {limit} bytes \
+                 for recorded responses, so it cannot be returned or replayed. It will not be processed again \
+                 under this Idempotency-Key; check its effect before repeating it with a new key."
+            ),
+        )
+    }
+
+    /// `500`: something on the server broke; the details are in its log, not in the response.
+    #[must_use]
+    pub fn internal(title: &'static str, detail: impl Into<String>) -> Self {
+        Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "urn:idempotent:internal",
+            title,
+            detail,
+        )
+    }
+
+    pub(crate) fn from_key_header(error: &KeyHeaderError) -> Self {
+        let malformed = |detail: String| {
+            Problem::new(
+                StatusCode::BAD_REQUEST,
+                "urn:idempotent:key-malformed",
+                "Idempotency-Key header malformed",
+                detail,
+            )
+        };
+        match error {
+            KeyHeaderError::Repeated => malformed(
+                "The Idempotency-Key header appears more than once; send it exactly once.".into(),
+            ),
+            KeyHeaderError::Malformed(reason) => {
+                malformed(format!("Invalid Idempotency-Key: {reason}."))
+            }
+            KeyHeaderError::TooLong(len) => malformed(format!(
+                "The Idempotency-Key is {len} bytes long, over the limit of {MAX_KEY_BYTES}; use a shorter key such as a UUID."
+            )),
+        }
+    }
+
+    /// The problem for an idempotency [`Error`], as [`problem_response`] sends it.
+    ///
+    /// | error | status |
+    /// |---|---|
+    /// | [`Error::InvalidKey`] | 400 (500 for an invalid scope: a server bug) |
+    /// | [`Error::InProgress`] | 409 with `Retry-After` |
+    /// | [`Error::FingerprintMismatch`] | 422 |
+    /// | [`Error::Store`] | 503 with `Retry-After` |
+    /// | [`Error::Unrecordable`], [`Error::LeaseLost`], [`Error::Decode`], [`Error::Fingerprint`] | 500 |
+    ///
+    /// 5xx details do not include the error's text (it may name servers or keys); it is logged
+    /// with `tracing` at `error` level instead.
+    #[must_use]
+    pub fn from_error(error: &Error) -> Self {
+        let problem = match error {
+            Error::InvalidKey(KeyError::InvalidScope(_)) => {
+                Problem::internal("Idempotency misconfigured", "The server's idempotency scope is invalid.")
+            }
+            Error::InvalidKey(key_error) => Problem::new(
+                StatusCode::BAD_REQUEST,
+                "urn:idempotent:key-malformed",
+                "Idempotency-Key header malformed",
+                format!("Invalid Idempotency-Key: {key_error}."),
+            ),
+            Error::InProgress { .. } => Problem::new(
+                StatusCode::CONFLICT,
+                "urn:idempotent:in-progress",
+                "Request in progress",
+                format!(
+                    "A request with this Idempotency-Key is still being processed. Retry after \
+                     {RETRY_AFTER_SECS} s to receive its response; do not change the key."
+                ),
+            )
+            .retry_after(RETRY_AFTER_SECS),
+            Error::FingerprintMismatch { .. } => Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "urn:idempotent:key-reused",
+                "Idempotency-Key reused",
+                "This Idempotency-Key was already used with a different request (method, path or body \
+                 differ). Send a new key for a new request.",
+            ),
+            Error::Store { .. } => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "urn:idempotent:store-unavailable",
+                "Idempotency store unavailable",
+                "The request was not processed because the server could not check its Idempotency-Key. \
+                 Retry later with the same key.",
+            )
+            .retry_after(RETRY_AFTER_SECS),
+            Error::Unrecordable { .. } => Problem::internal(
+                "Response not replayable",
+                "A request with this Idempotency-Key was processed, but its response could not be recorded, \
+                 so it cannot be replayed. It will not be processed again under this key; check its effect \
+                 before repeating it with a new key.",
+            ),
+            Error::LeaseLost { .. } => Problem::internal(
+                "Request outcome not recorded",
+                "The request took longer than the server allows for an Idempotency-Key and its outcome was \
+                 not recorded. Check its effect before retrying.",
+            ),
+            _ => Problem::internal(
+                "Idempotency failure",
+                "The server could not process this Idempotency-Key. Retry later; if it persists, use a new key.",
+            ),
+        };
+        if problem.status.is_server_error() {
+            tracing::error!(target: "idempotent", error = %error, status = problem.status.as_u16(), "idempotent HTTP request failed");
+        }
+        problem
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let body = match serde_json::to_vec(&self) {
+            Ok(body) => body,
+            Err(_) => br#"{"title":"Internal Server Error","status":500}"#.to_vec(),
+        };
+        let mut response = (self.status, body).into_response();
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        if let Some(seconds) = self.retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
+    }
+}
+
+/// The `application/problem+json` response for an idempotency [`Error`] (see
+/// [`Problem::from_error`] for the statuses).
+#[must_use]
+pub fn problem_response(error: &Error) -> Response {
+    Problem::from_error(error).into_response()
+}
+
+/// An idempotency [`Error`] that responds as a problem: a ready error type for handlers, or a
+/// variant of your own error type.
+///
+/// ```
+/// use axum::response::{IntoResponse, Response};
+/// use idempotent_runtime::http::HttpError;
+///
+/// enum ApiError {
+///     Idempotency(HttpError),
+///     InsufficientFunds,
+/// }
+///
+/// impl From<idempotent_runtime::Error> for ApiError {
+///     fn from(e: idempotent_runtime::Error) -> Self {
+///         ApiError::Idempotency(e.into())
+///     }
+/// }
+///
+/// impl IntoResponse for ApiError {
+///     fn into_response(self) -> Response {
+///         match self {
+///             ApiError::Idempotency(e) => e.into_response(),
+///             ApiError::InsufficientFunds => (http::StatusCode::PAYMENT_REQUIRED, "insufficient funds").into_response(),
+///         }
+///     }
+/// }
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+pub struct HttpError(#[from] pub Error);
+
+impl IntoResponse for HttpError {
+    fn into_response(self) -> Response {
+        problem_response(&self.0)
+    }
+}

@@ -66,7 +66,8 @@ pub fn parse(tokens: TokenStream) -> Result<Args, syn::Error> {
 
     for meta in metas {
         let path = meta.path();
-        let name = path.get_ident().map_or_else(|| quote::quote!(#path).to_string().replace(' ', ""), ToString::to_string);
+        let name =
+            path.get_ident().map_or_else(|| quote::quote!(#path).to_string().replace(' ', ""), ToString::to_string);
         let name_span = meta.path().span();
         macro_rules! once {
             ($slot:ident, $value:expr) => {{
@@ -79,27 +80,7 @@ pub fn parse(tokens: TokenStream) -> Result<Args, syn::Error> {
         }
         match name.as_str() {
             "record_err" => {
-                let value = match &meta {
-                    Meta::Path(_) => Some(RecordErr::Always),
-                    Meta::NameValue(nv) => match &nv.value {
-                        Expr::Lit(ExprLit { lit: Lit::Bool(b), .. }) => {
-                            Some(if b.value { RecordErr::Always } else { RecordErr::Never })
-                        }
-                        Expr::Lit(lit) => {
-                            errors.push(
-                                lit.span(),
-                                "`record_err` takes `true`, `false`, or a function `fn(&E) -> bool` that says which errors to record",
-                            );
-                            None
-                        }
-                        other => Some(RecordErr::If(other.clone())),
-                    },
-                    Meta::List(list) => {
-                        errors.push(list.delimiter.span().join(), "write `record_err`, `record_err = true` or `record_err = some_fn`");
-                        None
-                    }
-                };
-                if let Some(value) = value {
+                if let Some(value) = record_err_arg(&meta, &mut errors) {
                     once!(record_err, Some(value));
                 }
             }
@@ -124,14 +105,14 @@ pub fn parse(tokens: TokenStream) -> Result<Args, syn::Error> {
         }
     }
 
-    if let (Some(DurationArg::Millis(lease, _)), Some(DurationArg::Millis(retention, span))) = (&lease, &retention) {
-        if retention < lease {
-            errors.push(
-                *span,
-                "`retention` is shorter than `lease`: a result would be forgotten sooner than a crashed call's \
-                 claim; make `retention` at least as long as `lease`",
-            );
-        }
+    if let (Some(DurationArg::Millis(lease, _)), Some(DurationArg::Millis(retention, span))) = (&lease, &retention)
+        && retention < lease
+    {
+        errors.push(
+            *span,
+            "`retention` is shorter than `lease`: a result would be forgotten sooner than a crashed call's \
+             claim; make `retention` at least as long as `lease`",
+        );
     }
     if key.is_none() {
         errors.push(
@@ -159,6 +140,32 @@ pub fn parse(tokens: TokenStream) -> Result<Args, syn::Error> {
         record_err: record_err.unwrap_or(RecordErr::Never),
         krate,
     })
+}
+
+fn record_err_arg(meta: &Meta, errors: &mut Errors) -> Option<RecordErr> {
+    match meta {
+        Meta::Path(_) => Some(RecordErr::Always),
+        Meta::NameValue(nv) => match &nv.value {
+            Expr::Lit(ExprLit { lit: Lit::Bool(b), .. }) => {
+                Some(if b.value { RecordErr::Always } else { RecordErr::Never })
+            }
+            Expr::Lit(lit) => {
+                errors.push(
+                    lit.span(),
+                    "`record_err` takes `true`, `false`, or a function `fn(&E) -> bool` that says which errors to record",
+                );
+                None
+            }
+            other => Some(RecordErr::If(other.clone())),
+        },
+        Meta::List(list) => {
+            errors.push(
+                list.delimiter.span().join(),
+                "write `record_err`, `record_err = true` or `record_err = some_fn`",
+            );
+            None
+        }
+    }
 }
 
 fn duration_arg(value: Expr, errors: &mut Errors) -> Option<DurationArg> {
@@ -225,8 +232,15 @@ mod tests {
     #[test]
     fn all_options_parse() {
         let args = parse(quote!(
-            key = request_id, store = self.store, scope = "pay", fingerprint = (user, amount),
-            lease = "30s", retention = "1h", wait = Duration::from_secs(1), record_err, crate = "::x"
+            key = request_id,
+            store = self.store,
+            scope = "pay",
+            fingerprint = (user, amount),
+            lease = "30s",
+            retention = "1h",
+            wait = Duration::from_secs(1),
+            record_err,
+            crate = "::x"
         ))
         .unwrap();
         assert!(matches!(args.lease, Some(DurationArg::Millis(30_000, _))));

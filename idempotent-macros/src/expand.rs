@@ -26,9 +26,9 @@ pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     }
 }
 
-fn with_error(item: TokenStream, error: &syn::Error) -> TokenStream {
-    let error = error.to_compile_error();
-    quote!(#item #error)
+fn with_error(mut item: TokenStream, error: &syn::Error) -> TokenStream {
+    item.extend(error.to_compile_error());
+    item
 }
 
 fn check_signature(function: &ItemFn) -> Result<(), syn::Error> {
@@ -109,7 +109,7 @@ fn expand(args: &Args, function: ItemFn) -> TokenStream {
 
 fn duration_tokens(value: &DurationArg, private: &TokenStream) -> TokenStream {
     match value {
-        DurationArg::Millis(millis, span) => quote_spanned!(*span=> #private::Duration::from_millis(#millis)),
+        DurationArg::Millis(millis, _) => quote!(#private::Duration::from_millis(#millis)),
         DurationArg::Expr(expr) => expr.to_token_stream(),
     }
 }
@@ -125,19 +125,35 @@ mod tests {
             quote!(
                 /// Docs.
                 #[allow(dead_code)]
-                pub async fn pay(&self, id: &str) -> Result<u32, E> { Ok(1) }
+                pub async fn pay(&self, id: &str) -> Result<u32, E> {
+                    Ok(1)
+                }
             ),
         )
         .to_string();
         assert!(out.starts_with("# [doc = r\" Docs.\"] # [allow (dead_code)] pub async fn pay (& self , id : & str) -> Result < u32 , E >"), "{out}");
         assert!(out.contains("Call :: new (\"pay\" , & (id))"), "{out}");
-        assert!(out.contains(". lease (:: idempotent_runtime :: __private :: Duration :: from_millis (2000u64))"), "{out}");
-        assert!(out.contains("run_with (& (self . store) , :: idempotent_runtime :: __private :: ReleaseErrors , async {"), "{out}");
+        assert!(
+            out.contains(". lease (:: idempotent_runtime :: __private :: Duration :: from_millis (2000u64))"),
+            "{out}"
+        );
+        assert!(
+            out.contains("run_with (& (self . store) , :: idempotent_runtime :: __private :: ReleaseErrors , async {"),
+            "{out}"
+        );
     }
 
     #[test]
     fn errors_keep_the_function() {
-        let out = super::idempotent(quote!(key = id), quote!(fn pay(id: &str) -> u32 { 1 })).to_string();
+        let out = super::idempotent(
+            quote!(key = id),
+            quote!(
+                fn pay(id: &str) -> u32 {
+                    1
+                }
+            ),
+        )
+        .to_string();
         assert!(out.starts_with("fn pay (id : & str) -> u32 { 1 }"), "{out}");
         assert!(out.contains("missing `store = ...`"), "{out}");
         assert!(out.contains("works on an `async fn`"), "{out}");

@@ -11,9 +11,9 @@ use crate::outcome::{self, ErrorPolicy, ReleaseErrors, Replayed};
 use crate::{Claim, ClaimRequest, Error, Fingerprint, IdempotencyKey, Key, Store, StoreError, Token};
 
 /// How long a claim lasts when its caller neither completes nor releases it (60 s).
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
+pub const DEFAULT_LEASE: Duration = Duration::from_mins(1);
 /// How long a completed result is replayed (24 h).
-pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
+pub const DEFAULT_RETENTION: Duration = Duration::from_hours(24);
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(5);
 const MAX_BACKOFF: Duration = Duration::from_millis(100);

@@ -190,10 +190,7 @@ mod tests {
         let long = "k".repeat(MAX_KEY_BYTES + 1);
         assert_eq!(Key::new("s", &long).unwrap_err(), KeyError::TooLong { len: 256 });
         assert!(Key::new("s", &"k".repeat(MAX_KEY_BYTES)).is_ok());
-        assert_eq!(
-            Key::new("s", &"a\0b").unwrap_err(),
-            KeyError::ControlCharacter { ch: '\0', at: 1 }
-        );
+        assert_eq!(Key::new("s", &"a\0b").unwrap_err(), KeyError::ControlCharacter { ch: '\0', at: 1 });
         assert!(matches!(Key::new("a:b", &"k"), Err(KeyError::InvalidScope(_))));
         assert!(matches!(Key::new("", &"k"), Err(KeyError::InvalidScope(_))));
     }

@@ -56,12 +56,12 @@
 mod call;
 mod error;
 mod fingerprint;
+#[cfg(feature = "axum")]
+pub mod http;
 mod key;
 mod outcome;
 mod store;
 pub mod stores;
-#[cfg(feature = "axum")]
-pub mod http;
 
 pub use call::{Call, DEFAULT_LEASE, DEFAULT_RETENTION};
 pub use error::{Error, StoreError};
@@ -70,6 +70,8 @@ pub use key::{IdempotencyKey, Key, KeyError, MAX_KEY_BYTES};
 pub use outcome::{ErrorPolicy, RecordErrors, RecordErrorsIf, ReleaseErrors};
 pub use store::{Claim, ClaimRequest, DEFAULT_MAX_RECORD_BYTES, Record, Store, Token};
 pub use stores::memory::MemoryStore;
+#[cfg(feature = "redis")]
+pub use stores::redis::RedisStore;
 
 #[doc(inline)]
 pub use idempotent_macros::idempotent;
@@ -82,8 +84,8 @@ pub mod __private {
 
     /// Pins a `record_err = <fn>` predicate to the function's error type, for type inference.
     pub fn record_errors_if<T, E, F: Fn(&E) -> bool>(
-        predicate: F,
         _: core::marker::PhantomData<fn() -> Result<T, E>>,
+        predicate: F,
     ) -> RecordErrorsIf<F> {
         RecordErrorsIf(predicate)
     }

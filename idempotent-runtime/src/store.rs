@@ -49,6 +49,14 @@ pub trait Store: Send + Sync {
         let _ = (key, token);
     }
 
+    /// Deletes expired claims and records now and returns how many it deleted.
+    ///
+    /// Stores whose backend expires entries by itself (Redis) keep the default, which deletes
+    /// nothing and returns 0.
+    fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send {
+        std::future::ready(Ok(0))
+    }
+
     /// The largest encoded outcome this store records; larger results are not recorded and their
     /// replays get [`Error::Unrecordable`](crate::Error::Unrecordable).
     fn max_record_bytes(&self) -> usize {
@@ -147,6 +155,10 @@ impl<S: Store + ?Sized> Store for &S {
         (**self).release_detached(key, token);
     }
 
+    fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send {
+        (**self).purge_expired()
+    }
+
     fn max_record_bytes(&self) -> usize {
         (**self).max_record_bytes()
     }
@@ -173,6 +185,10 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn release_detached(&self, key: &Key, token: &Token) {
         (**self).release_detached(key, token);
+    }
+
+    fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send {
+        (**self).purge_expired()
     }
 
     fn max_record_bytes(&self) -> usize {

@@ -20,26 +20,17 @@ pub struct JsonResponse<T> {
 impl<T> JsonResponse<T> {
     /// `200 OK` with `body`.
     pub fn ok(body: T) -> Self {
-        JsonResponse {
-            status: StatusCode::OK.as_u16(),
-            body,
-        }
+        JsonResponse { status: StatusCode::OK.as_u16(), body }
     }
 
     /// `201 Created` with `body`.
     pub fn created(body: T) -> Self {
-        JsonResponse {
-            status: StatusCode::CREATED.as_u16(),
-            body,
-        }
+        JsonResponse { status: StatusCode::CREATED.as_u16(), body }
     }
 
     /// `status` with `body`.
     pub fn with_status(status: StatusCode, body: T) -> Self {
-        JsonResponse {
-            status: status.as_u16(),
-            body,
-        }
+        JsonResponse { status: status.as_u16(), body }
     }
 
     /// The status (a record edited to hold an invalid status reads as `500`).
@@ -64,19 +55,13 @@ impl<T: Serialize> IntoResponse for JsonResponse<T> {
         match serde_json::to_vec(&self.body) {
             Ok(bytes) => {
                 let mut response = (self.status(), bytes).into_response();
-                response.headers_mut().insert(
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static("application/json"),
-                );
+                response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
                 response
             }
             Err(error) => {
                 tracing::error!(target: "idempotent", %error, "a JsonResponse body failed to serialise");
-                Problem::internal(
-                    "Response not serialisable",
-                    "The server could not encode its response.",
-                )
-                .into_response()
+                Problem::internal("Response not serialisable", "The server could not encode its response.")
+                    .into_response()
             }
         }
     }

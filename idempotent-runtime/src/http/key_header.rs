@@ -35,15 +35,9 @@ pub(crate) fn from_headers(headers: &HeaderMap) -> Result<Option<String>, KeyHea
 /// make it a list or carry parameters), so UUIDs, ULIDs and base64 keys work unquoted.
 pub(crate) fn parse(value: &HeaderValue) -> Result<String, KeyHeaderError> {
     let bytes = value.as_bytes().trim_ascii();
-    let key = if let Some(quoted) = bytes.strip_prefix(b"\"") {
-        parse_sf_string(quoted)?
-    } else {
-        parse_bare(bytes)?
-    };
+    let key = if let Some(quoted) = bytes.strip_prefix(b"\"") { parse_sf_string(quoted)? } else { parse_bare(bytes)? };
     if key.is_empty() {
-        return Err(KeyHeaderError::Malformed(
-            "the key is empty; send a non-empty key such as a UUID".into(),
-        ));
+        return Err(KeyHeaderError::Malformed("the key is empty; send a non-empty key such as a UUID".into()));
     }
     if key.len() > MAX_KEY_BYTES {
         return Err(KeyHeaderError::TooLong(key.len()));
@@ -67,9 +61,7 @@ fn parse_sf_string(after_quote: &[u8]) -> Result<String, KeyHeaderError> {
             b'\\' => match bytes.next() {
                 Some((_, escaped @ (b'"' | b'\\'))) => key.push(char::from(escaped)),
                 _ => {
-                    return Err(malformed(
-                        r#"a backslash in a quoted key must escape `"` or `\`"#,
-                    ));
+                    return Err(malformed(r#"a backslash in a quoted key must escape `"` or `\`"#));
                 }
             },
             0x20..=0x7e => key.push(char::from(byte)),
@@ -102,13 +94,9 @@ fn malformed(reason: &str) -> KeyHeaderError {
 
 fn invalid_byte(byte: u8) -> KeyHeaderError {
     if byte.is_ascii_control() {
-        KeyHeaderError::Malformed(format!(
-            "the key holds the control character 0x{byte:02x}; keys are printable ASCII"
-        ))
+        KeyHeaderError::Malformed(format!("the key holds the control character 0x{byte:02x}; keys are printable ASCII"))
     } else {
-        KeyHeaderError::Malformed(format!(
-            "the key holds the non-ASCII byte 0x{byte:02x}; keys are printable ASCII"
-        ))
+        KeyHeaderError::Malformed(format!("the key holds the non-ASCII byte 0x{byte:02x}; keys are printable ASCII"))
     }
 }
 
@@ -159,42 +147,21 @@ mod tests {
 
     #[test]
     fn http_key_values() {
-        assert_eq!(
-            parsed(b"8e03978e-40d5-43e8-bc93-6894a57f9324").unwrap(),
-            "8e03978e-40d5-43e8-bc93-6894a57f9324"
-        );
+        assert_eq!(parsed(b"8e03978e-40d5-43e8-bc93-6894a57f9324").unwrap(), "8e03978e-40d5-43e8-bc93-6894a57f9324");
         assert_eq!(parsed(br#""abc def""#).unwrap(), "abc def");
         assert_eq!(parsed(br#"  "a\"b\\c"  "#).unwrap(), r#"a"b\c"#);
         assert_eq!(parsed(b"dGVzdA==").unwrap(), "dGVzdA==");
         assert!(matches!(parsed(b""), Err(KeyHeaderError::Malformed(_))));
-        assert!(matches!(
-            parsed(br#""""#),
-            Err(KeyHeaderError::Malformed(_))
-        ));
-        assert!(matches!(
-            parsed(br#""abc"#),
-            Err(KeyHeaderError::Malformed(_))
-        ));
-        assert!(matches!(
-            parsed(br#""abc";p=1"#),
-            Err(KeyHeaderError::Malformed(_))
-        ));
-        assert!(matches!(
-            parsed(br#""a\nb""#),
-            Err(KeyHeaderError::Malformed(_))
-        ));
+        assert!(matches!(parsed(br#""""#), Err(KeyHeaderError::Malformed(_))));
+        assert!(matches!(parsed(br#""abc"#), Err(KeyHeaderError::Malformed(_))));
+        assert!(matches!(parsed(br#""abc";p=1"#), Err(KeyHeaderError::Malformed(_))));
+        assert!(matches!(parsed(br#""a\nb""#), Err(KeyHeaderError::Malformed(_))));
         assert!(matches!(parsed(b"a b"), Err(KeyHeaderError::Malformed(_))));
         assert!(matches!(parsed(b"a,b"), Err(KeyHeaderError::Malformed(_))));
         assert!(matches!(parsed(b"a\tb"), Err(KeyHeaderError::Malformed(_))));
-        assert!(matches!(
-            parsed("ключ".as_bytes()),
-            Err(KeyHeaderError::Malformed(_))
-        ));
+        assert!(matches!(parsed("ключ".as_bytes()), Err(KeyHeaderError::Malformed(_))));
         assert!(parsed("k".repeat(MAX_KEY_BYTES).as_bytes()).is_ok());
-        assert_eq!(
-            parsed("k".repeat(MAX_KEY_BYTES + 1).as_bytes()),
-            Err(KeyHeaderError::TooLong(256))
-        );
+        assert_eq!(parsed("k".repeat(MAX_KEY_BYTES + 1).as_bytes()), Err(KeyHeaderError::TooLong(256)));
     }
 
     #[test]
@@ -207,9 +174,6 @@ mod tests {
         let scoped = Key::new("s", &CallerKey::new("alice", &long)).unwrap();
         assert_eq!(scoped.key().len(), CALLER_DIGITS + 1 + 7 + 64);
         let shorter = "k".repeat(MAX_KEY_BYTES - 1);
-        assert_ne!(
-            scoped,
-            Key::new("s", &CallerKey::new("alice", &shorter)).unwrap()
-        );
+        assert_ne!(scoped, Key::new("s", &CallerKey::new("alice", &shorter)).unwrap());
     }
 }

@@ -19,9 +19,7 @@ use tower::{Layer, Service};
 use super::key_header::{self, CallerKey};
 use super::problem::{Problem, problem_response};
 use super::recorded::{DEFAULT_RECORDED_HEADERS, Recorded};
-use crate::{
-    Call, DEFAULT_LEASE, DEFAULT_RETENTION, Error, Fingerprint, Key, ReleaseErrors, Store,
-};
+use crate::{Call, DEFAULT_LEASE, DEFAULT_RETENTION, Error, Fingerprint, Key, ReleaseErrors, Store};
 
 /// The largest request body the layer buffers to fingerprint it by default (1 MiB); larger bodies
 /// get `413 Payload Too Large`.
@@ -113,9 +111,7 @@ impl<St> Clone for Config<St> {
 
 impl<St> Clone for IdempotencyLayer<St> {
     fn clone(&self) -> Self {
-        IdempotencyLayer {
-            config: self.config.clone(),
-        }
+        IdempotencyLayer { config: self.config.clone() }
     }
 }
 
@@ -139,10 +135,7 @@ impl<St> std::fmt::Debug for IdempotencyLayer<St> {
 #[must_use]
 pub fn records_by_default(status: StatusCode) -> bool {
     !status.is_server_error()
-        && !matches!(
-            status,
-            StatusCode::REQUEST_TIMEOUT | StatusCode::TOO_EARLY | StatusCode::TOO_MANY_REQUESTS
-        )
+        && !matches!(status, StatusCode::REQUEST_TIMEOUT | StatusCode::TOO_EARLY | StatusCode::TOO_MANY_REQUESTS)
 }
 
 impl<St: Store + 'static> IdempotencyLayer<St> {
@@ -223,10 +216,7 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
     /// `false` releases the key, so a retry runs the request again. The default is
     /// [`records_by_default`].
     #[must_use]
-    pub fn record_status(
-        mut self,
-        record: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
-    ) -> Self {
+    pub fn record_status(mut self, record: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
         self.config.record_status = Arc::new(record);
         self
     }
@@ -278,10 +268,7 @@ impl<S, St> Layer<S> for IdempotencyLayer<St> {
     type Service = IdempotencyService<S, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        IdempotencyService {
-            inner,
-            config: Arc::new(self.config.clone()),
-        }
+        IdempotencyService { inner, config: Arc::new(self.config.clone()) }
     }
 }
 
@@ -293,18 +280,13 @@ pub struct IdempotencyService<S, St> {
 
 impl<S: Clone, St> Clone for IdempotencyService<S, St> {
     fn clone(&self) -> Self {
-        IdempotencyService {
-            inner: self.inner.clone(),
-            config: Arc::clone(&self.config),
-        }
+        IdempotencyService { inner: self.inner.clone(), config: Arc::clone(&self.config) }
     }
 }
 
 impl<S: std::fmt::Debug, St> std::fmt::Debug for IdempotencyService<S, St> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("IdempotencyService")
-            .field("inner", &self.inner)
-            .finish_non_exhaustive()
+        f.debug_struct("IdempotencyService").field("inner", &self.inner).finish_non_exhaustive()
     }
 }
 
@@ -370,10 +352,7 @@ impl<St: Store> Config<St> {
             Some(caller) => Call::new(&self.scope, &CallerKey::new(caller, &key)),
             None => Call::new(&self.scope, &key),
         };
-        let mut call = call
-            .with_fingerprint(Ok(fingerprint))
-            .lease(self.lease)
-            .retention(self.retention);
+        let mut call = call.with_fingerprint(Ok(fingerprint)).lease(self.lease).retention(self.retention);
         if let Some(wait) = self.wait {
             call = call.wait(wait);
         }
@@ -389,12 +368,7 @@ impl<St: Store> Config<St> {
             let recorded = match Limited::new(body, self.max_response_bytes).collect().await {
                 Ok(collected) => {
                     let bytes = collected.to_bytes();
-                    let recorded = Recorded::response(
-                        parts.status,
-                        &parts.headers,
-                        &self.recorded_headers,
-                        &bytes,
-                    );
+                    let recorded = Recorded::response(parts.status, &parts.headers, &self.recorded_headers, &bytes);
                     first = Some(Response::from_parts(parts, Body::from(bytes)));
                     recorded
                 }
@@ -403,11 +377,8 @@ impl<St: Store> Config<St> {
                         target: "idempotent", limit = self.max_response_bytes,
                         "a response body is over the recording limit; answering 500 to this request and its retries"
                     );
-                    first =
-                        Some(Problem::response_too_large(self.max_response_bytes).into_response());
-                    Recorded::TooLarge {
-                        limit: self.max_response_bytes,
-                    }
+                    first = Some(Problem::response_too_large(self.max_response_bytes).into_response());
+                    Recorded::TooLarge { limit: self.max_response_bytes }
                 }
                 Err(error) => return Err(Failure::ResponseUnreadable(error.to_string())),
             };
@@ -436,10 +407,7 @@ impl<St: Store> Config<St> {
 
 /// Buffers the request body up to `limit` bytes: `413` past it (from `Content-Length` at once).
 async fn read_request(parts: &Parts, body: Body, limit: usize) -> Result<Bytes, Problem> {
-    let declared = parts
-        .headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let declared = parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(Problem::request_too_large(limit));
     }
@@ -452,10 +420,7 @@ async fn read_request(parts: &Parts, body: Body, limit: usize) -> Result<Bytes, 
 
 /// SHA-256 over the method, the path with its query, and the body, each length-prefixed.
 fn request_fingerprint(parts: &Parts, body: &[u8]) -> Fingerprint {
-    let target = parts
-        .uri
-        .path_and_query()
-        .map_or("/", http::uri::PathAndQuery::as_str);
+    let target = parts.uri.path_and_query().map_or("/", http::uri::PathAndQuery::as_str);
     let mut bytes = Vec::with_capacity(32 + target.len() + body.len());
     for field in [parts.method.as_str().as_bytes(), target.as_bytes(), body] {
         bytes.extend_from_slice(&(field.len() as u64).to_be_bytes());

@@ -59,8 +59,7 @@ pub use extractor::IdempotencyKeyHeader;
 pub use json::JsonResponse;
 pub use key_header::CallerKey;
 pub use layer::{
-    DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, IdempotencyLayer, IdempotencyService,
-    records_by_default,
+    DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, IdempotencyLayer, IdempotencyService, records_by_default,
 };
 pub use problem::{HttpError, Problem, RETRY_AFTER_SECS, problem_response};
 pub use recorded::DEFAULT_RECORDED_HEADERS;
@@ -69,5 +68,4 @@ pub use recorded::DEFAULT_RECORDED_HEADERS;
 pub const IDEMPOTENCY_KEY: http::HeaderName = http::HeaderName::from_static("idempotency-key");
 
 /// The response header that marks a replayed response: `Idempotent-Replayed: true`.
-pub const IDEMPOTENT_REPLAYED: http::HeaderName =
-    http::HeaderName::from_static("idempotent-replayed");
+pub const IDEMPOTENT_REPLAYED: http::HeaderName = http::HeaderName::from_static("idempotent-replayed");

@@ -39,29 +39,15 @@ pub struct Problem {
 }
 
 #[allow(clippy::trivially_copy_pass_by_ref)] // serde's `serialize_with` passes a reference
-fn status_code<S: serde::Serializer>(
-    status: &StatusCode,
-    serializer: S,
-) -> Result<S::Ok, S::Error> {
+fn status_code<S: serde::Serializer>(status: &StatusCode, serializer: S) -> Result<S::Ok, S::Error> {
     serializer.serialize_u16(status.as_u16())
 }
 
 impl Problem {
     /// A problem with the given status, type URI, title and detail.
     #[must_use]
-    pub fn new(
-        status: StatusCode,
-        kind: &'static str,
-        title: &'static str,
-        detail: impl Into<String>,
-    ) -> Self {
-        Problem {
-            kind,
-            title,
-            status,
-            detail: detail.into(),
-            retry_after: None,
-        }
+    pub fn new(status: StatusCode, kind: &'static str, title: &'static str, detail: impl Into<String>) -> Self {
+        Problem { kind, title, status, detail: detail.into(), retry_after: None }
     }
 
     /// Adds a `Retry-After` header of `seconds`.
@@ -126,12 +112,7 @@ impl Problem {
     /// `500`: something on the server broke; the details are in its log, not in the response.
     #[must_use]
     pub fn internal(title: &'static str, detail: impl Into<String>) -> Self {
-        Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "urn:idempotent:internal",
-            title,
-            detail,
-        )
+        Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "urn:idempotent:internal", title, detail)
     }
 
     pub(crate) fn from_key_header(error: &KeyHeaderError) -> Self {
@@ -144,12 +125,10 @@ impl Problem {
             )
         };
         match error {
-            KeyHeaderError::Repeated => malformed(
-                "The Idempotency-Key header appears more than once; send it exactly once.".into(),
-            ),
-            KeyHeaderError::Malformed(reason) => {
-                malformed(format!("Invalid Idempotency-Key: {reason}."))
+            KeyHeaderError::Repeated => {
+                malformed("The Idempotency-Key header appears more than once; send it exactly once.".into())
             }
+            KeyHeaderError::Malformed(reason) => malformed(format!("Invalid Idempotency-Key: {reason}.")),
             KeyHeaderError::TooLong(len) => malformed(format!(
                 "The Idempotency-Key is {len} bytes long, over the limit of {MAX_KEY_BYTES}; use a shorter key such as a UUID."
             )),

@@ -28,11 +28,7 @@ pub const DEFAULT_RECORDED_HEADERS: [HeaderName; 9] = [
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum Recorded {
     /// The response: status, allow-listed headers in order, body.
-    Response {
-        status: u16,
-        headers: Vec<(String, Data)>,
-        body: Data,
-    },
+    Response { status: u16, headers: Vec<(String, Data)>, body: Data },
     /// The handler ran, but its response body was over the layer's limit.
     TooLarge { limit: usize },
 }
@@ -62,35 +58,20 @@ impl Data {
 
 impl Recorded {
     /// Records a response's status, the `allowed` headers it has, and its body.
-    pub(crate) fn response(
-        status: StatusCode,
-        headers: &HeaderMap,
-        allowed: &[HeaderName],
-        body: &[u8],
-    ) -> Self {
+    pub(crate) fn response(status: StatusCode, headers: &HeaderMap, allowed: &[HeaderName], body: &[u8]) -> Self {
         let headers = headers
             .iter()
             .filter(|(name, _)| allowed.contains(name))
             .map(|(name, value)| (name.as_str().to_owned(), Data::from_bytes(value.as_bytes())))
             .collect();
-        Recorded::Response {
-            status: status.as_u16(),
-            headers,
-            body: Data::from_bytes(body),
-        }
+        Recorded::Response { status: status.as_u16(), headers, body: Data::from_bytes(body) }
     }
 
     /// The response a replay sends: the recorded one plus `Idempotent-Replayed: true`.
     pub(crate) fn into_replay(self) -> Response {
         let rebuilt = match self {
-            Recorded::Response {
-                status,
-                headers,
-                body,
-            } => rebuild(status, headers, body),
-            Recorded::TooLarge { limit } => {
-                Some(Problem::response_too_large(limit).into_response())
-            }
+            Recorded::Response { status, headers, body } => rebuild(status, headers, body),
+            Recorded::TooLarge { limit } => Some(Problem::response_too_large(limit).into_response()),
         };
         let Some(mut response) = rebuilt else {
             tracing::error!(target: "idempotent", "a recorded response is malformed and cannot be replayed");
@@ -100,9 +81,7 @@ impl Recorded {
             )
             .into_response();
         };
-        response
-            .headers_mut()
-            .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        response.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
         response
     }
 }
@@ -123,11 +102,7 @@ const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwx
 fn base64_encode(bytes: &[u8]) -> String {
     let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
     for chunk in bytes.chunks(3) {
-        let b = [
-            chunk[0],
-            chunk.get(1).copied().unwrap_or(0),
-            chunk.get(2).copied().unwrap_or(0),
-        ];
+        let b = [chunk[0], chunk.get(1).copied().unwrap_or(0), chunk.get(2).copied().unwrap_or(0)];
         let n = u32::from(b[0]) << 16 | u32::from(b[1]) << 8 | u32::from(b[2]);
         for i in 0..4 {
             if i <= chunk.len() {
@@ -171,9 +146,7 @@ mod tests {
     #[test]
     fn http_base64_round_trips() {
         for len in 0..40 {
-            let bytes: Vec<u8> = (0..len)
-                .map(|i: u8| i.wrapping_mul(37).wrapping_add(200))
-                .collect();
+            let bytes: Vec<u8> = (0..len).map(|i: u8| i.wrapping_mul(37).wrapping_add(200)).collect();
             let text = base64_encode(&bytes);
             assert_eq!(base64_decode(&text).as_deref(), Some(&bytes[..]), "{text}");
         }

@@ -74,7 +74,9 @@ impl MemoryStore {
     #[must_use]
     pub fn with_max_record_bytes(limit: usize) -> Self {
         let shards = (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect();
-        MemoryStore { inner: Arc::new(Inner { shards, hasher: std::hash::RandomState::new(), max_record_bytes: limit }) }
+        MemoryStore {
+            inner: Arc::new(Inner { shards, hasher: std::hash::RandomState::new(), max_record_bytes: limit }),
+        }
     }
 
     /// How many entries (claims and records, live or expired but not yet swept) the store holds.
@@ -87,12 +89,6 @@ impl MemoryStore {
     #[must_use]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
-    }
-
-    /// Removes every expired claim and record now, and returns how many were removed.
-    pub fn purge_expired(&self) -> usize {
-        let now = Instant::now();
-        self.inner.shards.iter().map(|s| lock(s).sweep(now)).sum()
     }
 
     fn shard(&self, key: &Key) -> MutexGuard<'_, Shard> {
@@ -156,10 +152,9 @@ impl Store for MemoryStore {
         if let Some(entry) = shard.entries.get_mut(request.key.as_str()) {
             if entry.expires > now {
                 return Ok(match &entry.state {
-                    State::Completed(outcome) => Claim::Completed(Record {
-                        fingerprint: entry.fingerprint.clone(),
-                        outcome: outcome.to_vec(),
-                    }),
+                    State::Completed(outcome) => {
+                        Claim::Completed(Record { fingerprint: entry.fingerprint.clone(), outcome: outcome.to_vec() })
+                    }
                     State::InProgress(_) => Claim::InProgress {
                         fingerprint: entry.fingerprint.clone(),
                         lease_remaining: Some(entry.expires - now),
@@ -194,6 +189,11 @@ impl Store for MemoryStore {
 
     fn release_detached(&self, key: &Key, token: &Token) {
         let _ = self.release_now(key, token);
+    }
+
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        let now = Instant::now();
+        Ok(self.inner.shards.iter().map(|s| lock(s).sweep(now) as u64).sum())
     }
 
     fn max_record_bytes(&self) -> usize {

@@ -26,9 +26,11 @@ pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     }
 }
 
-fn with_error(mut item: TokenStream, error: &syn::Error) -> TokenStream {
-    item.extend(error.to_compile_error());
-    item
+/// The function is emitted as written, with unused-variable warnings silenced: the arguments the
+/// attribute would have used are otherwise reported as unused, burying the real error.
+fn with_error(item: TokenStream, error: &syn::Error) -> TokenStream {
+    let error = error.to_compile_error();
+    quote!(#[allow(unused_variables)] #item #error)
 }
 
 fn check_signature(function: &ItemFn) -> Result<(), syn::Error> {
@@ -99,10 +101,14 @@ fn expand(args: &Args, function: ItemFn) -> TokenStream {
         ),
     };
 
+    // Spans chosen so type errors point at the user's tokens: a non-store at `store = ...`, a
+    // non-serialisable `T` or an `E` without `From<Error>` at the return type.
+    let store = quote_spanned!(store.span()=> &(#store));
+    let run_with = quote_spanned!(output.span()=> run_with);
     quote! {
         #(#attrs)*
         #vis #sig {
-            #call.run_with(&(#store), #policy, async #block).await
+            #call.#run_with(#store, #policy, async #block).await
         }
     }
 }
@@ -154,7 +160,7 @@ mod tests {
             ),
         )
         .to_string();
-        assert!(out.starts_with("fn pay (id : & str) -> u32 { 1 }"), "{out}");
+        assert!(out.starts_with("# [allow (unused_variables)] fn pay (id : & str) -> u32 { 1 }"), "{out}");
         assert!(out.contains("missing `store = ...`"), "{out}");
         assert!(out.contains("works on an `async fn`"), "{out}");
     }

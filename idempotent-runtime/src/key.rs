@@ -23,6 +23,11 @@ pub const MAX_KEY_BYTES: usize = 255;
 /// ```
 ///
 /// The text must not change between releases of your program, or retries would run again.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be used as an idempotency key",
+    label = "not a key type",
+    note = "keys are strings, integers or UUIDs; implement `IdempotencyKey` for your own type, or build a string with `format!`"
+)]
 pub trait IdempotencyKey {
     /// Appends this key's text to `out`.
     fn write_key(&self, out: &mut String);

@@ -1,7 +1,7 @@
 //! The store trait: the three atomic steps every backend implements.
 
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use crate::{Fingerprint, Key, StoreError};
@@ -23,8 +23,13 @@ pub const DEFAULT_MAX_RECORD_BYTES: usize = 1024 * 1024;
 /// 3. [`release`](Store::release): if the key is still claimed by this token, delete it, so a retry
 ///    may run. Otherwise fail with [`StoreError::NotOwner`].
 ///
-/// Implementations for `&S` and `Arc<S>` forward to `S`, so the attribute's `store = ...` accepts a
-/// store, a reference to one, or an `Arc`.
+/// Implementations for `&S`, `Box<S>`, `Arc<S>` and `LazyLock<S>` forward to `S`, so the attribute's
+/// `store = ...` accepts a store, a reference to one, an `Arc`, or a `static` `LazyLock`.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an idempotency store",
+    label = "`store = ...` must name a store",
+    note = "use `MemoryStore`, a Redis or SQL store of `idempotent_runtime::stores`, or implement `Store`"
+)]
 pub trait Store: Send + Sync {
     /// Claims `request.key` for `request.token`, or returns the live record that prevents it.
     fn claim(&self, request: &ClaimRequest<'_>) -> impl Future<Output = Result<Claim, StoreError>> + Send;
@@ -132,66 +137,47 @@ impl Default for Token {
     }
 }
 
-impl<S: Store + ?Sized> Store for &S {
-    fn claim(&self, request: &ClaimRequest<'_>) -> impl Future<Output = Result<Claim, StoreError>> + Send {
-        (**self).claim(request)
-    }
+/// Forwards every method of `Store` through a pointer type.
+macro_rules! forward_store {
+    ($([$($generics:tt)*] $pointer:ty;)*) => {$(
+        impl<$($generics)*> Store for $pointer {
+            fn claim(&self, request: &ClaimRequest<'_>) -> impl Future<Output = Result<Claim, StoreError>> + Send {
+                (**self).claim(request)
+            }
 
-    fn complete(
-        &self,
-        key: &Key,
-        token: &Token,
-        outcome: &[u8],
-        retention: Duration,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        (**self).complete(key, token, outcome, retention)
-    }
+            fn complete(
+                &self,
+                key: &Key,
+                token: &Token,
+                outcome: &[u8],
+                retention: Duration,
+            ) -> impl Future<Output = Result<(), StoreError>> + Send {
+                (**self).complete(key, token, outcome, retention)
+            }
 
-    fn release(&self, key: &Key, token: &Token) -> impl Future<Output = Result<(), StoreError>> + Send {
-        (**self).release(key, token)
-    }
+            fn release(&self, key: &Key, token: &Token) -> impl Future<Output = Result<(), StoreError>> + Send {
+                (**self).release(key, token)
+            }
 
-    fn release_detached(&self, key: &Key, token: &Token) {
-        (**self).release_detached(key, token);
-    }
+            fn release_detached(&self, key: &Key, token: &Token) {
+                (**self).release_detached(key, token);
+            }
 
-    fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send {
-        (**self).purge_expired()
-    }
+            fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send {
+                (**self).purge_expired()
+            }
 
-    fn max_record_bytes(&self) -> usize {
-        (**self).max_record_bytes()
-    }
+            fn max_record_bytes(&self) -> usize {
+                (**self).max_record_bytes()
+            }
+        }
+    )*};
 }
 
-impl<S: Store + ?Sized> Store for Arc<S> {
-    fn claim(&self, request: &ClaimRequest<'_>) -> impl Future<Output = Result<Claim, StoreError>> + Send {
-        (**self).claim(request)
-    }
-
-    fn complete(
-        &self,
-        key: &Key,
-        token: &Token,
-        outcome: &[u8],
-        retention: Duration,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        (**self).complete(key, token, outcome, retention)
-    }
-
-    fn release(&self, key: &Key, token: &Token) -> impl Future<Output = Result<(), StoreError>> + Send {
-        (**self).release(key, token)
-    }
-
-    fn release_detached(&self, key: &Key, token: &Token) {
-        (**self).release_detached(key, token);
-    }
-
-    fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send {
-        (**self).purge_expired()
-    }
-
-    fn max_record_bytes(&self) -> usize {
-        (**self).max_record_bytes()
-    }
+forward_store! {
+    [S: Store + ?Sized] &S;
+    [S: Store + ?Sized] Box<S>;
+    [S: Store + ?Sized] Arc<S>;
+    // A `static STORE: LazyLock<MemoryStore>` works as `store = STORE`.
+    [S: Store, F: FnOnce() -> S + Send] LazyLock<S, F>;
 }

@@ -1,0 +1,6 @@
+use idempotent_runtime::{MemoryStore, idempotent};
+
+#[idempotent(key = key, store = store)]
+async fn pay(store: &MemoryStore, key: &str) {}
+
+fn main() {}

@@ -29,8 +29,10 @@ pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
 /// The function is emitted as written, with unused-variable warnings silenced: the arguments the
 /// attribute would have used are otherwise reported as unused, burying the real error.
 fn with_error(item: TokenStream, error: &syn::Error) -> TokenStream {
-    let error = error.to_compile_error();
-    quote!(#[allow(unused_variables)] #item #error)
+    let mut out = quote!(#[allow(unused_variables)]);
+    out.extend(item);
+    out.extend(error.to_compile_error());
+    out
 }
 
 fn check_signature(function: &ItemFn) -> Result<(), syn::Error> {

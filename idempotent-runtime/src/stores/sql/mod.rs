@@ -1,1 +1,358 @@
-//! The SQL stores (being written).
+#![allow(clippy::doc_markdown, reason = "the docs name PostgreSQL, MySQL, MariaDB, SQLite and InnoDB often, as prose")]
+
+//! The SQL stores: PostgreSQL, MySQL/MariaDB and SQLite, through [`sqlx`] (runtime queries only).
+//!
+//! | Store | Feature | Transactional variant |
+//! |---|---|---|
+//! | [`PostgresStore`] | `postgres` | [`PostgresTxStore`] |
+//! | [`MySqlStore`] (MySQL 8, MariaDB 10.11+) | `mysql` | [`MySqlTxStore`] |
+//! | [`SqliteStore`] | `sqlite` | [`SqliteTxStore`] |
+//!
+//! # The table
+//!
+//! Every store keeps one row per key in one table, `idempotency_records` unless you name another
+//! (optionally schema-qualified, such as `billing.idempotency`; letters, digits and `_` only, since
+//! the name is written into the SQL). The columns:
+//!
+//! | Column | Holds |
+//! |---|---|
+//! | `idempotency_key` | `scope:key`, the primary key (at most 511 bytes) |
+//! | `state` | `in_progress` or `completed` |
+//! | `token` | the owner token of the call that claimed the key (32 hex digits) |
+//! | `fingerprint` | the request fingerprint (64 hex digits), or NULL |
+//! | `outcome` | the recorded result as JSON text (NULL while in progress) |
+//! | `expires_at` | when the lease (in progress) or the retention (completed) ends, in UTC |
+//!
+//! `create_table()` creates it and an index on `expires_at` (for purging) if they do not exist. It
+//! does not use sqlx migrations, so it cannot clash with your own `_sqlx_migrations`. To create the
+//! table by hand or in your own migrations instead, take the SQL from the backend's module docs
+//! ([`postgres`], [`mysql`], [`sqlite`]) or from `create_table_sql()`.
+//!
+//! # Atomicity and clocks
+//!
+//! Each protocol step is one atomic statement: a claim is an upsert that inserts the key, or takes
+//! over an expired row, or leaves a live row alone (followed, only then, by one `SELECT` that reads
+//! the live row for replay). Completion and release are `UPDATE`/`DELETE ... WHERE token = ? AND
+//! state = 'in_progress'`, so a caller whose lease was taken over changes nothing and gets
+//! [`StoreError::NotOwner`](crate::StoreError::NotOwner). Unique violations are never raised and
+//! caught: a PostgreSQL transaction is never aborted by a duplicate key.
+//!
+//! Every expiry decision uses the **database's** clock, never the application's, so any number
+//! of application servers agree on which leases have ended.
+//!
+//! # Transactional mode
+//!
+//! The `*TxStore` types claim the key and record the result **inside your transaction**, so your
+//! business write and the idempotency record commit together or not at all. A concurrent duplicate
+//! blocks on the row lock until the first transaction ends, then replays its committed result, or,
+//! if it rolled back, runs the body itself. The body runs its own queries on the same transaction
+//! through `conn()`. See [`postgres::PostgresTxStore`] for an example. Use the default isolation
+//! level (READ COMMITTED on PostgreSQL, REPEATABLE READ on InnoDB).
+//!
+//! # Purging
+//!
+//! Expired rows stay until deleted: call [`Store::purge_expired`](crate::Store::purge_expired)
+//! from a job of your own, or let `spawn_purge(interval)` run it in the background ([`PurgeTask`]).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::{Claim, Fingerprint, Record, Store, StoreError, Token};
+
+#[cfg(feature = "mysql")]
+pub mod mysql;
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+
+#[cfg(feature = "mysql")]
+pub use mysql::{MySqlStore, MySqlTxStore};
+#[cfg(feature = "postgres")]
+pub use postgres::{PostgresStore, PostgresTxStore};
+#[cfg(feature = "sqlite")]
+pub use sqlite::{SqliteStore, SqliteTxStore};
+
+/// The `sqlx` these stores are built on, so your pools and transactions are of the same version.
+pub use sqlx;
+
+/// The table the stores use unless told otherwise.
+pub const DEFAULT_TABLE: &str = "idempotency_records";
+
+/// The longest part (schema or table) of a table name, in bytes. It leaves room for the index
+/// name, `<table>_expires_at`, within PostgreSQL's 63-byte limit.
+const MAX_IDENTIFIER_BYTES: usize = 48;
+
+/// A table name was refused: it is written into the SQL, so only plain identifiers are accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "invalid table name {0:?}: use `table` or `schema.table`, each part starting with a letter or `_` \
+     and holding only ASCII letters, digits and `_`, at most 48 bytes"
+)]
+pub struct TableNameError(pub String);
+
+/// A validated, optionally schema-qualified table name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct TableName {
+    /// As given: `table` or `schema.table`.
+    pub(crate) full: String,
+    /// The part before the dot, if any.
+    pub(crate) schema: Option<String>,
+    /// The table itself.
+    pub(crate) name: String,
+}
+
+impl TableName {
+    pub(crate) fn parse(full: &str) -> Result<Self, TableNameError> {
+        let refuse = || TableNameError(full.to_owned());
+        let (schema, name) = match full.split_once('.') {
+            Some((schema, name)) => (Some(schema), name),
+            None => (None, full),
+        };
+        for part in schema.into_iter().chain([name]) {
+            if !is_identifier(part) {
+                return Err(refuse());
+            }
+        }
+        Ok(TableName { full: full.to_owned(), schema: schema.map(str::to_owned), name: name.to_owned() })
+    }
+}
+
+fn is_identifier(part: &str) -> bool {
+    let mut chars = part.chars();
+    let Some(first) = chars.next() else {
+        return false;
+    };
+    part.len() <= MAX_IDENTIFIER_BYTES
+        && (first.is_ascii_alphabetic() || first == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// `true` when `error` is a unique-constraint (or primary-key) violation, on any of the backends.
+///
+/// It serves the other way to make a write idempotent: give it a natural unique key (an order
+/// number) and treat a duplicate as "already done". On PostgreSQL a failed statement aborts the
+/// surrounding transaction, so inside one, prefer `INSERT ... ON CONFLICT DO NOTHING` and check
+/// the rows affected.
+///
+#[cfg_attr(feature = "sqlite", doc = "```")]
+#[cfg_attr(not(feature = "sqlite"), doc = "```ignore")]
+/// use idempotent_runtime::stores::sql::{is_unique_violation, sqlx};
+///
+/// /// Places the order once: `false` when this order number was placed before.
+/// async fn place_order(pool: &sqlx::SqlitePool, order_no: &str) -> Result<bool, sqlx::Error> {
+///     let insert = sqlx::query("INSERT INTO orders (order_no) VALUES (?)").bind(order_no);
+///     match insert.execute(pool).await {
+///         Ok(_) => Ok(true),
+///         Err(e) if is_unique_violation(&e) => Ok(false),
+///         Err(e) => Err(e),
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), sqlx::Error> {
+/// let pool = sqlx::SqlitePool::connect("sqlite::memory:").await?;
+/// sqlx::query("CREATE TABLE orders (order_no TEXT PRIMARY KEY)").execute(&pool).await?;
+/// assert!(place_order(&pool, "A-1001").await?);
+/// assert!(!place_order(&pool, "A-1001").await?); // a retry: already placed
+/// # Ok(())
+/// # }
+/// ```
+#[must_use]
+pub fn is_unique_violation(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(e) if e.is_unique_violation())
+}
+
+/// A background task that purges a store's expired rows at a fixed interval.
+///
+/// Made by the stores' `spawn_purge`. [`shutdown`](PurgeTask::shutdown) stops it after the purge
+/// in progress, if any; dropping the handle aborts it at once.
+#[derive(Debug)]
+#[must_use = "dropping a PurgeTask stops it"]
+pub struct PurgeTask {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl PurgeTask {
+    /// Stops the task and waits until it has stopped (a purge under way is finished first).
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for PurgeTask {
+    fn drop(&mut self) {
+        if let Some(task) = &self.task {
+            task.abort();
+        }
+    }
+}
+
+/// Runs `store.purge_expired()` now and then every `every` until stopped. Must run inside Tokio.
+pub(crate) fn spawn_purge<S: Store + 'static>(store: S, every: Duration, backend: &'static str) -> PurgeTask {
+    let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(every.max(Duration::from_millis(1)));
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = &mut stopped => break,
+                _ = ticks.tick() => match store.purge_expired().await {
+                    Ok(0) => {}
+                    Ok(purged) => tracing::debug!(target: "idempotent", backend, purged, "purged expired records"),
+                    Err(e) => tracing::warn!(
+                        target: "idempotent", backend, error = %e,
+                        "purging expired idempotency records failed; trying again at the next interval"
+                    ),
+                },
+            }
+        }
+    });
+    PurgeTask { stop: Some(stop), task: Some(task) }
+}
+
+/// Spawns `release` on the current Tokio runtime, if there is one (from `release_detached`).
+pub(crate) fn spawn_release<F>(release: F, backend: &'static str)
+where
+    F: Future<Output = Result<(), StoreError>> + Send + 'static,
+{
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(async move {
+            if let Err(e) = release.await {
+                tracing::debug!(target: "idempotent", backend, error = %e, "detached release failed; the lease will end by itself");
+            }
+        });
+    } else {
+        tracing::debug!(
+            target: "idempotent", backend,
+            "no Tokio runtime to release the claim on; it frees itself when its lease ends"
+        );
+    }
+}
+
+/// The state column's values.
+pub(crate) const IN_PROGRESS: &str = "in_progress";
+pub(crate) const COMPLETED: &str = "completed";
+
+/// How often a claim is retried when the row it lost to vanishes or expires before it is read.
+pub(crate) const CLAIM_ATTEMPTS: usize = 4;
+
+/// The longest duration written into SQL (100 years): longer ones are capped, which changes
+/// nothing in practice and keeps the timestamp arithmetic inside every backend's range.
+const MAX_DURATION: Duration = Duration::from_hours(100 * 365 * 24);
+
+/// A lease or retention in whole microseconds, as bound into the SQL.
+pub(crate) fn micros(duration: Duration) -> i64 {
+    i64::try_from(duration.min(MAX_DURATION).as_micros()).unwrap_or(i64::MAX)
+}
+
+/// The prepared SQL of one store, built once from its table name.
+#[derive(Debug)]
+pub(crate) struct Statements {
+    pub(crate) table: TableName,
+    pub(crate) create: Vec<Arc<str>>,
+    pub(crate) claim: Arc<str>,
+    pub(crate) read: Arc<str>,
+    pub(crate) complete: Arc<str>,
+    pub(crate) release: Arc<str>,
+    pub(crate) purge: Arc<str>,
+}
+
+/// A statement for `sqlx::query`. The only text interpolated into it is the validated table name;
+/// every value is a bind parameter.
+pub(crate) fn sql(statement: &Arc<str>) -> sqlx::AssertSqlSafe<Arc<str>> {
+    sqlx::AssertSqlSafe(Arc::clone(statement))
+}
+
+/// The statements joined into one script.
+pub(crate) fn script(statements: &[Arc<str>]) -> String {
+    statements.iter().map(|s| format!("{s};")).collect::<Vec<_>>().join("\n")
+}
+
+/// The outcome as the text the `outcome` column keeps.
+pub(crate) fn outcome_text(outcome: &[u8]) -> Result<&str, StoreError> {
+    std::str::from_utf8(outcome).map_err(|e| {
+        StoreError::Corrupt(format!(
+            "the outcome to record is not UTF-8 text ({e}); SQL stores keep outcomes as JSON text"
+        ))
+    })
+}
+
+/// A row read back after a claim lost the upsert.
+pub(crate) struct Found {
+    pub(crate) state: String,
+    pub(crate) token: Option<String>,
+    pub(crate) fingerprint: Option<String>,
+    pub(crate) outcome: Option<String>,
+    /// Microseconds until `expires_at` by the database's clock (negative when past).
+    pub(crate) remaining_micros: i64,
+}
+
+/// What a read-back row means for the claimer.
+pub(crate) enum Verdict {
+    /// The row is this caller's claim (MySQL, which reads back after every insert).
+    Mine,
+    /// A live row of another call.
+    Live(Claim),
+    /// The row expired between the upsert and the read: claim again.
+    Expired,
+}
+
+impl Found {
+    pub(crate) fn verdict(self, ours: &Token) -> Result<Verdict, StoreError> {
+        let fingerprint = self.fingerprint.map(Fingerprint::from_stored);
+        match self.state.as_str() {
+            IN_PROGRESS if self.token.as_deref() == Some(ours.as_str()) => Ok(Verdict::Mine),
+            _ if self.remaining_micros <= 0 => Ok(Verdict::Expired),
+            IN_PROGRESS => Ok(Verdict::Live(Claim::InProgress {
+                fingerprint,
+                lease_remaining: Some(Duration::from_micros(self.remaining_micros.unsigned_abs())),
+            })),
+            COMPLETED => match self.outcome {
+                Some(outcome) => {
+                    Ok(Verdict::Live(Claim::Completed(Record { fingerprint, outcome: outcome.into_bytes() })))
+                }
+                None => Err(StoreError::Corrupt("a completed record has no outcome (NULL)".into())),
+            },
+            other => Err(StoreError::Corrupt(format!(
+                "unknown state {other:?} (expected {IN_PROGRESS:?} or {COMPLETED:?}); was the row written by something else?"
+            ))),
+        }
+    }
+}
+
+/// A column that cannot be read as documented.
+pub(crate) fn column_error(error: &sqlx::Error) -> StoreError {
+    StoreError::Corrupt(format!("{error}; does the table have the documented columns and types?"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sql_table_names_are_plain_identifiers() {
+        let plain = TableName::parse("idempotency_records").unwrap();
+        assert_eq!((plain.schema, plain.name.as_str()), (None, "idempotency_records"));
+        let qualified = TableName::parse("billing._Idem2").unwrap();
+        assert_eq!((qualified.schema.as_deref(), qualified.name.as_str()), (Some("billing"), "_Idem2"));
+        for bad in ["", ".", "a.", ".a", "a.b.c", "1abc", "a-b", "a b", "a;drop table x", "a\"b", "é", &"a".repeat(49)]
+        {
+            assert!(TableName::parse(bad).is_err(), "{bad:?} was accepted");
+        }
+        assert!(TableName::parse(&"a".repeat(48)).is_ok());
+    }
+
+    #[test]
+    fn sql_durations_are_capped_micros() {
+        assert_eq!(micros(Duration::from_millis(1500)), 1_500_000);
+        assert_eq!(micros(Duration::MAX), micros(MAX_DURATION));
+    }
+}

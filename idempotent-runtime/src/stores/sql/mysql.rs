@@ -104,6 +104,18 @@ fn backend(error: sqlx::Error) -> StoreError {
     StoreError::backend(BACKEND, error)
 }
 
+/// How often [`MySqlStore`] runs a claim again after InnoDB chose it as a deadlock victim.
+const DEADLOCK_RETRIES: u32 = 3;
+
+/// `true` for InnoDB's "deadlock found" (SQLSTATE 40001, error 1213).
+fn is_deadlock(error: &StoreError) -> bool {
+    let StoreError::Backend { source, .. } = error else { return false };
+    source
+        .downcast_ref::<sqlx::Error>()
+        .and_then(sqlx::Error::as_database_error)
+        .is_some_and(|e| e.code().as_deref() == Some("40001"))
+}
+
 /// A store in a MySQL or MariaDB (InnoDB) table, shared by every application server using the
 /// database.
 ///
@@ -206,7 +218,15 @@ impl MySqlStore {
 impl Store for MySqlStore {
     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         let mut conn = self.pool.acquire().await.map_err(backend)?;
-        claim(&mut conn, &self.sql, request).await
+        let mut attempt = 0;
+        loop {
+            match claim(&mut conn, &self.sql, request).await {
+                // InnoDB may pick a contended upsert as a deadlock victim. Outside a transaction of
+                // the caller's, only that statement was rolled back: run the claim again.
+                Err(e) if attempt < DEADLOCK_RETRIES && is_deadlock(&e) => attempt += 1,
+                result => return result,
+            }
+        }
     }
 
     async fn complete(&self, key: &Key, token: &Token, outcome: &[u8], retention: Duration) -> Result<(), StoreError> {
@@ -242,9 +262,11 @@ impl Store for MySqlStore {
 /// dropping it rolls back.
 ///
 /// An `Err` from the body deletes the claim inside the transaction; a panic or a dropped future
-/// leaves it there: roll the transaction back (dropping it does). If InnoDB picks the transaction
-/// as a deadlock victim, it is rolled back and the call fails with a retryable
-/// [`Error::Store`](crate::Error::Store).
+/// leaves it there: roll the transaction back (dropping it does).
+///
+/// Concurrent claims in transactions can deadlock in InnoDB (its duplicate-key checks take gap
+/// locks). The victim's whole transaction is rolled back by the server and the call fails with a
+/// retryable [`Error::Store`](crate::Error::Store): run the transaction again, as for any deadlock.
 ///
 /// ```no_run
 /// use idempotent_runtime::stores::sql::{MySqlStore, MySqlTxStore, sqlx};

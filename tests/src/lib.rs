@@ -2,4 +2,7 @@
 //! that every store must pass.
 
 pub mod conformance;
+pub mod fresh;
+pub mod proxy;
 pub mod services;
+pub mod stress;

@@ -1,0 +1,184 @@
+//! A TCP proxy that injects network faults between a store and its server: it delays traffic,
+//! stalls it (a black hole that delivers what it held once it heals), refuses new connections,
+//! or kills every open connection.
+//!
+//! ```ignore
+//! let proxy = FaultProxy::start("127.0.0.1:6379").await?;
+//! let store = RedisStore::connect(&format!("redis://{}", proxy.addr())).await?;
+//! proxy.set_mode(Mode::Delay(Duration::from_secs(3))); // every chunk waits 3 s each way
+//! proxy.kill_connections();                             // every open connection is closed
+//! proxy.set_mode(Mode::Pass);
+//! ```
+//!
+//! It listens on a loopback port of its own and connects only to the given target; it stops when
+//! dropped.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+/// How the proxy treats traffic now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Forward at once.
+    Pass,
+    /// Forward every chunk after this delay, in each direction.
+    Delay(Duration),
+    /// Hold every chunk until the mode changes, then handle it under the new mode.
+    Stall,
+    /// Close new connections at once (open ones keep their mode of forwarding: [`Mode::Pass`]).
+    Refuse,
+}
+
+/// What the proxy did, for the test's report.
+#[derive(Debug, Default)]
+pub struct ProxyStats {
+    /// Connections accepted.
+    pub accepted: AtomicU64,
+    /// Connections refused in [`Mode::Refuse`].
+    pub refused: AtomicU64,
+    /// Connections closed by [`FaultProxy::kill_connections`].
+    pub killed: AtomicU64,
+    /// Chunks that were delayed or stalled.
+    pub held_chunks: AtomicU64,
+    /// Bytes forwarded, both directions.
+    pub bytes: AtomicU64,
+}
+
+/// A running proxy; dropping it stops it and closes its connections.
+#[derive(Debug)]
+pub struct FaultProxy {
+    addr: SocketAddr,
+    mode: watch::Sender<Mode>,
+    kills: watch::Sender<u64>,
+    stats: Arc<ProxyStats>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl FaultProxy {
+    /// Starts a proxy on `127.0.0.1:<free port>` to `target`, in [`Mode::Pass`].
+    ///
+    /// # Errors
+    ///
+    /// When `target` does not resolve or no local port can be bound.
+    pub async fn start(target: &str) -> std::io::Result<Self> {
+        let target: SocketAddr = tokio::net::lookup_host(target)
+            .await?
+            .next()
+            .ok_or_else(|| std::io::Error::other(format!("{target} resolves to no address")))?;
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (mode, _) = watch::channel(Mode::Pass);
+        let (kills, _) = watch::channel(0u64);
+        let stats = Arc::new(ProxyStats::default());
+        let accept = tokio::spawn(accept_loop(listener, target, mode.clone(), kills.clone(), Arc::clone(&stats)));
+        Ok(FaultProxy { addr, mode, kills, stats, accept })
+    }
+
+    /// The address clients connect to.
+    #[must_use]
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Changes how traffic is treated from now on (held chunks are re-examined at once).
+    pub fn set_mode(&self, mode: Mode) {
+        self.mode.send_replace(mode);
+    }
+
+    /// Closes every open connection, both ends.
+    pub fn kill_connections(&self) {
+        self.kills.send_modify(|generation| *generation += 1);
+    }
+
+    /// What the proxy did so far.
+    #[must_use]
+    pub fn stats(&self) -> &ProxyStats {
+        &self.stats
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.kill_connections();
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    target: SocketAddr,
+    mode: watch::Sender<Mode>,
+    kills: watch::Sender<u64>,
+    stats: Arc<ProxyStats>,
+) {
+    loop {
+        let Ok((client, _)) = listener.accept().await else { continue };
+        if *mode.borrow() == Mode::Refuse {
+            stats.refused.fetch_add(1, Ordering::Relaxed);
+            drop(client);
+            continue;
+        }
+        stats.accepted.fetch_add(1, Ordering::Relaxed);
+        let (mode, kills, stats) = (mode.subscribe(), kills.subscribe(), Arc::clone(&stats));
+        tokio::spawn(async move {
+            let Ok(server) = TcpStream::connect(target).await else { return };
+            let _ = client.set_nodelay(true);
+            let _ = server.set_nodelay(true);
+            let (client_read, client_write) = client.into_split();
+            let (server_read, server_write) = server.into_split();
+            let mut kill_watch = kills.clone();
+            let up = pump(client_read, server_write, mode.clone(), Arc::clone(&stats));
+            let down = pump(server_read, client_write, mode, Arc::clone(&stats));
+            tokio::select! {
+                () = async { tokio::join!(up, down); } => {}
+                _ = kill_watch.changed() => {
+                    stats.killed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+    }
+}
+
+/// Copies one direction, chunk by chunk, applying the mode to each chunk.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut mode: watch::Receiver<Mode>,
+    stats: Arc<ProxyStats>,
+) {
+    let mut buffer = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buffer).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        loop {
+            let current = *mode.borrow_and_update();
+            match current {
+                Mode::Pass | Mode::Refuse => break,
+                Mode::Delay(delay) => {
+                    stats.held_chunks.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(delay).await;
+                    break;
+                }
+                Mode::Stall => {
+                    stats.held_chunks.fetch_add(1, Ordering::Relaxed);
+                    if mode.changed().await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+        if to.write_all(&buffer[..n]).await.is_err() {
+            break;
+        }
+        stats.bytes.fetch_add(n as u64, Ordering::Relaxed);
+    }
+    let _ = to.shutdown().await;
+}

@@ -244,7 +244,7 @@ async fn sqlite_unique_violations_are_recognised() {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct Receipt {
-    receipt_id: String,
+    id: String,
     user: String,
     amount: i64,
     balance_after: i64,
@@ -310,7 +310,7 @@ async fn deduct(tx: &SqliteTxStore, user: &str, amount: i64, after: After) -> Re
         After::Return => {}
         After::Fail => return Err(PayError::Injected),
     }
-    Ok(Receipt { receipt_id: uuid::Uuid::new_v4().to_string(), user: user.to_owned(), amount, balance_after })
+    Ok(Receipt { id: uuid::Uuid::new_v4().to_string(), user: user.to_owned(), amount, balance_after })
 }
 
 /// Runs one call in its own transaction, committing on `Ok` and rolling back on `Err`.
@@ -371,7 +371,7 @@ async fn sqlite_transactional_duplicates_deduct_once_and_share_the_receipt() {
     let mut receipts = HashSet::new();
     for call in calls {
         let receipt = call.await.unwrap().expect("every duplicate gets the receipt");
-        receipts.insert(receipt.receipt_id.clone());
+        receipts.insert(receipt.id.clone());
         assert_eq!((receipt.amount, receipt.balance_after), (100, 900));
     }
     assert_eq!(receipts.len(), 1, "all 64 callers get the same receipt");
@@ -419,7 +419,7 @@ async fn sqlite_transactional_balance_never_goes_negative() {
     for call in calls {
         match call.await.unwrap() {
             Ok(receipt) => {
-                paid.insert(receipt.receipt_id);
+                paid.insert(receipt.id);
             }
             Err(PayError::Insufficient) => refused += 1,
             Err(other) => panic!("unexpected {other:?}"),

@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Receipt {
-    receipt_id: String,
+    id: String,
     user: String,
     amount: i64,
     balance_after: i64,
@@ -74,8 +74,8 @@ async fn deduct_balance(tx: &PostgresTxStore, request_id: &str, user: &str, amou
     if amount == 13 {
         return Err(PayError::LaterStepFailed);
     }
-    let receipt_id = uuid::Uuid::new_v4().to_string();
-    Ok(Receipt { receipt_id, user: user.to_owned(), amount, balance_after })
+    let id = uuid::Uuid::new_v4().to_string();
+    Ok(Receipt { id, user: user.to_owned(), amount, balance_after })
 }
 
 /// One request in its own transaction: commit on success, roll back on failure.
@@ -124,7 +124,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let first = &receipts[0];
     assert!(receipts.iter().all(|r| r == first), "every duplicate gets the same receipt");
-    println!("8 duplicates -> 1 deduction, receipt {} (balance after: {})", first.receipt_id, first.balance_after);
+    println!("8 duplicates -> 1 deduction, receipt {} (balance after: {})", first.id, first.balance_after);
     println!("balance now {}", balance(&store, &user).await?);
 
     // A payment whose later step fails: the deduction and the key roll back together.

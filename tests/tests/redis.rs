@@ -1,0 +1,482 @@
+#![cfg(feature = "redis")]
+//! The Redis store against a real server: its step semantics, the key layout an operator sees,
+//! prefix isolation, heavy contention through the attribute, and the conformance suite.
+//!
+//! Every test works under its own random prefix and deletes its keys at the end.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idempotent_runtime::stores::redis::redis::{self, AsyncCommands};
+use idempotent_runtime::stores::redis::{DEFAULT_PREFIX, RedisStore};
+use idempotent_runtime::{Claim, ClaimRequest, Error, Fingerprint, Key, Record, Store, StoreError, Token, idempotent};
+use tokio::sync::Barrier;
+
+idempotent_tests::conformance_suite!(
+    conformance_redis,
+    async {
+        let url = idempotent_tests::services::redis_url("conformance_redis")?;
+        let prefix = format!("idempotent-test:{}:", uuid::Uuid::new_v4().simple());
+        Some(RedisStore::connect(&url).await.expect("connect to Redis").with_prefix(prefix).expect("valid prefix"))
+    },
+    self_expiring
+);
+
+/// A store under a fresh prefix, and a plain connection to look at what it wrote.
+async fn setup(url: &str) -> (RedisStore, redis::aio::MultiplexedConnection) {
+    let prefix = format!("idempotent-test:{}:", uuid::Uuid::new_v4().simple());
+    let store = RedisStore::connect(url).await.expect("connect to Redis").with_prefix(prefix).expect("valid prefix");
+    let raw = redis::Client::open(url).unwrap().get_multiplexed_async_connection().await.unwrap();
+    (store, raw)
+}
+
+/// Every Redis key under `prefix`, found with SCAN (the prefixes used here hold no glob characters).
+async fn keys_under(raw: &mut redis::aio::MultiplexedConnection, prefix: &str) -> Vec<String> {
+    let mut keys = Vec::new();
+    let mut cursor = 0u64;
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{prefix}*"))
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(raw)
+            .await
+            .unwrap();
+        keys.extend(batch);
+        if next == 0 {
+            break;
+        }
+        cursor = next;
+    }
+    keys.sort();
+    keys
+}
+
+async fn cleanup(raw: &mut redis::aio::MultiplexedConnection, prefix: &str) {
+    for key in keys_under(raw, prefix).await {
+        let _: () = raw.del(key).await.unwrap();
+    }
+}
+
+async fn claim(store: &RedisStore, key: &Key, token: &Token, fp: Option<&Fingerprint>, lease: Duration) -> Claim {
+    store.claim(&ClaimRequest { key, token, fingerprint: fp, lease }).await.expect("claim")
+}
+
+const LEASE: Duration = Duration::from_secs(30);
+
+#[tokio::test]
+async fn redis_claim_complete_and_replay() {
+    let Some(url) = idempotent_tests::services::redis_url("redis_claim_complete_and_replay") else {
+        return;
+    };
+    let (store, mut raw) = setup(&url).await;
+    let key = Key::new("pay", &"req-1").unwrap();
+    let fp = Fingerprint::of(&("alice", 100)).unwrap();
+    let (owner, other) = (Token::new(), Token::new());
+
+    assert_eq!(claim(&store, &key, &owner, Some(&fp), LEASE).await, Claim::Claimed);
+    let Claim::InProgress { fingerprint, lease_remaining } = claim(&store, &key, &other, None, LEASE).await else {
+        panic!("a live claim must be reported in progress")
+    };
+    assert_eq!(fingerprint.as_ref(), Some(&fp));
+    let remaining = lease_remaining.expect("Redis knows the PTTL");
+    assert!(remaining > Duration::from_secs(25) && remaining <= LEASE, "{remaining:?}");
+
+    // Completion is fenced by the token.
+    let outcome = br#"{"Ok":"receipt"}"#;
+    assert!(matches!(store.complete(&key, &other, outcome, LEASE).await, Err(StoreError::NotOwner)));
+    assert!(matches!(store.release(&key, &other).await, Err(StoreError::NotOwner)));
+    store.complete(&key, &owner, outcome, Duration::from_secs(60)).await.unwrap();
+
+    let replay = claim(&store, &key, &Token::new(), None, LEASE).await;
+    assert_eq!(replay, Claim::Completed(Record { fingerprint: Some(fp.clone()), outcome: outcome.to_vec() }));
+    // Once completed, nobody (not even the former owner) can complete or release it again.
+    assert!(matches!(store.complete(&key, &owner, b"{}", LEASE).await, Err(StoreError::NotOwner)));
+    assert!(matches!(store.release(&key, &owner).await, Err(StoreError::NotOwner)));
+    assert_eq!(claim(&store, &key, &Token::new(), None, LEASE).await, replay);
+    cleanup(&mut raw, store.prefix()).await;
+}
+
+#[tokio::test]
+async fn redis_release_is_fenced_and_frees_the_key() {
+    let Some(url) = idempotent_tests::services::redis_url("redis_release_is_fenced_and_frees_the_key") else {
+        return;
+    };
+    let (store, mut raw) = setup(&url).await;
+    let key = Key::new("pay", &"req-2").unwrap();
+    let owner = Token::new();
+    assert_eq!(claim(&store, &key, &owner, None, LEASE).await, Claim::Claimed);
+    assert!(matches!(store.release(&key, &Token::new()).await, Err(StoreError::NotOwner)));
+    let exists: bool = raw.exists(store.redis_key(&key)).await.unwrap();
+    assert!(exists, "a release with the wrong token must not delete the claim");
+    store.release(&key, &owner).await.unwrap();
+    let exists: bool = raw.exists(store.redis_key(&key)).await.unwrap();
+    assert!(!exists, "a release deletes the key");
+    assert!(matches!(store.release(&key, &owner).await, Err(StoreError::NotOwner)));
+    assert_eq!(claim(&store, &key, &Token::new(), None, LEASE).await, Claim::Claimed);
+    cleanup(&mut raw, store.prefix()).await;
+}
+
+#[tokio::test]
+async fn redis_expired_lease_is_taken_over_and_fences_the_old_owner() {
+    let Some(url) = idempotent_tests::services::redis_url("redis_expired_lease_is_taken_over") else {
+        return;
+    };
+    let (store, mut raw) = setup(&url).await;
+    let key = Key::new("pay", &"req-3").unwrap();
+    let (old, new) = (Token::new(), Token::new());
+    assert_eq!(claim(&store, &key, &old, None, Duration::from_millis(50)).await, Claim::Claimed);
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    assert_eq!(claim(&store, &key, &new, None, LEASE).await, Claim::Claimed, "an expired lease counts as absent");
+    assert!(matches!(store.complete(&key, &old, b"{}", LEASE).await, Err(StoreError::NotOwner)));
+    assert!(matches!(store.release(&key, &old).await, Err(StoreError::NotOwner)));
+    store.complete(&key, &new, br#"{"Ok":2}"#, LEASE).await.unwrap();
+    assert!(matches!(claim(&store, &key, &old, None, LEASE).await, Claim::Completed(r) if r.outcome == br#"{"Ok":2}"#));
+
+    // A claim whose lease ran out with nobody taking over cannot be completed either: Redis dropped it.
+    let lapsed = Key::new("pay", &"req-3b").unwrap();
+    assert_eq!(claim(&store, &lapsed, &old, None, Duration::from_millis(30)).await, Claim::Claimed);
+    tokio::time::sleep(Duration::from_millis(80)).await;
+    assert!(matches!(store.complete(&lapsed, &old, b"{}", LEASE).await, Err(StoreError::NotOwner)));
+    cleanup(&mut raw, store.prefix()).await;
+}
+
+#[tokio::test]
+async fn redis_key_layout_is_one_readable_hash() {
+    let Some(url) = idempotent_tests::services::redis_url("redis_key_layout_is_one_readable_hash") else {
+        return;
+    };
+    let (store, mut raw) = setup(&url).await;
+    let key = Key::new("payments", &"req-42").unwrap();
+    let name = store.redis_key(&key);
+    assert_eq!(name, format!("{}payments:req-42", store.prefix()));
+    let fp = Fingerprint::of(&42).unwrap();
+    let token = Token::new();
+
+    assert_eq!(claim(&store, &key, &token, Some(&fp), Duration::from_secs(10)).await, Claim::Claimed);
+    let kind: String = redis::cmd("TYPE").arg(&name).query_async(&mut raw).await.unwrap();
+    assert_eq!(kind, "hash");
+    let fields: HashMap<String, String> = raw.hgetall(&name).await.unwrap();
+    let expected: HashMap<String, String> = [("state", "running"), ("token", token.as_str()), ("fp", fp.as_str())]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+    assert_eq!(fields, expected);
+    let pttl: i64 = raw.pttl(&name).await.unwrap();
+    assert!(pttl > 9_000 && pttl <= 10_000, "the lease is the key's expiry, got PTTL {pttl}");
+
+    // Completion swaps the lease for the retention, drops the token, and stores the outcome bytes
+    // exactly (they need not be UTF-8).
+    let outcome: &[u8] = b"{\"Ok\":\"\xff\x00\"}";
+    store.complete(&key, &token, outcome, Duration::from_secs(3600)).await.unwrap();
+    let fields: HashMap<String, Vec<u8>> = raw.hgetall(&name).await.unwrap();
+    assert_eq!(fields.len(), 3, "{fields:?}");
+    assert_eq!(fields["state"], b"done");
+    assert_eq!(fields["fp"], fp.as_str().as_bytes());
+    assert_eq!(fields["outcome"], outcome);
+    let pttl: i64 = raw.pttl(&name).await.unwrap();
+    assert!(pttl > 3_590_000 && pttl <= 3_600_000, "the retention is the key's expiry, got PTTL {pttl}");
+
+    // Without a fingerprint there is no `fp` field, and the record reads back without one.
+    let bare = Key::new("payments", &"req-43").unwrap();
+    let token = Token::new();
+    assert_eq!(claim(&store, &bare, &token, None, LEASE).await, Claim::Claimed);
+    let has_fp: bool = raw.hexists(store.redis_key(&bare), "fp").await.unwrap();
+    assert!(!has_fp);
+    store.complete(&bare, &token, b"{\"Ok\":null}", LEASE).await.unwrap();
+    let replay = claim(&store, &bare, &Token::new(), None, LEASE).await;
+    assert_eq!(replay, Claim::Completed(Record { fingerprint: None, outcome: b"{\"Ok\":null}".to_vec() }));
+
+    assert_eq!(keys_under(&mut raw, store.prefix()).await, vec![name, store.redis_key(&bare)]);
+    cleanup(&mut raw, store.prefix()).await;
+}
+
+#[tokio::test]
+async fn redis_prefixes_isolate_stores_and_odd_keys_stay_inside() {
+    let Some(url) = idempotent_tests::services::redis_url("redis_prefixes_isolate_stores") else {
+        return;
+    };
+    let (a, mut raw) = setup(&url).await;
+    let (b, _) = setup(&url).await;
+    let odd = ["*", "{tag}", "a b", "ключ 🔑", "x:y:z", ":", "*:{", "..", "\\*", "[a-z]?"];
+    let mut expected = Vec::new();
+    for text in odd {
+        let key = Key::new("odd", &text).unwrap();
+        let token = Token::new();
+        assert_eq!(claim(&a, &key, &token, None, LEASE).await, Claim::Claimed, "{text:?}");
+        a.complete(&key, &token, text.as_bytes(), LEASE).await.unwrap();
+        let name = a.redis_key(&key);
+        assert_eq!(name, format!("{}odd:{text}", a.prefix()));
+        let exists: bool = raw.exists(&name).await.unwrap();
+        assert!(exists, "{name:?} must be the literal key");
+        expected.push(name);
+        // The same key under another prefix is another record.
+        assert_eq!(claim(&b, &key, &Token::new(), None, LEASE).await, Claim::Claimed, "{text:?}");
+    }
+    // Each odd key replays its own record, never another's.
+    for text in odd {
+        let key = Key::new("odd", &text).unwrap();
+        let Claim::Completed(record) = claim(&a, &key, &Token::new(), None, LEASE).await else { panic!("{text:?}") };
+        assert_eq!(record.outcome, text.as_bytes());
+    }
+    expected.sort();
+    assert_eq!(keys_under(&mut raw, a.prefix()).await, expected, "every key lives under its store's prefix");
+    assert_eq!(keys_under(&mut raw, b.prefix()).await.len(), odd.len());
+    cleanup(&mut raw, a.prefix()).await;
+    cleanup(&mut raw, b.prefix()).await;
+}
+
+#[tokio::test]
+async fn redis_invalid_prefixes_are_refused() {
+    let Some(url) = idempotent_tests::services::redis_url("redis_invalid_prefixes_are_refused") else {
+        return;
+    };
+    let store = RedisStore::connect(&url).await.unwrap();
+    assert_eq!(store.prefix(), DEFAULT_PREFIX);
+    for bad in ["", "a\nb", "tab\there", "nul\0", &"p".repeat(300)] {
+        let error = store.clone().with_prefix(bad).expect_err(bad);
+        assert!(error.to_string().contains("invalid Redis key prefix"), "{error}");
+    }
+    assert_eq!(store.with_prefix("app:{idem}:").unwrap().prefix(), "app:{idem}:");
+}
+
+#[tokio::test]
+async fn redis_foreign_data_is_reported_not_overwritten() {
+    let Some(url) = idempotent_tests::services::redis_url("redis_foreign_data_is_reported") else {
+        return;
+    };
+    let (store, mut raw) = setup(&url).await;
+    let string_key = Key::new("foreign", &"string").unwrap();
+    let _: () = raw.set(store.redis_key(&string_key), "not ours").await.unwrap();
+    let hash_key = Key::new("foreign", &"hash").unwrap();
+    let _: () = raw.hset(store.redis_key(&hash_key), "state", "weird").await.unwrap();
+
+    for key in [&string_key, &hash_key] {
+        let token = Token::new();
+        let request = ClaimRequest { key, token: &token, fingerprint: None, lease: LEASE };
+        match store.claim(&request).await {
+            Err(StoreError::Corrupt(message)) => {
+                assert!(message.contains(&store.redis_key(key)), "{message}");
+            }
+            other => panic!("expected Corrupt for {key}, got {other:?}"),
+        }
+        assert!(matches!(store.complete(key, &token, b"{}", LEASE).await, Err(StoreError::NotOwner)));
+        assert!(matches!(store.release(key, &token).await, Err(StoreError::NotOwner)));
+    }
+    let value: String = raw.get(store.redis_key(&string_key)).await.unwrap();
+    assert_eq!(value, "not ours");
+    let state: String = raw.hget(store.redis_key(&hash_key), "state").await.unwrap();
+    assert_eq!(state, "weird");
+    cleanup(&mut raw, store.prefix()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_release_detached_runs_on_the_runtime() {
+    let Some(url) = idempotent_tests::services::redis_url("redis_release_detached_runs_on_the_runtime") else {
+        return;
+    };
+    let (store, mut raw) = setup(&url).await;
+    let key = Key::new("detached", &"k").unwrap();
+    let token = Token::new();
+    assert_eq!(claim(&store, &key, &token, None, LEASE).await, Claim::Claimed);
+    store.release_detached(&key, &Token::new()); // not the owner: nothing happens
+    store.release_detached(&key, &token);
+    let mut gone = false;
+    for _ in 0..200 {
+        let exists: bool = raw.exists(store.redis_key(&key)).await.unwrap();
+        if !exists {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(gone, "the detached release must delete the claim");
+
+    // Outside any runtime it does nothing, and does not panic.
+    assert_eq!(claim(&store, &key, &token, None, LEASE).await, Claim::Claimed);
+    let (outside, k, t) = (store.clone(), key.clone(), token.clone());
+    std::thread::spawn(move || outside.release_detached(&k, &t)).join().unwrap();
+    assert!(matches!(claim(&store, &key, &Token::new(), None, LEASE).await, Claim::InProgress { .. }));
+    cleanup(&mut raw, store.prefix()).await;
+}
+
+#[tokio::test]
+async fn redis_connect_failures_are_typed() {
+    let Some(_url) = idempotent_tests::services::redis_url("redis_connect_failures_are_typed") else {
+        return;
+    };
+    for url in ["not a url", "redis://127.0.0.1:1"] {
+        match RedisStore::connect(url).await {
+            Err(StoreError::Backend { backend: "redis", .. }) => {}
+            other => panic!("{url}: expected a redis backend error, got {other:?}"),
+        }
+    }
+}
+
+/// A server that accepts connections and never answers: calls must time out, not hang.
+#[tokio::test]
+async fn redis_hung_server_gives_a_timeout_error() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let sockets = held.clone();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            sockets.lock().unwrap().push(socket);
+        }
+    });
+    let started = std::time::Instant::now();
+    let outcome = tokio::time::timeout(Duration::from_secs(20), async {
+        let store = RedisStore::connect(&format!("redis://{address}")).await?;
+        let key = Key::new("hung", &"k").unwrap();
+        let token = Token::new();
+        store.claim(&ClaimRequest { key: &key, token: &token, fingerprint: None, lease: LEASE }).await
+    })
+    .await
+    .expect("a hung server must not hang the call");
+    assert!(matches!(outcome, Err(StoreError::Backend { backend: "redis", .. })), "{outcome:?}");
+    eprintln!("hung server: failed after {:?} with {}", started.elapsed(), outcome.unwrap_err());
+}
+
+#[derive(Debug)]
+enum PayError {
+    Idempotency(Error),
+}
+
+impl From<Error> for PayError {
+    fn from(error: Error) -> Self {
+        PayError::Idempotency(error)
+    }
+}
+
+/// Counts body runs per key, outside Redis.
+#[derive(Default)]
+struct Ledger(Mutex<HashMap<u32, u32>>);
+
+impl Ledger {
+    fn hit(&self, key: u32) {
+        *self.0.lock().unwrap().entry(key).or_default() += 1;
+    }
+}
+
+#[idempotent(key = order, store = store, scope = "orders", fingerprint = amount, retention = "120s")]
+async fn charge(store: &RedisStore, ledger: &Ledger, order: u32, amount: u64) -> Result<String, PayError> {
+    ledger.hit(order);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    Ok(format!("order {order} charged {amount}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_64_duplicates_of_200_keys_run_each_body_once() {
+    const KEYS: u32 = 200;
+    const DUPLICATES: usize = 64;
+    let Some(url) = idempotent_tests::services::redis_url("redis_64_duplicates_of_200_keys") else {
+        return;
+    };
+    let (store, mut raw) = setup(&url).await;
+    let store = Arc::new(store);
+    let ledger = Arc::new(Ledger::default());
+    let barrier = Arc::new(Barrier::new(KEYS as usize * DUPLICATES));
+    let started = std::time::Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for order in 0..KEYS {
+        for _ in 0..DUPLICATES {
+            let (store, ledger, barrier) = (store.clone(), ledger.clone(), barrier.clone());
+            tasks.spawn(async move {
+                barrier.wait().await;
+                (order, charge(&store, &ledger, order, u64::from(order) * 10).await)
+            });
+        }
+    }
+    let (mut replayed, mut in_progress) = (0, 0);
+    while let Some(joined) = tasks.join_next().await {
+        let (order, result) = joined.unwrap();
+        match result {
+            Ok(receipt) => {
+                assert_eq!(receipt, format!("order {order} charged {}", order * 10));
+                replayed += 1;
+            }
+            Err(PayError::Idempotency(Error::InProgress { .. })) => in_progress += 1,
+            Err(other) => {
+                panic!("order {order}: expected the receipt or InProgress, got {other:?}")
+            }
+        }
+    }
+    let counts = ledger.0.lock().unwrap().clone();
+    assert_eq!(counts.len(), KEYS as usize);
+    assert!(counts.values().all(|&n| n == 1), "a body ran more than once: {counts:?}");
+    eprintln!(
+        "{} calls in {:?}: {KEYS} ran, {} got the value, {in_progress} got InProgress",
+        KEYS as usize * DUPLICATES,
+        started.elapsed(),
+        replayed
+    );
+    assert!(in_progress > 0, "with 64 simultaneous duplicates some must find the key in progress");
+    // Every later call replays.
+    for order in 0..KEYS {
+        assert_eq!(
+            charge(&store, &ledger, order, u64::from(order) * 10).await.unwrap(),
+            format!("order {order} charged {}", order * 10)
+        );
+    }
+    assert!(ledger.0.lock().unwrap().values().all(|&n| n == 1));
+    cleanup(&mut raw, store.prefix()).await;
+}
+
+#[idempotent(key = order, store = store, scope = "slow", wait = "5s")]
+async fn slow_charge(store: &RedisStore, ledger: &Ledger, order: u32) -> Result<u32, PayError> {
+    ledger.hit(order);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    Ok(order * 2)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_wait_mode_replays_the_running_call() {
+    let Some(url) = idempotent_tests::services::redis_url("redis_wait_mode_replays_the_running_call") else {
+        return;
+    };
+    let (store, mut raw) = setup(&url).await;
+    let store = Arc::new(store);
+    let ledger = Arc::new(Ledger::default());
+    let first = {
+        let (store, ledger) = (store.clone(), ledger.clone());
+        tokio::spawn(async move { slow_charge(&store, &ledger, 7).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let waiters: Vec<_> = (0..8)
+        .map(|_| {
+            let (store, ledger) = (store.clone(), ledger.clone());
+            tokio::spawn(async move { slow_charge(&store, &ledger, 7).await })
+        })
+        .collect();
+    assert_eq!(first.await.unwrap().unwrap(), 14);
+    for waiter in waiters {
+        assert_eq!(waiter.await.unwrap().unwrap(), 14, "a waiting duplicate gets the first call's value");
+    }
+    assert_eq!(ledger.0.lock().unwrap()[&7], 1);
+    cleanup(&mut raw, store.prefix()).await;
+}
+
+#[idempotent(key = order, store = store, scope = "big")]
+async fn big_result(store: &RedisStore, ledger: &Ledger, order: u32) -> Result<String, PayError> {
+    ledger.hit(order);
+    Ok("x".repeat(100))
+}
+
+#[tokio::test]
+async fn redis_record_limit_is_configurable() {
+    let Some(url) = idempotent_tests::services::redis_url("redis_record_limit_is_configurable") else {
+        return;
+    };
+    let (store, mut raw) = setup(&url).await;
+    let store = store.with_max_record_bytes(64);
+    assert_eq!(store.max_record_bytes(), 64);
+    let ledger = Ledger::default();
+    assert_eq!(big_result(&store, &ledger, 1).await.unwrap().len(), 100);
+    assert!(matches!(big_result(&store, &ledger, 1).await, Err(PayError::Idempotency(Error::Unrecordable { .. }))));
+    assert_eq!(ledger.0.lock().unwrap()[&1], 1, "an unrecordable result still never runs twice");
+    cleanup(&mut raw, store.prefix()).await;
+}

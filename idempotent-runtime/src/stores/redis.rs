@@ -35,7 +35,11 @@
 //! reconnects by itself after the connection is lost: a store outlives a Redis restart. During an
 //! outage, calls fail with [`StoreError::Backend`] (`backend == "redis"`), which the protocol
 //! reports as [`Error::Store`](crate::Error::Store) without running the body. A call whose body
-//! ran but whose completion failed keeps its claim until the lease ends.
+//! ran but whose completion failed keeps its claim until the lease ends. With the settings of
+//! [`RedisStore::connect`], a call during an outage fails after the manager's reconnection attempts,
+//! about 1 to 2.5 s on a refused connection (measured on loopback). A call refused before reaching
+//! any server (connection refused) is retried once, so the first call after the server comes back
+//! reconnects and succeeds instead of failing on the manager's last failed attempt.
 //!
 //! [`RedisStore::connect`] configures the manager with a response timeout of
 //! [`DEFAULT_RESPONSE_TIMEOUT`] (a hung server gives a timeout error instead of a call that never

@@ -186,9 +186,9 @@ pub struct OpCounts {
     pub detached_releases: AtomicU64,
     /// Operations that failed with a backend or corruption error.
     pub backend_errors: AtomicU64,
-    /// `complete` calls that failed with a backend error: bodies that ran but whose result the
-    /// store may not hold.
-    pub unrecorded_completions: AtomicU64,
+    /// `complete` calls that failed with a backend error (a body ran; unless a retry records its
+    /// result, the store does not hold it).
+    pub failed_completions: AtomicU64,
     /// `complete`/`release` calls refused with `NotOwner`.
     pub not_owner: AtomicU64,
 }
@@ -239,7 +239,7 @@ impl<S: Store> Store for Counted<S> {
             }
             Err(StoreError::NotOwner) => {}
             Err(_) => {
-                self.ops.unrecorded_completions.fetch_add(1, Ordering::Relaxed);
+                self.ops.failed_completions.fetch_add(1, Ordering::Relaxed);
             }
         }
         result
@@ -307,8 +307,8 @@ pub struct StressReport {
     pub timed_out: u64,
     /// Of those, callers whose body had started (so its result may be unrecorded).
     pub timed_out_after_body: u64,
-    /// Bodies whose result the store could not record (its `complete` failed).
-    pub unrecorded_completions: u64,
+    /// `complete` calls that failed with a backend error (retried or not).
+    pub failed_completions: u64,
     /// Commits beyond the first, per key.
     pub double_executions: u64,
     /// Keys the store acknowledged as completed that did not replay.
@@ -323,6 +323,8 @@ pub struct StressReport {
     pub completed_by_check: u64,
     /// Examples of what went wrong (at most 10).
     pub problems: Vec<String>,
+    /// The longest any caller waited for its call.
+    pub slowest_call: Duration,
     /// Wall time of the callers' phase.
     pub elapsed: Duration,
 }
@@ -339,7 +341,8 @@ impl fmt::Display for StressReport {
         )?;
         writeln!(
             f,
-            "  bodies run {} (ok {}); injected: transient {}, final {}, panics {}, cancellations {}",
+            "  slowest call {} ms; bodies run {} (ok {}); injected: transient {}, final {}, panics {}, cancellations {}",
+            self.slowest_call.as_millis(),
             self.bodies,
             self.ok_bodies,
             self.injected_transient,
@@ -360,13 +363,13 @@ impl fmt::Display for StressReport {
         )?;
         write!(
             f,
-            "  double executions {}, lost records {}, stuck keys {}, wrong results {}, overlapping bodies {}, unrecorded completions {}",
+            "  double executions {}, lost records {}, stuck keys {}, wrong results {}, overlapping bodies {}, failed completion attempts {}",
             self.double_executions,
             self.lost_records,
             self.stuck_keys,
             self.wrong_results,
             self.overlapping_bodies,
-            self.unrecorded_completions
+            self.failed_completions
         )?;
         for problem in &self.problems {
             write!(f, "\n  PROBLEM: {problem}")?;
@@ -478,6 +481,8 @@ struct Injected {
 
 struct Shared<S> {
     store: Counted<S>,
+    /// The longest a caller waited for its call, in microseconds.
+    slowest_micros: AtomicU64,
     ledger: Ledger,
     injected: Injected,
     scope: String,
@@ -579,6 +584,7 @@ async fn caller<S: Store + 'static>(shared: Arc<Shared<S>>, key: u64, index: usi
         tokio::time::sleep(start).await;
     }
     let (cancel_tx, cancel_rx) = oneshot::channel();
+    let began = Instant::now();
     let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let task = {
         let (shared, ran) = (Arc::clone(&shared), Arc::clone(&ran));
@@ -603,7 +609,10 @@ async fn caller<S: Store + 'static>(shared: Arc<Shared<S>>, key: u64, index: usi
             }
         })
     };
-    match task.await {
+    let outcome = task.await;
+    let micros = u64::try_from(began.elapsed().as_micros()).unwrap_or(u64::MAX);
+    shared.slowest_micros.fetch_max(micros, Ordering::Relaxed);
+    match outcome {
         Ok(Some(Some(result))) => Seen::Returned { ran: ran.load(Ordering::SeqCst), result },
         Ok(Some(None)) => Seen::Cancelled,
         Ok(None) => Seen::TimedOut { ran: ran.load(Ordering::SeqCst) },
@@ -623,6 +632,7 @@ where
     let scope = format!("stress-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     let shared = Arc::new(Shared {
         store: Counted::new(store),
+        slowest_micros: AtomicU64::new(0),
         ledger: Ledger::default(),
         injected: Injected::default(),
         scope,
@@ -764,7 +774,7 @@ async fn check<S: Store + 'static>(shared: &Arc<Shared<S>>, seen_per_key: &[Vec<
         + ops.releases.load(Ordering::Relaxed)
         + ops.detached_releases.load(Ordering::Relaxed);
     report.store_errors = ops.backend_errors.load(Ordering::Relaxed);
-    report.unrecorded_completions = ops.unrecorded_completions.load(Ordering::Relaxed);
+    report.failed_completions = ops.failed_completions.load(Ordering::Relaxed);
     let injected = &shared.injected;
     report.bodies = injected.bodies.load(Ordering::Relaxed);
     report.ok_bodies = injected.ok.load(Ordering::Relaxed);
@@ -773,6 +783,7 @@ async fn check<S: Store + 'static>(shared: &Arc<Shared<S>>, seen_per_key: &[Vec<
     report.injected_panics = injected.panics.load(Ordering::Relaxed);
     report.injected_cancels = injected.cancels.load(Ordering::Relaxed);
     report.overlapping_bodies = shared.ledger.overlaps.load(Ordering::SeqCst);
+    report.slowest_call = Duration::from_micros(shared.slowest_micros.load(Ordering::Relaxed));
 }
 
 /// Checks one caller's result against the key's recorded run.

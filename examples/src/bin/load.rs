@@ -1,0 +1,823 @@
+//! A load program: what `#[idempotent]` costs on each store, next to the store's own cheapest write.
+//!
+//! For each store and concurrency it runs, several times, three timed phases of `--seconds` each,
+//! after an untimed warm-up:
+//!
+//! - `raw`: the store's minimal write with a fresh key, straight through the client crate
+//!   (Redis: `SET key value NX PX`; SQL: `INSERT ... ON CONFLICT DO NOTHING`; memory: one insert
+//!   into a locked `HashMap` shard). One round trip.
+//! - `first`: an `#[idempotent]` fn called with fresh keys: a claim and a record, two round trips.
+//! - `replay`: the same fn called again with the keys `first` completed: one claim that finds the
+//!   record, one round trip.
+//!
+//! So the ideal is `first/s = 0.5 × raw/s` and `replay/s = 1.0 × raw/s`. It prints one CSV row per
+//! phase (to `--csv`) and a Markdown table of medians over the runs, with the ratios measured side
+//! by side in each run. `--rss-keys N` instead measures the memory store's resident memory with `N`
+//! completed keys, and after they expire and are purged.
+//!
+//! ```text
+//! cargo run --release -p idempotent-examples --bin load -- --store redis --concurrency 64 --seconds 10
+//! cargo run --release -p idempotent-examples --bin load -- --store all --runs 5 --csv target/load.csv
+//! cargo run --release -p idempotent-examples --bin load -- --rss-keys 1000000
+//! ```
+//!
+//! Servers come from `REDIS_URL`, `POSTGRES_URL` and `MYSQL_URL` (the test suite's defaults);
+//! SQLite uses a file under the system temporary directory. The benchmark tables are
+//! `idempotent_bench` and `idempotent_bench_raw`; they are emptied before each run.
+
+#![allow(
+    clippy::cast_precision_loss,
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    reason = "statistics over counts far below 2^52, and percentile ranks within a vector's bounds"
+)]
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::hash::BuildHasher;
+use std::io::Write as _;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idempotent_runtime::stores::redis::redis::{self, aio::ConnectionManager};
+use idempotent_runtime::stores::sql::{MySqlStore, PostgresStore, SqliteStore, sqlx};
+use idempotent_runtime::{Call, Error, MemoryStore, RedisStore, Store, idempotent};
+
+const USAGE: &str = "\
+usage: load [--store memory|redis|postgres|mysql|sqlite|all] [--concurrency 1,16,64]
+            [--seconds 3] [--runs 3] [--warmup-ms 300] [--csv PATH]
+       load --rss-keys 1000000";
+
+/// The function under test: trivial, so what is measured is the idempotency layer.
+#[idempotent(key = id, store = store, scope = "load", retention = "10m")]
+async fn op<S: Store>(store: &S, id: &str) -> Result<u64, Error> {
+    Ok(id.len() as u64)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Raw,
+    First,
+    Replay,
+}
+
+impl Phase {
+    fn name(self) -> &'static str {
+        match self {
+            Phase::Raw => "raw",
+            Phase::First => "first",
+            Phase::Replay => "replay",
+        }
+    }
+}
+
+/// A store under test, with its raw baseline operation.
+trait Target: Send + Sync + 'static {
+    type Store: Store + 'static;
+
+    /// The name (`comm`) of the server processes whose CPU time is counted, if any.
+    const SERVER: Option<&'static str>;
+
+    /// The idempotency store.
+    fn store(&self) -> &Self::Store;
+
+    /// The store's own minimal write of a fresh `key`: one round trip.
+    fn raw(&self, key: &str) -> impl Future<Output = Result<(), String>> + Send;
+}
+
+/// What one phase measured.
+struct Sample {
+    ops: u64,
+    errors: u64,
+    elapsed: Duration,
+    /// Per-operation latencies in nanoseconds, sorted.
+    latencies: Vec<u32>,
+    /// Per task, how many keys it used (for `first`, so `replay` can reuse them).
+    completed: Vec<u64>,
+    /// CPU seconds this process and the store's server processes used during the phase.
+    cpu: Cpu,
+}
+
+impl Sample {
+    fn rate(&self) -> f64 {
+        self.ops as f64 / self.elapsed.as_secs_f64()
+    }
+
+    fn percentile_us(&self, p: f64) -> f64 {
+        if self.latencies.is_empty() {
+            return f64::NAN;
+        }
+        let rank = ((self.latencies.len() - 1) as f64 * p).round() as usize;
+        f64::from(self.latencies[rank]) / 1000.0
+    }
+}
+
+/// Runs `phase` on `concurrency` tasks for `duration`.
+///
+/// Fresh keys are `{tag}-{task}-{i}`; replays cycle through the keys `first` completed.
+async fn drive<T: Target>(
+    target: &Arc<T>,
+    phase: Phase,
+    concurrency: usize,
+    duration: Duration,
+    tag: &str,
+    completed: &[u64],
+) -> Sample {
+    let stop = Arc::new(AtomicBool::new(false));
+    let cpu_before = Cpu::now(T::SERVER);
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..concurrency)
+        .map(|task| {
+            let (target, stop, tag) = (Arc::clone(target), Arc::clone(&stop), tag.to_owned());
+            // A replaying task reuses the keys of one first-phase task, all of them in turn.
+            let (owner, available) = match completed.len() {
+                0 => (task, 0),
+                n => (task % n, completed[task % n]),
+            };
+            tokio::spawn(async move {
+                let mut latencies = Vec::with_capacity(1 << 16);
+                let (mut next, mut ok, mut errors, mut key) = (0u64, 0u64, 0u64, String::with_capacity(64));
+                while !stop.load(Ordering::Relaxed) {
+                    let (owner, i) = match phase {
+                        Phase::Replay if available == 0 => break,
+                        Phase::Replay => (owner, next % available),
+                        Phase::Raw | Phase::First => (task, next),
+                    };
+                    next += 1;
+                    key.clear();
+                    let _ = write!(key, "{tag}-{owner}-{i}");
+                    let began = Instant::now();
+                    let result = match phase {
+                        Phase::Raw => target.raw(&key).await,
+                        Phase::First | Phase::Replay => {
+                            op(target.store(), &key).await.map(drop).map_err(|e| e.to_string())
+                        }
+                    };
+                    latencies.push(u32::try_from(began.elapsed().as_nanos()).unwrap_or(u32::MAX));
+                    // The memory store never suspends: yield now and then so that the other
+                    // tasks on this worker, and the timer that ends the phase, get to run.
+                    if next % 16 == 0 {
+                        tokio::task::yield_now().await;
+                    }
+                    match result {
+                        Ok(()) => ok += 1,
+                        Err(e) => {
+                            if errors == 0 {
+                                eprintln!("{}: {e}", phase.name());
+                            }
+                            errors += 1;
+                        }
+                    }
+                }
+                (ok, errors, next, latencies)
+            })
+        })
+        .collect();
+    tokio::time::sleep(duration).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut sample = Sample {
+        ops: 0,
+        errors: 0,
+        elapsed: Duration::ZERO,
+        latencies: Vec::new(),
+        completed: Vec::new(),
+        cpu: Cpu::default(),
+    };
+    for task in tasks {
+        let (ok, errors, keys, latencies) = task.await.expect("a load task panicked");
+        sample.ops += ok;
+        sample.errors += errors;
+        sample.completed.push(keys);
+        sample.latencies.extend(latencies);
+    }
+    sample.elapsed = start.elapsed();
+    sample.cpu = Cpu::now(T::SERVER).since(cpu_before);
+    sample.latencies.sort_unstable();
+    sample
+}
+
+/// One row of the CSV and of the summary.
+struct Row {
+    store: &'static str,
+    concurrency: usize,
+    run: usize,
+    phase: Phase,
+    ops: u64,
+    errors: u64,
+    seconds: f64,
+    rate: f64,
+    p50_us: f64,
+    p99_us: f64,
+    /// CPU time per successful operation of this process, and of the store's server, in µs.
+    client_cpu_us: f64,
+    server_cpu_us: f64,
+}
+
+const CSV_HEADER: &str =
+    "store,concurrency,run,phase,ops,errors,seconds,ops_per_s,p50_us,p99_us,client_cpu_us_per_op,server_cpu_us_per_op";
+
+impl Row {
+    fn csv(&self) -> String {
+        format!(
+            "{},{},{},{},{},{},{:.3},{:.1},{:.2},{:.2},{:.2},{:.2}",
+            self.store,
+            self.concurrency,
+            self.run,
+            self.phase.name(),
+            self.ops,
+            self.errors,
+            self.seconds,
+            self.rate,
+            self.p50_us,
+            self.p99_us,
+            self.client_cpu_us,
+            self.server_cpu_us
+        )
+    }
+}
+
+struct Options {
+    stores: Vec<String>,
+    concurrency: Vec<usize>,
+    seconds: f64,
+    runs: usize,
+    warmup: Duration,
+    csv: Option<String>,
+    rss_keys: Option<u64>,
+}
+
+fn parse_options() -> Result<Options, String> {
+    let mut options = Options {
+        stores: vec!["all".into()],
+        concurrency: vec![1, 16, 64],
+        seconds: 3.0,
+        runs: 3,
+        warmup: Duration::from_millis(300),
+        csv: None,
+        rss_keys: None,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        if flag == "-h" || flag == "--help" {
+            return Err(String::new());
+        }
+        let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        let bad = |e: &dyn std::fmt::Display| format!("{flag} {value}: {e}");
+        match flag.as_str() {
+            "--store" => options.stores = value.split(',').map(str::to_owned).collect(),
+            "--concurrency" => {
+                options.concurrency =
+                    value.split(',').map(str::parse).collect::<Result<_, _>>().map_err(|e| bad(&e))?;
+            }
+            "--seconds" => options.seconds = value.parse().map_err(|e| bad(&e))?,
+            "--runs" => options.runs = value.parse().map_err(|e| bad(&e))?,
+            "--warmup-ms" => options.warmup = Duration::from_millis(value.parse().map_err(|e| bad(&e))?),
+            "--csv" => options.csv = Some(value),
+            "--rss-keys" => options.rss_keys = Some(value.parse().map_err(|e| bad(&e))?),
+            _ => return Err(format!("unknown option {flag}")),
+        }
+    }
+    if options.stores.iter().any(|s| s == "all") {
+        options.stores = ["memory", "redis", "postgres", "mysql", "sqlite"].map(str::to_owned).to_vec();
+    }
+    if options.concurrency.contains(&0) || options.runs == 0 || options.seconds <= 0.0 {
+        return Err("concurrency, runs and seconds must be positive".into());
+    }
+    Ok(options)
+}
+
+fn main() {
+    let options = match parse_options() {
+        Ok(options) => options,
+        Err(message) => {
+            if !message.is_empty() {
+                eprintln!("load: {message}");
+            }
+            eprintln!("{USAGE}");
+            std::process::exit(2);
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("a Tokio runtime");
+    if let Some(keys) = options.rss_keys {
+        runtime.block_on(memory_rss(keys));
+        return;
+    }
+    let mut csv = options.csv.as_ref().map(|path| {
+        let mut file = std::fs::File::create(path).unwrap_or_else(|e| panic!("cannot create {path}: {e}"));
+        writeln!(file, "{CSV_HEADER}").expect("write the CSV");
+        file
+    });
+    let mut rows = Vec::new();
+    for store in &options.stores {
+        for &concurrency in &options.concurrency {
+            for run in 1..=options.runs {
+                let measured = runtime.block_on(measure(store, concurrency, run, &options));
+                match measured {
+                    Ok(measured) => {
+                        for row in measured {
+                            if let Some(file) = csv.as_mut() {
+                                writeln!(file, "{}", row.csv()).expect("write the CSV");
+                            }
+                            rows.push(row);
+                        }
+                    }
+                    Err(e) => {
+                        eprintln!("load: {store} skipped: {e}");
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    print!("{}", summary(&rows));
+}
+
+/// One run of the three phases on a freshly opened `store`.
+async fn measure(store: &str, concurrency: usize, run: usize, options: &Options) -> Result<Vec<Row>, String> {
+    match store {
+        "memory" => phases(Arc::new(MemoryTarget::new()), "memory", concurrency, run, options).await,
+        "redis" => phases(Arc::new(RedisTarget::open().await?), "redis", concurrency, run, options).await,
+        "postgres" => {
+            phases(Arc::new(PostgresTarget::open(concurrency).await?), "postgres", concurrency, run, options).await
+        }
+        "mysql" => phases(Arc::new(MySqlTarget::open(concurrency).await?), "mysql", concurrency, run, options).await,
+        "sqlite" => phases(Arc::new(SqliteTarget::open().await?), "sqlite", concurrency, run, options).await,
+        other => Err(format!("unknown store {other:?} (expected memory, redis, postgres, mysql or sqlite)")),
+    }
+}
+
+async fn phases<T: Target>(
+    target: Arc<T>,
+    store: &'static str,
+    concurrency: usize,
+    run: usize,
+    options: &Options,
+) -> Result<Vec<Row>, String> {
+    let tag = format!(
+        "{:x}-{run}",
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_micros()
+    );
+    // Warm-up: connections opened, scripts loaded, caches filled; not timed.
+    let warm = drive(&target, Phase::Raw, concurrency, options.warmup, &format!("{tag}w"), &[]).await;
+    let warm_first = drive(&target, Phase::First, concurrency, options.warmup, &format!("{tag}w"), &[]).await;
+    if warm.ops == 0 || warm_first.ops == 0 {
+        return Err(format!(
+            "no operation succeeded during the warm-up ({} + {} errors)",
+            warm.errors, warm_first.errors
+        ));
+    }
+    let duration = Duration::from_secs_f64(options.seconds);
+    let raw = drive(&target, Phase::Raw, concurrency, duration, &tag, &[]).await;
+    let first = drive(&target, Phase::First, concurrency, duration, &tag, &[]).await;
+    let replay = drive(&target, Phase::Replay, concurrency, duration, &tag, &first.completed).await;
+    let rows: Vec<Row> = [(Phase::Raw, raw), (Phase::First, first), (Phase::Replay, replay)]
+        .into_iter()
+        .map(|(phase, s)| Row {
+            store,
+            concurrency,
+            run,
+            phase,
+            ops: s.ops,
+            errors: s.errors,
+            seconds: s.elapsed.as_secs_f64(),
+            rate: s.rate(),
+            p50_us: s.percentile_us(0.50),
+            p99_us: s.percentile_us(0.99),
+            client_cpu_us: s.cpu.client * 1e6 / s.ops as f64,
+            server_cpu_us: s.cpu.server * 1e6 / s.ops as f64,
+        })
+        .collect();
+    eprintln!(
+        "{store:>8} c={concurrency:<3} run {run}: raw {:>9.0}/s  first {:>9.0}/s  replay {:>9.0}/s{}",
+        rows[0].rate,
+        rows[1].rate,
+        rows[2].rate,
+        match rows.iter().map(|r| r.errors).sum::<u64>() {
+            0 => String::new(),
+            n => format!("  ({n} errors)"),
+        }
+    );
+    Ok(rows)
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.retain(|v| v.is_finite());
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    if values.len() % 2 == 1 { values[mid] } else { f64::midpoint(values[mid - 1], values[mid]) }
+}
+
+/// The Markdown summary: medians over runs; ratios are computed within each run, then the median.
+fn summary(rows: &[Row]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "\n| store | conc. | runs | raw/s | first/s | replay/s | first÷raw (ideal 0.50) | replay÷raw (ideal 1.00) \
+         | raw p50/p99 µs | first p50/p99 µs | replay p50/p99 µs | first p50 ÷ 2·raw p50 | replay p50 ÷ raw p50 |"
+    );
+    let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let mut groups: Vec<(&str, usize)> = rows.iter().map(|r| (r.store, r.concurrency)).collect();
+    groups.dedup();
+    for (store, concurrency) in groups {
+        let of = |phase: Phase| -> HashMap<usize, &Row> {
+            rows.iter()
+                .filter(|r| r.store == store && r.concurrency == concurrency && r.phase == phase)
+                .map(|r| (r.run, r))
+                .collect()
+        };
+        let (raw, first, replay) = (of(Phase::Raw), of(Phase::First), of(Phase::Replay));
+        let runs: Vec<usize> = raw.keys().copied().collect();
+        let med = |set: &HashMap<usize, &Row>, f: &dyn Fn(&Row) -> f64| median(set.values().map(|r| f(r)).collect());
+        let ratio = |f: &dyn Fn(usize) -> f64| median(runs.iter().map(|&run| f(run)).collect());
+        let _ = writeln!(
+            out,
+            "| {store} | {concurrency} | {} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.2} | {:.2} |",
+            runs.len(),
+            med(&raw, &|r| r.rate),
+            med(&first, &|r| r.rate),
+            med(&replay, &|r| r.rate),
+            ratio(&|run| first[&run].rate / raw[&run].rate),
+            ratio(&|run| replay[&run].rate / raw[&run].rate),
+            med(&raw, &|r| r.p50_us),
+            med(&raw, &|r| r.p99_us),
+            med(&first, &|r| r.p50_us),
+            med(&first, &|r| r.p99_us),
+            med(&replay, &|r| r.p50_us),
+            med(&replay, &|r| r.p99_us),
+            ratio(&|run| first[&run].p50_us / (2.0 * raw[&run].p50_us)),
+            ratio(&|run| replay[&run].p50_us / raw[&run].p50_us),
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nCPU time per operation, µs (median over runs; server: every process of the store's server)\n\n\
+         | store | conc. | raw client | raw server | first client | first server | replay client | replay server |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    let mut groups: Vec<(&str, usize)> = rows.iter().map(|r| (r.store, r.concurrency)).collect();
+    groups.dedup();
+    for (store, concurrency) in groups {
+        let cpu = |phase: Phase, f: fn(&Row) -> f64| {
+            median(
+                rows.iter()
+                    .filter(|r| r.store == store && r.concurrency == concurrency && r.phase == phase)
+                    .map(f)
+                    .collect(),
+            )
+        };
+        let _ = write!(out, "| {store} | {concurrency} |");
+        for phase in [Phase::Raw, Phase::First, Phase::Replay] {
+            let _ = write!(out, " {:.1} | {:.1} |", cpu(phase, |r| r.client_cpu_us), cpu(phase, |r| r.server_cpu_us));
+        }
+        let _ = writeln!(out);
+    }
+    out
+}
+
+// ---- Memory ----
+
+/// The memory store; its raw operation is one insert into a locked shard of a `HashMap`.
+struct MemoryTarget {
+    store: MemoryStore,
+    raw: Vec<Mutex<HashMap<Box<str>, u64>>>,
+    hasher: std::hash::RandomState,
+}
+
+impl MemoryTarget {
+    fn new() -> Self {
+        MemoryTarget {
+            store: MemoryStore::new(),
+            raw: (0..64).map(|_| Mutex::new(HashMap::new())).collect(),
+            hasher: std::hash::RandomState::new(),
+        }
+    }
+}
+
+impl Target for MemoryTarget {
+    type Store = MemoryStore;
+    const SERVER: Option<&'static str> = None;
+
+    fn store(&self) -> &MemoryStore {
+        &self.store
+    }
+
+    async fn raw(&self, key: &str) -> Result<(), String> {
+        let shard = usize::try_from(self.hasher.hash_one(key) % 64).unwrap_or(0);
+        let mut map = self.raw[shard].lock().map_err(|e| e.to_string())?;
+        map.entry(key.into()).or_insert(0);
+        Ok(())
+    }
+}
+
+// ---- Redis ----
+
+/// The Redis store; its raw operation is `SET key 1 NX PX 600000` on the same connection.
+struct RedisTarget {
+    store: RedisStore,
+    connection: ConnectionManager,
+}
+
+impl RedisTarget {
+    async fn open() -> Result<Self, String> {
+        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let store = RedisStore::connect(&url).await.map_err(|e| format!("{url}: {e}"))?;
+        let store = store.with_prefix("idempotent-bench:").map_err(|e| e.to_string())?;
+        let connection = store.connection();
+        Ok(RedisTarget { store, connection })
+    }
+}
+
+impl Target for RedisTarget {
+    type Store = RedisStore;
+    const SERVER: Option<&'static str> = Some("redis-server");
+
+    fn store(&self) -> &RedisStore {
+        &self.store
+    }
+
+    async fn raw(&self, key: &str) -> Result<(), String> {
+        let mut connection = self.connection.clone();
+        let set: redis::Value = redis::cmd("SET")
+            .arg(format!("idempotent-bench-raw:{key}"))
+            .arg(1)
+            .arg("NX")
+            .arg("PX")
+            .arg(600_000)
+            .query_async(&mut connection)
+            .await
+            .map_err(|e| e.to_string())?;
+        match set {
+            redis::Value::Okay => Ok(()),
+            other => Err(format!("SET NX PX of a fresh key returned {other:?}")),
+        }
+    }
+}
+
+// ---- SQL ----
+
+/// The SQL stores' table; the raw baseline's is `idempotent_bench_raw`.
+const TABLE: &str = "idempotent_bench";
+
+/// The connection pool size for `concurrency` tasks (PostgreSQL and MariaDB).
+fn pool_size(concurrency: usize) -> u32 {
+    u32::try_from(concurrency.min(32)).unwrap_or(32)
+}
+
+/// Runs `statements` one after the other on `pool`.
+async fn setup<DB: sqlx::Database>(pool: &sqlx::Pool<DB>, statements: &[&str]) -> Result<(), String>
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let mut connection = pool.acquire().await.map_err(|e| e.to_string())?;
+    for statement in statements {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(*statement))
+            .execute(&mut *connection)
+            .await
+            .map_err(|e| format!("{statement}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// PostgreSQL; the raw operation is one `INSERT ... ON CONFLICT DO NOTHING` on the same pool.
+struct PostgresTarget {
+    store: PostgresStore,
+    pool: sqlx::PgPool,
+}
+
+impl PostgresTarget {
+    async fn open(concurrency: usize) -> Result<Self, String> {
+        let url = std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(pool_size(concurrency))
+            .connect(&url)
+            .await
+            .map_err(|e| format!("{url}: {e}"))?;
+        let store = PostgresStore::with_table(pool.clone(), TABLE).map_err(|e| e.to_string())?;
+        store.create_table().await.map_err(|e| e.to_string())?;
+        setup(
+            &pool,
+            &[
+                "CREATE TABLE IF NOT EXISTS idempotent_bench_raw (idempotency_key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+                "TRUNCATE idempotent_bench, idempotent_bench_raw",
+            ],
+        )
+        .await?;
+        Ok(PostgresTarget { store, pool })
+    }
+}
+
+impl Target for PostgresTarget {
+    type Store = PostgresStore;
+    const SERVER: Option<&'static str> = Some("postgres");
+
+    fn store(&self) -> &PostgresStore {
+        &self.store
+    }
+
+    async fn raw(&self, key: &str) -> Result<(), String> {
+        let insert = sqlx::query(
+            "INSERT INTO idempotent_bench_raw (idempotency_key, value) VALUES ($1, $2) \
+             ON CONFLICT (idempotency_key) DO NOTHING",
+        );
+        let done = insert.bind(key).bind("1").execute(&self.pool).await.map_err(|e| e.to_string())?;
+        expect_one_row(done.rows_affected())
+    }
+}
+
+fn expect_one_row(affected: u64) -> Result<(), String> {
+    if affected == 1 { Ok(()) } else { Err(format!("the insert of a fresh key affected {affected} rows")) }
+}
+
+/// MariaDB/MySQL; the raw operation is its `INSERT ... ON DUPLICATE KEY UPDATE` (MySQL has no
+/// `ON CONFLICT`), on the same pool.
+struct MySqlTarget {
+    store: MySqlStore,
+    pool: sqlx::MySqlPool,
+}
+
+impl MySqlTarget {
+    async fn open(concurrency: usize) -> Result<Self, String> {
+        let url = std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+        let pool = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(pool_size(concurrency))
+            .connect(&url)
+            .await
+            .map_err(|e| format!("{url}: {e}"))?;
+        let store = MySqlStore::with_table(pool.clone(), TABLE).map_err(|e| e.to_string())?;
+        store.create_table().await.map_err(|e| e.to_string())?;
+        setup(
+            &pool,
+            &[
+                "CREATE TABLE IF NOT EXISTS idempotent_bench_raw (idempotency_key VARCHAR(511) NOT NULL PRIMARY KEY, \
+                 value VARCHAR(16) NOT NULL) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin",
+                "TRUNCATE idempotent_bench",
+                "TRUNCATE idempotent_bench_raw",
+            ],
+        )
+        .await?;
+        Ok(MySqlTarget { store, pool })
+    }
+}
+
+impl Target for MySqlTarget {
+    type Store = MySqlStore;
+    const SERVER: Option<&'static str> = Some("mariadbd");
+
+    fn store(&self) -> &MySqlStore {
+        &self.store
+    }
+
+    async fn raw(&self, key: &str) -> Result<(), String> {
+        let insert = sqlx::query(
+            "INSERT INTO idempotent_bench_raw (idempotency_key, value) VALUES (?, ?) \
+             ON DUPLICATE KEY UPDATE idempotency_key = idempotency_key",
+        );
+        let done = insert.bind(key).bind("1").execute(&self.pool).await.map_err(|e| e.to_string())?;
+        expect_one_row(done.rows_affected())
+    }
+}
+
+/// SQLite in a fresh file, with the pool `SqliteStore::open` would build (sqlx's default size);
+/// the raw operation is one `INSERT ... ON CONFLICT DO NOTHING` on the same pool.
+struct SqliteTarget {
+    store: SqliteStore,
+    pool: sqlx::SqlitePool,
+}
+
+impl SqliteTarget {
+    async fn open() -> Result<Self, String> {
+        let path = std::env::temp_dir().join("idempotent-bench.db");
+        for suffix in ["", "-wal", "-shm"] {
+            let mut file = path.clone().into_os_string();
+            file.push(suffix);
+            let _ = std::fs::remove_file(file);
+        }
+        let pool = sqlx::SqlitePool::connect_with(SqliteStore::connect_options(&path))
+            .await
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        let store = SqliteStore::with_table(pool.clone(), TABLE).map_err(|e| e.to_string())?;
+        store.create_table().await.map_err(|e| e.to_string())?;
+        setup(
+            &pool,
+            &["CREATE TABLE IF NOT EXISTS idempotent_bench_raw (idempotency_key TEXT PRIMARY KEY, value TEXT NOT NULL)"],
+        )
+        .await?;
+        Ok(SqliteTarget { store, pool })
+    }
+}
+
+impl Target for SqliteTarget {
+    type Store = SqliteStore;
+    const SERVER: Option<&'static str> = None;
+
+    fn store(&self) -> &SqliteStore {
+        &self.store
+    }
+
+    async fn raw(&self, key: &str) -> Result<(), String> {
+        let insert = sqlx::query(
+            "INSERT INTO idempotent_bench_raw (idempotency_key, value) VALUES (?1, ?2) \
+             ON CONFLICT (idempotency_key) DO NOTHING",
+        );
+        let done = insert.bind(key).bind("1").execute(&self.pool).await.map_err(|e| e.to_string())?;
+        expect_one_row(done.rows_affected())
+    }
+}
+
+/// CPU time used so far, in seconds: by this process, and by every process named `server`.
+///
+/// Read from `/proc/<pid>/stat` (user + system time, in clock ticks of 1/100 s). The server's
+/// count includes whatever else it served meanwhile (other clients of the same server).
+#[derive(Debug, Default, Clone, Copy)]
+struct Cpu {
+    client: f64,
+    server: f64,
+}
+
+impl Cpu {
+    const TICKS_PER_SECOND: f64 = 100.0;
+
+    fn now(server: Option<&str>) -> Self {
+        let client = process_ticks("/proc/self/stat").map_or(f64::NAN, |(_, ticks)| ticks);
+        let server = server.map_or(f64::NAN, |name| {
+            std::fs::read_dir("/proc")
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|entry| process_ticks(&entry.path().join("stat").to_string_lossy()))
+                .filter(|(comm, _)| comm == name)
+                .map(|(_, ticks)| ticks)
+                .sum()
+        });
+        Cpu { client: client / Self::TICKS_PER_SECOND, server: server / Self::TICKS_PER_SECOND }
+    }
+
+    fn since(self, before: Cpu) -> Cpu {
+        Cpu { client: self.client - before.client, server: self.server - before.server }
+    }
+}
+
+/// A process's name and user + system CPU ticks, from its `/proc/<pid>/stat`.
+fn process_ticks(path: &str) -> Option<(String, f64)> {
+    let stat = std::fs::read_to_string(path).ok()?;
+    let (head, tail) = stat.rsplit_once(") ")?;
+    let comm = head.split_once(" (")?.1.to_owned();
+    // After the name: state is field 3 of the man page; utime and stime are fields 14 and 15.
+    let fields: Vec<&str> = tail.split_whitespace().collect();
+    let ticks = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    Some((comm, ticks))
+}
+
+/// Resident memory of this process, from `/proc/self/status`: (`VmRSS`, `VmHWM`) in MiB.
+fn rss_mib() -> (f64, f64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(name))
+            .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+            .map_or(f64::NAN, |kib| kib / 1024.0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// Peak and current resident memory with `keys` completed keys in a memory store, then after
+/// they expired and were purged, then with as many new keys again (is the memory reused?).
+async fn memory_rss(keys: u64) {
+    const RETENTION: Duration = Duration::from_secs(5);
+    let report = |what: &str, store: &MemoryStore| {
+        let (rss, hwm) = rss_mib();
+        println!("| {what} | {} | {rss:.1} | {hwm:.1} |", store.len());
+    };
+    let store = MemoryStore::new();
+    println!("| moment | entries | VmRSS MiB | VmHWM (peak) MiB |\n|---|---:|---:|---:|");
+    report("start", &store);
+    let fill = |round: u64| {
+        let store = store.clone();
+        async move {
+            let began = Instant::now();
+            for i in 0..keys {
+                let key = format!("rss-{round}-{i}");
+                Call::new("load", &key)
+                    .retention(RETENTION)
+                    .run(&store, async { Ok::<_, Error>(i) })
+                    .await
+                    .expect("a memory-store call");
+            }
+            began.elapsed()
+        }
+    };
+    let took = fill(1).await;
+    report(&format!("{keys} keys completed (in {:.2} s)", took.as_secs_f64()), &store);
+    assert!(took < RETENTION, "filling took longer than the retention; the count above is not all live keys");
+    // The last key was completed just now: wait out its retention.
+    tokio::time::sleep(RETENTION + Duration::from_millis(200)).await;
+    let purged = store.purge_expired().await.expect("purge");
+    report(&format!("expired and purged ({purged} entries)"), &store);
+    let took = fill(2).await;
+    report(&format!("{keys} new keys completed (in {:.2} s)", took.as_secs_f64()), &store);
+}

@@ -1,6 +1,11 @@
-//! PostgreSQL and MariaDB restarted in the middle of a stress run, with the same store object (and
-//! pool) throughout: calls during the outage fail with typed errors, nothing runs twice, nothing
-//! recorded is lost, and the store works again once the server is back, without a restart of ours.
+//! Redis, PostgreSQL and MariaDB restarted in the middle of a stress run, with the same store
+//! object (and pool or connection manager) throughout: calls during the outage fail with typed
+//! errors or wait, nothing runs twice, nothing recorded is lost, and the store works again once the
+//! server is back, without a restart of ours.
+//!
+//! Redis runs here without persistence (`--save ""`), so its restart saves a snapshot on shutdown
+//! (`SHUTDOWN SAVE`) that the restarted server loads, and deletes it afterwards; PostgreSQL and
+//! MariaDB are stopped cleanly (`-m fast`, `mariadb-admin shutdown`) and keep what they committed.
 //!
 //! These tests stop shared servers, so they live in their own test binary (cargo runs test
 //! binaries one after another) and take a lock so they never overlap each other. A guard restarts
@@ -44,6 +49,7 @@ fn run(program: &str, args: &[&str]) {
 /// A server these tests can stop and start.
 #[derive(Debug, Clone, Copy)]
 enum Server {
+    Redis,
     Postgres,
     MariaDb,
 }
@@ -51,6 +57,7 @@ enum Server {
 impl Server {
     fn port(self) -> u16 {
         match self {
+            Server::Redis => 6379,
             Server::Postgres => 5432,
             Server::MariaDb => 3306,
         }
@@ -67,6 +74,8 @@ impl Server {
 
     fn stop(self) {
         match self {
+            // A successful SHUTDOWN closes the connection without a reply; the port check below decides.
+            Server::Redis => run("redis-cli", &["-p", "6379", "shutdown", "save"]),
             Server::Postgres => {
                 let version = Self::postgres_version();
                 run("pg_ctlcluster", &["--skip-systemctl-redirect", &version, "main", "stop", "-m", "fast"]);
@@ -81,6 +90,28 @@ impl Server {
             return;
         }
         match self {
+            Server::Redis => {
+                // The start command of the team brief (and .ci/run).
+                run(
+                    "redis-server",
+                    &[
+                        "--daemonize",
+                        "yes",
+                        "--bind",
+                        "127.0.0.1 -::1",
+                        "--port",
+                        "6379",
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                        "--dir",
+                        "/var/lib/redis",
+                        "--logfile",
+                        "/var/log/redis/ci.log",
+                    ],
+                );
+            }
             Server::Postgres => {
                 let version = Self::postgres_version();
                 run("pg_ctlcluster", &["--skip-systemctl-redirect", &version, "main", "start"]);
@@ -90,6 +121,10 @@ impl Server {
             }
         }
         assert!(wait_for_port(self.port(), true, Duration::from_secs(60)), "{self:?} did not start again");
+        if let Server::Redis = self {
+            // Later restarts (of other tests) start empty, as the server normally does.
+            let _ = std::fs::remove_file("/var/lib/redis/dump.rdb");
+        }
     }
 }
 
@@ -138,6 +173,18 @@ fn finish(report: &StressReport, restarts: u64) {
     // pool for a connection until the server is back).
     assert!(report.elapsed > Duration::from_millis(1500) + DOWN_FOR, "the run ended before the restart:\n{report}");
     report.assert_clean();
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_restart_mid_run() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let Some((store, cleanup)) = idempotent_tests::fresh::redis("redis_restart_mid_run").await else { return };
+    let guard = StartOnDrop(Server::Redis);
+    let (report, restarts) = stress::run_with_faults("redis", store, config(), restart(Server::Redis)).await;
+    drop(guard);
+    cleanup.run().await;
+    finish(&report, restarts);
 }
 
 #[cfg(feature = "postgres")]

@@ -17,6 +17,7 @@ pub const DEFAULT_RETENTION: Duration = Duration::from_hours(24);
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(5);
 const MAX_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_COMPLETE_BACKOFF: Duration = Duration::from_secs(1);
 
 /// One idempotent call, built by hand or by the `#[idempotent]` attribute.
 ///
@@ -120,7 +121,10 @@ impl Call {
         let request = ClaimRequest { key: &key, token: &token, fingerprint: fingerprint.as_ref(), lease: self.lease };
         let deadline = self.wait.map(|wait| tokio::time::Instant::now() + wait);
         let mut backoff = FIRST_BACKOFF;
+        // The lease is counted from before the claim request, so our estimate of its end is never late.
+        let mut lease_end;
         loop {
+            lease_end = tokio::time::Instant::now() + self.lease;
             let claim = store.claim(&request).await.map_err(|source| store_error(&key, "claim", source))?;
             match claim {
                 Claim::Claimed => break,
@@ -148,7 +152,7 @@ impl Call {
         let guard = ReleaseOnDrop { store, key: &key, token: &token };
         let result = body.await;
         std::mem::forget(guard);
-        record(store, &key, &token, self.retention, &policy, result).await
+        record(store, &key, &token, self.retention, lease_end, &policy, result).await
     }
 }
 
@@ -187,6 +191,7 @@ async fn record<S, T, E>(
     key: &Key,
     token: &Token,
     retention: Duration,
+    lease_end: tokio::time::Instant,
     policy: &impl ErrorPolicy<E>,
     result: Result<T, E>,
 ) -> Result<T, E>
@@ -217,20 +222,36 @@ where
         ),
         Some(Err(e)) => unrecordable(key, &format!("it failed to serialise: {e}")),
     };
-    match store.complete(key, token, &outcome, retention).await {
-        Ok(()) => {
-            tracing::debug!(target: "idempotent", key = %key, ok = result.is_ok(), "executed and recorded");
-            result
-        }
-        Err(StoreError::NotOwner) => Err(Error::LeaseLost { key: key.to_string() }.into()),
-        Err(e) => {
-            // The body ran: its result is the truth the caller must get. The claim stays until its
-            // lease ends, so duplicates in that window get `InProgress`, not a second execution.
-            tracing::error!(
-                target: "idempotent", key = %key, error = %e,
-                "the body ran but its result could not be recorded; duplicates after the lease will run again"
-            );
-            result
+    // A failed completion is retried while the claim's lease lasts: the claim keeps duplicates out
+    // meanwhile, and completion is fenced by the token, so a retry can never overwrite another
+    // owner's record.
+    let mut backoff = FIRST_BACKOFF;
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        match store.complete(key, token, &outcome, retention).await {
+            Ok(()) => {
+                tracing::debug!(target: "idempotent", key = %key, ok = result.is_ok(), attempts, "executed and recorded");
+                return result;
+            }
+            // After an attempt whose reply was lost, `NotOwner` may mean that attempt recorded it.
+            Err(StoreError::NotOwner) if attempts > 1 => {
+                tracing::warn!(target: "idempotent", key = %key, attempts, "completion retried: an earlier attempt recorded it, or the lease was lost");
+                return result;
+            }
+            Err(StoreError::NotOwner) => return Err(Error::LeaseLost { key: key.to_string() }.into()),
+            Err(e) if tokio::time::Instant::now() + backoff < lease_end => {
+                tracing::warn!(target: "idempotent", key = %key, error = %e, attempts, "recording the result failed; retrying within the lease");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(MAX_COMPLETE_BACKOFF);
+            }
+            Err(e) => {
+                tracing::error!(
+                    target: "idempotent", key = %key, error = %e, attempts,
+                    "the body ran but its result could not be recorded within the lease; duplicates after the lease will run again"
+                );
+                return result;
+            }
         }
     }
 }

@@ -10,7 +10,7 @@
 //!
 //! ```sql
 //! CREATE TABLE IF NOT EXISTS idempotency_records (
-//!     idempotency_key VARCHAR(511) NOT NULL,
+//!     idempotency_key VARBINARY(511) NOT NULL,
 //!     state VARCHAR(16) NOT NULL,
 //!     token VARCHAR(64) NOT NULL,
 //!     fingerprint VARCHAR(255),
@@ -56,7 +56,7 @@ fn statements(table: TableName) -> Statements {
     let create = vec![
         format!(
             "CREATE TABLE IF NOT EXISTS {t} (\n    \
-             idempotency_key VARCHAR(511) NOT NULL,\n    \
+             idempotency_key VARBINARY(511) NOT NULL,\n    \
              state VARCHAR(16) NOT NULL,\n    \
              token VARCHAR(64) NOT NULL,\n    \
              fingerprint VARCHAR(255),\n    \

@@ -23,7 +23,7 @@
 //!
 //! Servers come from `REDIS_URL`, `POSTGRES_URL` and `MYSQL_URL` (the test suite's defaults);
 //! SQLite uses a file under the system temporary directory. The benchmark tables are
-//! `idempotent_bench` and `idempotent_bench_raw`; they are emptied before each run.
+//! `idempotent_bench` and `idempotent_bench_raw`; they are dropped and created before each run.
 
 #![allow(
     clippy::cast_precision_loss,
@@ -596,16 +596,12 @@ impl PostgresTarget {
             .connect(&url)
             .await
             .map_err(|e| format!("{url}: {e}"))?;
+        // Dropped and created anew, so that the table always has the store's current schema.
+        setup(&pool, &["DROP TABLE IF EXISTS idempotent_bench, idempotent_bench_raw"]).await?;
         let store = PostgresStore::with_table(pool.clone(), TABLE).map_err(|e| e.to_string())?;
         store.create_table().await.map_err(|e| e.to_string())?;
-        setup(
-            &pool,
-            &[
-                "CREATE TABLE IF NOT EXISTS idempotent_bench_raw (idempotency_key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-                "TRUNCATE idempotent_bench, idempotent_bench_raw",
-            ],
-        )
-        .await?;
+        setup(&pool, &["CREATE TABLE idempotent_bench_raw (idempotency_key TEXT PRIMARY KEY, value TEXT NOT NULL)"])
+            .await?;
         Ok(PostgresTarget { store, pool })
     }
 }
@@ -647,16 +643,14 @@ impl MySqlTarget {
             .connect(&url)
             .await
             .map_err(|e| format!("{url}: {e}"))?;
+        // Dropped and created anew, so that the table always has the store's current schema.
+        setup(&pool, &["DROP TABLE IF EXISTS idempotent_bench, idempotent_bench_raw"]).await?;
         let store = MySqlStore::with_table(pool.clone(), TABLE).map_err(|e| e.to_string())?;
         store.create_table().await.map_err(|e| e.to_string())?;
         setup(
             &pool,
-            &[
-                "CREATE TABLE IF NOT EXISTS idempotent_bench_raw (idempotency_key VARCHAR(511) NOT NULL PRIMARY KEY, \
-                 value VARCHAR(16) NOT NULL) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin",
-                "TRUNCATE idempotent_bench",
-                "TRUNCATE idempotent_bench_raw",
-            ],
+            &["CREATE TABLE idempotent_bench_raw (idempotency_key VARBINARY(511) NOT NULL PRIMARY KEY, \
+               value VARCHAR(16) NOT NULL) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4"],
         )
         .await?;
         Ok(MySqlTarget { store, pool })

@@ -39,14 +39,11 @@ struct Reply {
 
 impl Reply {
     fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .get(name)
-            .map(|v| v.to_str().expect("a visible ASCII header"))
+        self.headers.get(name).map(|v| v.to_str().expect("a visible ASCII header"))
     }
 
     fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
     }
 
     fn replayed(&self) -> bool {
@@ -56,22 +53,12 @@ impl Reply {
     /// Asserts a problem response with this status and type.
     fn assert_problem(&self, status: u16, kind: &str) -> Value {
         assert_eq!(self.status, status, "{self:?}");
-        assert_eq!(
-            self.header("content-type"),
-            Some("application/problem+json"),
-            "{self:?}"
-        );
+        assert_eq!(self.header("content-type"), Some("application/problem+json"), "{self:?}");
         let problem = self.json();
         assert_eq!(problem["type"], kind, "{problem}");
         assert_eq!(problem["status"], status, "{problem}");
-        assert!(
-            problem["title"].as_str().is_some_and(|t| !t.is_empty()),
-            "{problem}"
-        );
-        assert!(
-            problem["detail"].as_str().is_some_and(|t| t.len() > 20),
-            "{problem}"
-        );
+        assert!(problem["title"].as_str().is_some_and(|t| !t.is_empty()), "{problem}");
+        assert!(problem["detail"].as_str().is_some_and(|t| t.len() > 20), "{problem}");
         problem
     }
 }
@@ -84,10 +71,7 @@ struct Http {
 
 impl Http {
     fn new(addr: SocketAddr) -> Self {
-        Http {
-            client: Client::builder(TokioExecutor::new()).build_http(),
-            base: format!("http://{addr}"),
-        }
+        Http { client: Client::builder(TokioExecutor::new()).build_http(), base: format!("http://{addr}") }
     }
 
     async fn post(&self, path: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> Reply {
@@ -95,35 +79,20 @@ impl Http {
     }
 
     async fn send(&self, method: &str, path: &str, headers: &[(&str, &str)], body: Bytes) -> Reply {
-        let mut request = http::Request::builder()
-            .method(method)
-            .uri(format!("{}{path}", self.base));
+        let mut request = http::Request::builder().method(method).uri(format!("{}{path}", self.base));
         for (name, value) in headers {
-            request = request.header(
-                *name,
-                HeaderValue::from_bytes(value.as_bytes()).expect("a valid header value"),
-            );
+            request = request.header(*name, HeaderValue::from_bytes(value.as_bytes()).expect("a valid header value"));
         }
         let request = request.body(Full::new(body)).expect("a valid request");
-        let response = self
-            .client
-            .request(request)
-            .await
-            .expect("the server answers");
+        let response = self.client.request(request).await.expect("the server answers");
         let (parts, body) = response.into_parts();
         let body = body.collect().await.expect("the body arrives").to_bytes();
-        Reply {
-            status: parts.status.as_u16(),
-            headers: parts.headers,
-            body,
-        }
+        Reply { status: parts.status.as_u16(), headers: parts.headers, body }
     }
 }
 
 async fn serve(app: Router) -> Http {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("a free port on 127.0.0.1");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port on 127.0.0.1");
     let addr = listener.local_addr().expect("the bound address");
     tokio::spawn(async move { axum::serve(listener, app).await.expect("the server runs") });
     Http::new(addr)
@@ -146,10 +115,7 @@ struct Counters {
 /// `Location`, a recorded `x-receipt` and an unrecorded `x-trace`.
 async fn charge(State(counters): State<Counters>, headers: HeaderMap, body: Bytes) -> Response {
     let run = counters.charges.fetch_add(1, Ordering::SeqCst) + 1;
-    if let Some(delay) = headers
-        .get("x-delay-ms")
-        .and_then(|v| v.to_str().ok()?.parse().ok())
-    {
+    if let Some(delay) = headers.get("x-delay-ms").and_then(|v| v.to_str().ok()?.parse().ok()) {
         tokio::time::sleep(Duration::from_millis(delay)).await;
     }
     let receipt = json!({ "run": run, "request": String::from_utf8_lossy(&body) });
@@ -188,14 +154,7 @@ async fn layer_app() -> (Http, Counters) {
     let counters = Counters::default();
     let layer = IdempotencyLayer::new(MemoryStore::new())
         .scope("test-http")
-        .caller(|parts| {
-            parts
-                .headers
-                .get("x-user")
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("anonymous")
-                .to_owned()
-        })
+        .caller(|parts| parts.headers.get("x-user").and_then(|v| v.to_str().ok()).unwrap_or("anonymous").to_owned())
         .record_header(HeaderName::from_static("x-receipt"))
         .max_request_bytes(MAX_REQUEST)
         .max_response_bytes(MAX_RESPONSE);
@@ -224,29 +183,16 @@ async fn http_layer_missing_key_is_400() {
 async fn http_layer_optional_key_passes_through_without_idempotency() {
     let counters = Counters::default();
     let layer = IdempotencyLayer::new(MemoryStore::new()).optional();
-    let app = Router::new()
-        .route("/charges", post(charge))
-        .route_layer(layer)
-        .with_state(counters.clone());
+    let app = Router::new().route("/charges", post(charge)).route_layer(layer).with_state(counters.clone());
     let http = serve(app).await;
     assert_eq!(http.post("/charges", &[], "a").await.status, 201);
     assert_eq!(http.post("/charges", &[], "a").await.status, 201);
-    assert_eq!(
-        counters.charges.load(Ordering::SeqCst),
-        2,
-        "without a key, every request runs"
-    );
-    let bad = http
-        .post("/charges", &[("idempotency-key", "a b")], "a")
-        .await;
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 2, "without a key, every request runs");
+    let bad = http.post("/charges", &[("idempotency-key", "a b")], "a").await;
     bad.assert_problem(400, "urn:idempotent:key-malformed");
     let k = key();
     http.post("/charges", &[("idempotency-key", &k)], "a").await;
-    assert!(
-        http.post("/charges", &[("idempotency-key", &k)], "a")
-            .await
-            .replayed()
-    );
+    assert!(http.post("/charges", &[("idempotency-key", &k)], "a").await.replayed());
     assert_eq!(counters.charges.load(Ordering::SeqCst), 3);
 }
 
@@ -254,61 +200,22 @@ async fn http_layer_optional_key_passes_through_without_idempotency() {
 async fn http_layer_malformed_or_too_long_key_is_400() {
     let (http, counters) = layer_app().await;
     let too_long = "k".repeat(MAX_KEY_BYTES + 1);
-    for bad in [
-        "",
-        "\"\"",
-        "a b",
-        "a\tb",
-        "a,b",
-        "\"unterminated",
-        "\"k\";param=1",
-        too_long.as_str(),
-    ] {
-        let reply = http
-            .post("/charges", &[("idempotency-key", bad)], "{}")
-            .await;
+    for bad in ["", "\"\"", "a b", "a\tb", "a,b", "\"unterminated", "\"k\";param=1", too_long.as_str()] {
+        let reply = http.post("/charges", &[("idempotency-key", bad)], "{}").await;
         let problem = reply.assert_problem(400, "urn:idempotent:key-malformed");
         if bad == too_long {
-            assert!(
-                problem["detail"].as_str().unwrap().contains("256 bytes"),
-                "{problem}"
-            );
+            assert!(problem["detail"].as_str().unwrap().contains("256 bytes"), "{problem}");
         }
     }
-    let twice = http
-        .post(
-            "/charges",
-            &[("idempotency-key", "a"), ("idempotency-key", "b")],
-            "{}",
-        )
-        .await;
+    let twice = http.post("/charges", &[("idempotency-key", "a"), ("idempotency-key", "b")], "{}").await;
     twice.assert_problem(400, "urn:idempotent:key-malformed");
-    assert_eq!(
-        counters.charges.load(Ordering::SeqCst),
-        0,
-        "no malformed key reaches the handler"
-    );
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 0, "no malformed key reaches the handler");
 
     // The longest key, a quoted sf-string and a bare UUID are all accepted.
     let longest = "k".repeat(MAX_KEY_BYTES);
-    assert_eq!(
-        http.post("/charges", &[("idempotency-key", &longest)], "{}")
-            .await
-            .status,
-        201
-    );
-    assert_eq!(
-        http.post("/charges", &[("idempotency-key", "\"quoted key\"")], "{}")
-            .await
-            .status,
-        201
-    );
-    assert_eq!(
-        http.post("/charges", &[("idempotency-key", &key())], "{}")
-            .await
-            .status,
-        201
-    );
+    assert_eq!(http.post("/charges", &[("idempotency-key", &longest)], "{}").await.status, 201);
+    assert_eq!(http.post("/charges", &[("idempotency-key", "\"quoted key\"")], "{}").await.status, 201);
+    assert_eq!(http.post("/charges", &[("idempotency-key", &key())], "{}").await.status, 201);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -317,36 +224,19 @@ async fn http_layer_duplicate_while_running_is_409() {
     let k = key();
     let slow = {
         let (http, k) = (http.clone(), k.clone());
-        tokio::spawn(async move {
-            http.post(
-                "/charges",
-                &[("idempotency-key", &k), ("x-delay-ms", "600")],
-                "{}",
-            )
-            .await
-        })
+        tokio::spawn(
+            async move { http.post("/charges", &[("idempotency-key", &k), ("x-delay-ms", "600")], "{}").await },
+        )
     };
     tokio::time::sleep(Duration::from_millis(150)).await;
-    let duplicate = http
-        .post(
-            "/charges",
-            &[("idempotency-key", &k), ("x-delay-ms", "600")],
-            "{}",
-        )
-        .await;
+    let duplicate = http.post("/charges", &[("idempotency-key", &k), ("x-delay-ms", "600")], "{}").await;
     duplicate.assert_problem(409, "urn:idempotent:in-progress");
     assert_eq!(duplicate.header("retry-after"), Some("1"));
     let first = slow.await.unwrap();
     assert_eq!(first.status, 201);
     assert_eq!(counters.charges.load(Ordering::SeqCst), 1);
     // Once the first has finished, the retry the 409 asked for gets its response.
-    let retry = http
-        .post(
-            "/charges",
-            &[("idempotency-key", &k), ("x-delay-ms", "600")],
-            "{}",
-        )
-        .await;
+    let retry = http.post("/charges", &[("idempotency-key", &k), ("x-delay-ms", "600")], "{}").await;
     assert!(retry.replayed());
     assert_eq!(retry.body, first.body);
 }
@@ -355,27 +245,12 @@ async fn http_layer_duplicate_while_running_is_409() {
 async fn http_layer_key_reused_with_another_request_is_422() {
     let (http, counters) = layer_app().await;
     let k = key();
-    assert_eq!(
-        http.post("/charges", &[("idempotency-key", &k)], r#"{"amount":100}"#)
-            .await
-            .status,
-        201
-    );
-    let other_body = http
-        .post("/charges", &[("idempotency-key", &k)], r#"{"amount":5}"#)
-        .await;
+    assert_eq!(http.post("/charges", &[("idempotency-key", &k)], r#"{"amount":100}"#).await.status, 201);
+    let other_body = http.post("/charges", &[("idempotency-key", &k)], r#"{"amount":5}"#).await;
     other_body.assert_problem(422, "urn:idempotent:key-reused");
-    let other_path = http
-        .post("/other", &[("idempotency-key", &k)], r#"{"amount":100}"#)
-        .await;
+    let other_path = http.post("/other", &[("idempotency-key", &k)], r#"{"amount":100}"#).await;
     other_path.assert_problem(422, "urn:idempotent:key-reused");
-    let other_query = http
-        .post(
-            "/charges?currency=eur",
-            &[("idempotency-key", &k)],
-            r#"{"amount":100}"#,
-        )
-        .await;
+    let other_query = http.post("/charges?currency=eur", &[("idempotency-key", &k)], r#"{"amount":100}"#).await;
     other_query.assert_problem(422, "urn:idempotent:key-reused");
     assert_eq!(counters.charges.load(Ordering::SeqCst), 1);
 }
@@ -384,32 +259,18 @@ async fn http_layer_key_reused_with_another_request_is_422() {
 async fn http_layer_replay_is_identical_and_marked() {
     let (http, counters) = layer_app().await;
     let k = key();
-    let first = http
-        .post("/charges", &[("idempotency-key", &k)], r#"{"amount":100}"#)
-        .await;
-    let replay = http
-        .post("/charges", &[("idempotency-key", &k)], r#"{"amount":100}"#)
-        .await;
-    assert_eq!(
-        counters.charges.load(Ordering::SeqCst),
-        1,
-        "the handler ran once"
-    );
+    let first = http.post("/charges", &[("idempotency-key", &k)], r#"{"amount":100}"#).await;
+    let replay = http.post("/charges", &[("idempotency-key", &k)], r#"{"amount":100}"#).await;
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 1, "the handler ran once");
 
     assert_eq!(first.status, 201);
-    assert!(
-        !first.replayed(),
-        "the first response is not marked: {first:?}"
-    );
+    assert!(!first.replayed(), "the first response is not marked: {first:?}");
     assert!(replay.replayed(), "the replay is marked: {replay:?}");
     assert_eq!(replay.status, first.status);
     assert_eq!(replay.body, first.body, "body bytes identical");
     assert_eq!(first.json()["request"], r#"{"amount":100}"#);
     for name in ["content-type", "location", "x-receipt", "content-length"] {
-        assert!(
-            first.header(name).is_some(),
-            "{name} missing from {first:?}"
-        );
+        assert!(first.header(name).is_some(), "{name} missing from {first:?}");
         assert_eq!(replay.header(name), first.header(name), "{name}");
     }
     // Headers of one exchange are not replayed; the first response keeps them.
@@ -435,14 +296,9 @@ async fn http_layer_64_concurrent_requests_with_one_key_run_once() {
     let requests: Vec<_> = (0..64)
         .map(|_| {
             let (http, k) = (http.clone(), k.clone());
-            tokio::spawn(async move {
-                http.post(
-                    "/charges",
-                    &[("idempotency-key", &k), ("x-delay-ms", "300")],
-                    "{}",
-                )
-                .await
-            })
+            tokio::spawn(
+                async move { http.post("/charges", &[("idempotency-key", &k), ("x-delay-ms", "300")], "{}").await },
+            )
         })
         .collect();
     let mut executed = Vec::new();
@@ -460,11 +316,7 @@ async fn http_layer_64_concurrent_requests_with_one_key_run_once() {
         }
     }
     println!("64 concurrent requests: 1 executed, {conflicts} got 409, {replays} got the replay");
-    assert_eq!(
-        counters.charges.load(Ordering::SeqCst),
-        1,
-        "the handler ran once"
-    );
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 1, "the handler ran once");
     assert_eq!(executed.len(), 1, "one response came from the handler");
     assert_eq!(1 + conflicts + replays, 64);
 }
@@ -473,35 +325,13 @@ async fn http_layer_64_concurrent_requests_with_one_key_run_once() {
 async fn http_layer_keys_are_scoped_to_the_caller() {
     let (http, counters) = layer_app().await;
     let k = key();
-    let alice = http
-        .post(
-            "/charges",
-            &[("idempotency-key", &k), ("x-user", "alice")],
-            "alice's order",
-        )
-        .await;
-    let bob = http
-        .post(
-            "/charges",
-            &[("idempotency-key", &k), ("x-user", "bob")],
-            "bob's order",
-        )
-        .await;
-    assert_eq!(
-        (alice.status, bob.status),
-        (201, 201),
-        "no 422: the keys are different records"
-    );
+    let alice = http.post("/charges", &[("idempotency-key", &k), ("x-user", "alice")], "alice's order").await;
+    let bob = http.post("/charges", &[("idempotency-key", &k), ("x-user", "bob")], "bob's order").await;
+    assert_eq!((alice.status, bob.status), (201, 201), "no 422: the keys are different records");
     assert!(!bob.replayed(), "bob never gets alice's response");
     assert_eq!(bob.json()["request"], "bob's order");
     assert_eq!(counters.charges.load(Ordering::SeqCst), 2);
-    let alice_again = http
-        .post(
-            "/charges",
-            &[("idempotency-key", &k), ("x-user", "alice")],
-            "alice's order",
-        )
-        .await;
+    let alice_again = http.post("/charges", &[("idempotency-key", &k), ("x-user", "alice")], "alice's order").await;
     assert!(alice_again.replayed());
     assert_eq!(alice_again.body, alice.body);
 }
@@ -514,17 +344,9 @@ async fn http_layer_5xx_releases_the_key_for_a_retry() {
     assert_eq!(failed.status, 503);
     assert_eq!(failed.body, "database down");
     let retry = http.post("/flaky", &[("idempotency-key", &k)], "").await;
-    assert_eq!(
-        (retry.status, retry.replayed()),
-        (200, false),
-        "the retry ran again: {retry:?}"
-    );
+    assert_eq!((retry.status, retry.replayed()), (200, false), "the retry ran again: {retry:?}");
     let replay = http.post("/flaky", &[("idempotency-key", &k)], "").await;
-    assert_eq!(
-        (replay.status, replay.replayed()),
-        (200, true),
-        "the success was recorded"
-    );
+    assert_eq!((replay.status, replay.replayed()), (200, true), "the success was recorded");
     assert_eq!(replay.body, retry.body);
     assert_eq!(counters.flaky.load(Ordering::SeqCst), 2);
 }
@@ -533,23 +355,11 @@ async fn http_layer_5xx_releases_the_key_for_a_retry() {
 async fn http_layer_request_body_over_limit_is_413() {
     let (http, counters) = layer_app().await;
     let k = key();
-    let reply = http
-        .post(
-            "/charges",
-            &[("idempotency-key", &k)],
-            vec![b'a'; MAX_REQUEST + 1],
-        )
-        .await;
+    let reply = http.post("/charges", &[("idempotency-key", &k)], vec![b'a'; MAX_REQUEST + 1]).await;
     reply.assert_problem(413, "urn:idempotent:request-too-large");
     assert_eq!(counters.charges.load(Ordering::SeqCst), 0);
     // The key was not used: the same key with a body at the limit runs.
-    let reply = http
-        .post(
-            "/charges",
-            &[("idempotency-key", &k)],
-            vec![b'a'; MAX_REQUEST],
-        )
-        .await;
+    let reply = http.post("/charges", &[("idempotency-key", &k)], vec![b'a'; MAX_REQUEST]).await;
     assert_eq!(reply.status, 201);
 }
 
@@ -559,19 +369,12 @@ async fn http_layer_response_body_over_limit_is_500_and_never_runs_again() {
     let k = key();
     let first = http.post("/large", &[("idempotency-key", &k)], "").await;
     let problem = first.assert_problem(500, "urn:idempotent:response-too-large");
-    assert!(
-        problem["detail"].as_str().unwrap().contains("2048 bytes"),
-        "{problem}"
-    );
+    assert!(problem["detail"].as_str().unwrap().contains("2048 bytes"), "{problem}");
     assert!(!first.replayed());
     let retry = http.post("/large", &[("idempotency-key", &k)], "").await;
     retry.assert_problem(500, "urn:idempotent:response-too-large");
     assert!(retry.replayed());
-    assert_eq!(
-        counters.large.load(Ordering::SeqCst),
-        1,
-        "the handler ran once: no silent truncation, no second run"
-    );
+    assert_eq!(counters.large.load(Ordering::SeqCst), 1, "the handler ran once: no silent truncation, no second run");
 }
 
 // ---------------------------------------------------------------- the attribute and the extractor
@@ -611,18 +414,13 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         match self {
             ApiError::Idempotency(error) => error.into_response(),
-            ApiError::Unavailable => {
-                (StatusCode::SERVICE_UNAVAILABLE, "ledger unavailable").into_response()
-            }
+            ApiError::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "ledger unavailable").into_response(),
         }
     }
 }
 
 fn user(headers: &HeaderMap) -> &str {
-    headers
-        .get("x-user")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("anonymous")
+    headers.get("x-user").and_then(|v| v.to_str().ok()).unwrap_or("anonymous")
 }
 
 /// A negative amount fails with 503 (an `Err`: released, so a retry runs again).
@@ -638,47 +436,28 @@ async fn pay(
     if body.amount < 0 {
         return Err(ApiError::Unavailable);
     }
-    Ok(JsonResponse::created(Receipt {
-        run,
-        user: user(&headers).to_owned(),
-        amount: body.amount,
-    }))
+    Ok(JsonResponse::created(Receipt { run, user: user(&headers).to_owned(), amount: body.amount }))
 }
 
 async fn attribute_app() -> (Http, Arc<AtomicUsize>) {
-    let state = AppState {
-        store: MemoryStore::new(),
-        runs: Arc::default(),
-    };
+    let state = AppState { store: MemoryStore::new(), runs: Arc::default() };
     let runs = Arc::clone(&state.runs);
     let app = Router::new().route("/pay", post(pay)).with_state(state);
     (serve(app).await, runs)
 }
 
 fn pay_headers<'a>(key: &'a str, user: &'a str) -> [(&'a str, &'a str); 3] {
-    [
-        ("idempotency-key", key),
-        ("x-user", user),
-        ("content-type", "application/json"),
-    ]
+    [("idempotency-key", key), ("x-user", user), ("content-type", "application/json")]
 }
 
 #[tokio::test]
 async fn http_attribute_missing_or_malformed_key_is_400() {
     let (http, runs) = attribute_app().await;
-    let missing = http
-        .post(
-            "/pay",
-            &[("content-type", "application/json")],
-            r#"{"amount":1}"#,
-        )
-        .await;
+    let missing = http.post("/pay", &[("content-type", "application/json")], r#"{"amount":1}"#).await;
     missing.assert_problem(400, "urn:idempotent:key-missing");
     let too_long = "k".repeat(MAX_KEY_BYTES + 1);
     for bad in ["", "a b", "\"a\\x\"", too_long.as_str()] {
-        let reply = http
-            .post("/pay", &pay_headers(bad, "alice"), r#"{"amount":1}"#)
-            .await;
+        let reply = http.post("/pay", &pay_headers(bad, "alice"), r#"{"amount":1}"#).await;
         reply.assert_problem(400, "urn:idempotent:key-malformed");
     }
     assert_eq!(runs.load(Ordering::SeqCst), 0);
@@ -688,19 +467,13 @@ async fn http_attribute_missing_or_malformed_key_is_400() {
 async fn http_attribute_replays_and_refuses_a_changed_request_with_422() {
     let (http, runs) = attribute_app().await;
     let k = key();
-    let first = http
-        .post("/pay", &pay_headers(&k, "alice"), r#"{"amount":100}"#)
-        .await;
+    let first = http.post("/pay", &pay_headers(&k, "alice"), r#"{"amount":100}"#).await;
     assert_eq!(first.status, 201, "{first:?}");
     assert_eq!(first.header("content-type"), Some("application/json"));
-    let replay = http
-        .post("/pay", &pay_headers(&k, "alice"), r#"{"amount":100}"#)
-        .await;
+    let replay = http.post("/pay", &pay_headers(&k, "alice"), r#"{"amount":100}"#).await;
     assert_eq!((replay.status, &replay.body), (201, &first.body));
     assert_eq!(replay.json()["run"], 1);
-    let changed = http
-        .post("/pay", &pay_headers(&k, "alice"), r#"{"amount":5}"#)
-        .await;
+    let changed = http.post("/pay", &pay_headers(&k, "alice"), r#"{"amount":5}"#).await;
     changed.assert_problem(422, "urn:idempotent:key-reused");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
@@ -712,14 +485,9 @@ async fn http_attribute_64_concurrent_requests_run_once_others_409() {
     let requests: Vec<_> = (0..64)
         .map(|_| {
             let (http, k) = (http.clone(), k.clone());
-            tokio::spawn(async move {
-                http.post(
-                    "/pay",
-                    &pay_headers(&k, "alice"),
-                    r#"{"amount":7,"delay_ms":300}"#,
-                )
-                .await
-            })
+            tokio::spawn(
+                async move { http.post("/pay", &pay_headers(&k, "alice"), r#"{"amount":7,"delay_ms":300}"#).await },
+            )
         })
         .collect();
     let (mut ok, mut conflicts) = (0, 0);
@@ -738,27 +506,18 @@ async fn http_attribute_64_concurrent_requests_run_once_others_409() {
             other => panic!("unexpected status {other}: {reply:?}"),
         }
     }
-    println!(
-        "64 concurrent requests under #[idempotent]: {ok} got the receipt of run 1, {conflicts} got 409"
-    );
+    println!("64 concurrent requests under #[idempotent]: {ok} got the receipt of run 1, {conflicts} got 409");
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler body ran once");
     assert_eq!(ok + conflicts, 64);
-    assert!(
-        conflicts > 0,
-        "with a 300 ms body, concurrent duplicates overlap it"
-    );
+    assert!(conflicts > 0, "with a 300 ms body, concurrent duplicates overlap it");
 }
 
 #[tokio::test]
 async fn http_attribute_keys_are_scoped_to_the_caller() {
     let (http, runs) = attribute_app().await;
     let k = key();
-    let alice = http
-        .post("/pay", &pay_headers(&k, "alice"), r#"{"amount":100}"#)
-        .await;
-    let bob = http
-        .post("/pay", &pay_headers(&k, "bob"), r#"{"amount":5}"#)
-        .await;
+    let alice = http.post("/pay", &pay_headers(&k, "alice"), r#"{"amount":100}"#).await;
+    let bob = http.post("/pay", &pay_headers(&k, "bob"), r#"{"amount":5}"#).await;
     assert_eq!((alice.status, bob.status), (201, 201), "{bob:?}");
     assert_eq!(bob.json()["user"], "bob");
     assert_eq!(bob.json()["amount"], 5);
@@ -769,17 +528,9 @@ async fn http_attribute_keys_are_scoped_to_the_caller() {
 async fn http_attribute_5xx_error_releases_the_key() {
     let (http, runs) = attribute_app().await;
     let k = key();
-    let failed = http
-        .post("/pay", &pay_headers(&k, "alice"), r#"{"amount":-1}"#)
-        .await;
+    let failed = http.post("/pay", &pay_headers(&k, "alice"), r#"{"amount":-1}"#).await;
     assert_eq!(failed.status, 503);
-    let retry = http
-        .post("/pay", &pay_headers(&k, "alice"), r#"{"amount":-1}"#)
-        .await;
+    let retry = http.post("/pay", &pay_headers(&k, "alice"), r#"{"amount":-1}"#).await;
     assert_eq!(retry.status, 503);
-    assert_eq!(
-        runs.load(Ordering::SeqCst),
-        2,
-        "the released key let the retry run again"
-    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "the released key let the retry run again");
 }

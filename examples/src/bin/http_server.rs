@@ -54,17 +54,8 @@ async fn create_order(State(state): State<AppState>, Json(order): Json<OrderRequ
     tokio::time::sleep(PROVIDER_DELAY).await;
     let id = state.next_id.fetch_add(1, Ordering::SeqCst);
     let location = format!("/orders/{id}");
-    let created = Order {
-        order: id,
-        item: order.item,
-        quantity: order.quantity,
-    };
-    (
-        StatusCode::CREATED,
-        [(header::LOCATION, location)],
-        Json(created),
-    )
-        .into_response()
+    let created = Order { order: id, item: order.item, quantity: order.quantity };
+    (StatusCode::CREATED, [(header::LOCATION, location)], Json(created)).into_response()
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -96,9 +87,7 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         match self {
             ApiError::Idempotency(error) => error.into_response(),
-            ApiError::InvalidAmount => {
-                (StatusCode::BAD_REQUEST, "amount_cents must be positive").into_response()
-            }
+            ApiError::InvalidAmount => (StatusCode::BAD_REQUEST, "amount_cents must be positive").into_response(),
         }
     }
 }
@@ -117,18 +106,11 @@ async fn pay(
     }
     tokio::time::sleep(PROVIDER_DELAY).await;
     let payment = state.next_id.fetch_add(1, Ordering::SeqCst);
-    Ok(JsonResponse::created(Receipt {
-        payment,
-        account: body.account,
-        amount_cents: body.amount_cents,
-    }))
+    Ok(JsonResponse::created(Receipt { payment, account: body.account, amount_cents: body.amount_cents }))
 }
 
 fn user(headers: &HeaderMap) -> &str {
-    headers
-        .get("x-user")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("anonymous")
+    headers.get("x-user").and_then(|v| v.to_str().ok()).unwrap_or("anonymous")
 }
 
 fn caller(parts: &Parts) -> String {
@@ -137,21 +119,11 @@ fn caller(parts: &Parts) -> String {
 
 #[tokio::main]
 async fn main() -> std::io::Result<()> {
-    let state = AppState {
-        store: MemoryStore::new(),
-        next_id: Arc::new(AtomicU64::new(1)),
-    };
+    let state = AppState { store: MemoryStore::new(), next_id: Arc::new(AtomicU64::new(1)) };
     let orders = Router::new()
         .route("/orders", post(create_order))
-        .route_layer(
-            IdempotencyLayer::new(state.store.clone())
-                .scope("orders")
-                .caller(caller),
-        );
-    let app = Router::new()
-        .route("/payments", post(pay))
-        .merge(orders)
-        .with_state(state);
+        .route_layer(IdempotencyLayer::new(state.store.clone()).scope("orders").caller(caller));
+    let app = Router::new().route("/payments", post(pay)).merge(orders).with_state(state);
 
     let addr = std::env::var("ADDR").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
     let listener = tokio::net::TcpListener::bind(&addr).await?;

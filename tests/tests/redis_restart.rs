@@ -20,7 +20,7 @@ use idempotent_runtime::{Error, idempotent};
 /// Where the test server keeps its snapshot (`--dir` below, default `dbfilename`).
 const SNAPSHOT: &str = "/var/lib/redis/dump.rdb";
 
-/// The command from the team brief that starts the test server.
+/// The command .ci/run uses to start the test server.
 const START_ARGS: &[&str] = &[
     "--daemonize",
     "yes",

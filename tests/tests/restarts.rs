@@ -91,7 +91,7 @@ impl Server {
         }
         match self {
             Server::Redis => {
-                // The start command of the team brief (and .ci/run).
+                // The start command that .ci/run uses.
                 run(
                     "redis-server",
                     &[

@@ -25,6 +25,25 @@ pub fn service_url(var: &str, default: &str, test: &str) -> Option<String> {
     None
 }
 
+/// The arguments of `redis-server` that start the test server as the machine and `.ci/run` do
+/// (no persistence), for the tests that stop and restart it.
+pub const REDIS_START_ARGS: &[&str] = &[
+    "--daemonize",
+    "yes",
+    "--bind",
+    "127.0.0.1 -::1",
+    "--port",
+    "6379",
+    "--save",
+    "",
+    "--appendonly",
+    "no",
+    "--dir",
+    "/var/lib/redis",
+    "--logfile",
+    "/var/log/redis/ci.log",
+];
+
 /// The Redis URL (`REDIS_URL`, default `redis://127.0.0.1:6379`).
 #[must_use]
 pub fn redis_url(test: &str) -> Option<String> {

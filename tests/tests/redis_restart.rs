@@ -16,27 +16,10 @@ use std::time::{Duration, Instant};
 
 use idempotent_runtime::stores::redis::{RedisStore, redis};
 use idempotent_runtime::{Error, idempotent};
+use idempotent_tests::services::REDIS_START_ARGS as START_ARGS;
 
 /// Where the test server keeps its snapshot (`--dir` below, default `dbfilename`).
 const SNAPSHOT: &str = "/var/lib/redis/dump.rdb";
-
-/// The command .ci/run uses to start the test server.
-const START_ARGS: &[&str] = &[
-    "--daemonize",
-    "yes",
-    "--bind",
-    "127.0.0.1 -::1",
-    "--port",
-    "6379",
-    "--save",
-    "",
-    "--appendonly",
-    "no",
-    "--dir",
-    "/var/lib/redis",
-    "--logfile",
-    "/var/log/redis/ci.log",
-];
 
 fn redis_answers() -> bool {
     Command::new("redis-cli")

@@ -91,26 +91,7 @@ impl Server {
         }
         match self {
             Server::Redis => {
-                // The start command that .ci/run uses.
-                run(
-                    "redis-server",
-                    &[
-                        "--daemonize",
-                        "yes",
-                        "--bind",
-                        "127.0.0.1 -::1",
-                        "--port",
-                        "6379",
-                        "--save",
-                        "",
-                        "--appendonly",
-                        "no",
-                        "--dir",
-                        "/var/lib/redis",
-                        "--logfile",
-                        "/var/log/redis/ci.log",
-                    ],
-                );
+                run("redis-server", idempotent_tests::services::REDIS_START_ARGS);
             }
             Server::Postgres => {
                 let version = Self::postgres_version();

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idempotent_runtime::{Error, Store, idempotent};
+use idempotent_runtime::{Claim, ClaimRequest, Error, Fingerprint, Key, Record, Store, StoreError, Token, idempotent};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Barrier;
@@ -50,7 +50,8 @@ macro_rules! conformance_suite {
                 scopes_keep_equal_keys_apart,
                 invalid_keys_never_reach_the_body,
                 oversized_results_are_never_run_twice,
-                undecodable_records_are_a_typed_error
+                undecodable_records_are_a_typed_error,
+                store_steps_are_fenced_by_the_token
             );
         }
     };
@@ -531,6 +532,68 @@ pub async fn undecodable_records_are_a_typed_error<S: Store + 'static>(store: Ar
     let result = as_number(&*store, &ledger, &key).await;
     assert!(matches!(result, Err(TestError::Idempotency(Error::Decode { .. }))), "{result:?}");
     assert_eq!(ledger.count(&key), 0);
+}
+
+fn claim_request<'a>(
+    key: &'a Key,
+    token: &'a Token,
+    fingerprint: Option<&'a Fingerprint>,
+    lease_ms: u64,
+) -> ClaimRequest<'a> {
+    ClaimRequest { key, token, fingerprint, lease: Duration::from_millis(lease_ms) }
+}
+
+/// The store's three steps, called directly: only the claimant's token completes or releases; a
+/// completed or released claim is no longer the caller's; an expired lease is taken over and its
+/// stale owner fenced off; a record past its retention is claimable again.
+pub async fn store_steps_are_fenced_by_the_token<S: Store + 'static>(store: Arc<S>, _: Expiry) {
+    let scope = unique("steps");
+    let key = Key::new(&scope, &"k1").unwrap();
+    let (first, second) = (Token::new(), Token::new());
+    let fp = Fingerprint::of(&("alice", 100)).unwrap();
+    let retention = Duration::from_secs(60);
+
+    assert_eq!(store.claim(&claim_request(&key, &first, Some(&fp), 30_000)).await.unwrap(), Claim::Claimed);
+    match store.claim(&claim_request(&key, &second, None, 30_000)).await.unwrap() {
+        Claim::InProgress { fingerprint, lease_remaining } => {
+            assert_eq!(fingerprint.as_ref(), Some(&fp));
+            let left = lease_remaining.expect("the store knows the lease");
+            assert!(left > Duration::from_secs(25) && left <= Duration::from_secs(30), "{left:?}");
+        }
+        other => panic!("expected InProgress, got {other:?}"),
+    }
+    // Only the owner may complete or release.
+    assert!(matches!(store.complete(&key, &second, b"{}", retention).await, Err(StoreError::NotOwner)));
+    assert!(matches!(store.release(&key, &second).await, Err(StoreError::NotOwner)));
+    store.complete(&key, &first, br#"{"Ok":1}"#, retention).await.unwrap();
+    // Completed: replayed, and no longer completable or releasable.
+    let replay = store.claim(&claim_request(&key, &second, None, 30_000)).await.unwrap();
+    assert_eq!(replay, Claim::Completed(Record { fingerprint: Some(fp), outcome: br#"{"Ok":1}"#.to_vec() }));
+    assert!(matches!(store.complete(&key, &first, b"{}", retention).await, Err(StoreError::NotOwner)));
+    assert!(matches!(store.release(&key, &first).await, Err(StoreError::NotOwner)));
+
+    // A released claim can be claimed again.
+    let other = Key::new(&scope, &"k2").unwrap();
+    assert_eq!(store.claim(&claim_request(&other, &first, None, 30_000)).await.unwrap(), Claim::Claimed);
+    store.release(&other, &first).await.unwrap();
+    assert!(matches!(store.release(&other, &first).await, Err(StoreError::NotOwner)));
+    assert_eq!(store.claim(&claim_request(&other, &second, None, 30_000)).await.unwrap(), Claim::Claimed);
+
+    // An expired lease is taken over, and the stale owner is fenced off.
+    let leased = Key::new(&scope, &"k3").unwrap();
+    assert_eq!(store.claim(&claim_request(&leased, &first, None, 100)).await.unwrap(), Claim::Claimed);
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert_eq!(store.claim(&claim_request(&leased, &second, None, 30_000)).await.unwrap(), Claim::Claimed);
+    assert!(matches!(store.complete(&leased, &first, b"{}", retention).await, Err(StoreError::NotOwner)));
+    assert!(matches!(store.release(&leased, &first).await, Err(StoreError::NotOwner)));
+    store.complete(&leased, &second, br#"{"Ok":2}"#, retention).await.unwrap();
+
+    // A completed record whose retention ended is claimable again.
+    let retained = Key::new(&scope, &"k4").unwrap();
+    assert_eq!(store.claim(&claim_request(&retained, &first, None, 30_000)).await.unwrap(), Claim::Claimed);
+    store.complete(&retained, &first, b"{}", Duration::from_millis(100)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert_eq!(store.claim(&claim_request(&retained, &second, None, 30_000)).await.unwrap(), Claim::Claimed);
 }
 
 async fn futures_join<T: Send + 'static>(handles: impl IntoIterator<Item = tokio::task::JoinHandle<T>>) -> Vec<T> {

@@ -93,63 +93,6 @@ fn request<'a>(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mysql_claim_complete_release_are_fenced() {
-    let Some(url) = services::mysql_url("mysql_claim_complete_release_are_fenced") else {
-        return;
-    };
-    let store = fresh_store(&url, "fence").await;
-    let key = Key::new("pay", &"k1").unwrap();
-    let (first, second) = (Token::new(), Token::new());
-    let fp = Fingerprint::of(&("alice", 100)).unwrap();
-
-    assert_eq!(store.claim(&request(&key, &first, Some(&fp), 30_000)).await.unwrap(), Claim::Claimed);
-    match store.claim(&request(&key, &second, None, 30_000)).await.unwrap() {
-        Claim::InProgress { fingerprint, lease_remaining } => {
-            assert_eq!(fingerprint.as_ref(), Some(&fp));
-            let left = lease_remaining.expect("the database knows the lease");
-            assert!(left > Duration::from_secs(25) && left <= Duration::from_secs(30), "{left:?}");
-        }
-        other => panic!("expected InProgress, got {other:?}"),
-    }
-    // Only the owner may complete or release.
-    assert!(matches!(store.complete(&key, &second, b"{}", Duration::from_secs(60)).await, Err(StoreError::NotOwner)));
-    assert!(matches!(store.release(&key, &second).await, Err(StoreError::NotOwner)));
-    store.complete(&key, &first, br#"{"Ok":1}"#, Duration::from_secs(60)).await.unwrap();
-    // Completed: replayed, and no longer completable or releasable.
-    let replay = store.claim(&request(&key, &second, None, 30_000)).await.unwrap();
-    assert_eq!(
-        replay,
-        Claim::Completed(idempotent_runtime::Record { fingerprint: Some(fp), outcome: br#"{"Ok":1}"#.to_vec() })
-    );
-    assert!(matches!(store.complete(&key, &first, b"{}", Duration::from_secs(60)).await, Err(StoreError::NotOwner)));
-    assert!(matches!(store.release(&key, &first).await, Err(StoreError::NotOwner)));
-
-    // A released claim can be claimed again.
-    let other = Key::new("pay", &"k2").unwrap();
-    assert_eq!(store.claim(&request(&other, &first, None, 30_000)).await.unwrap(), Claim::Claimed);
-    store.release(&other, &first).await.unwrap();
-    assert!(matches!(store.release(&other, &first).await, Err(StoreError::NotOwner)));
-    assert_eq!(store.claim(&request(&other, &second, None, 30_000)).await.unwrap(), Claim::Claimed);
-
-    // An expired lease is taken over, and the stale owner is fenced off.
-    let leased = Key::new("pay", &"k3").unwrap();
-    assert_eq!(store.claim(&request(&leased, &first, None, 100)).await.unwrap(), Claim::Claimed);
-    tokio::time::sleep(Duration::from_millis(250)).await;
-    assert_eq!(store.claim(&request(&leased, &second, None, 30_000)).await.unwrap(), Claim::Claimed);
-    assert!(matches!(store.complete(&leased, &first, b"{}", Duration::from_secs(60)).await, Err(StoreError::NotOwner)));
-    assert!(matches!(store.release(&leased, &first).await, Err(StoreError::NotOwner)));
-    store.complete(&leased, &second, br#"{"Ok":2}"#, Duration::from_secs(60)).await.unwrap();
-
-    // A completed record whose retention ended is claimable again.
-    let retained = Key::new("pay", &"k4").unwrap();
-    assert_eq!(store.claim(&request(&retained, &first, None, 30_000)).await.unwrap(), Claim::Claimed);
-    store.complete(&retained, &first, b"{}", Duration::from_millis(100)).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(250)).await;
-    assert_eq!(store.claim(&request(&retained, &second, None, 30_000)).await.unwrap(), Claim::Claimed);
-    drop_table(&store).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_records_read_as_json_in_a_db_shell() {
     let Some(url) = services::mysql_url("mysql_records_read_as_json_in_a_db_shell") else {
         return;

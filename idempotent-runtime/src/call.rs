@@ -1,14 +1,18 @@
 //! The protocol: check → claim → execute → record, shared by the attribute, the HTTP layer and
 //! hand-written calls.
 
-use std::future::Future;
+use std::future::{Future, poll_fn};
+use std::pin::pin;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use tokio::time::Instant;
 
 use crate::outcome::{self, ErrorPolicy, ReleaseErrors, Replayed};
-use crate::{Claim, ClaimRequest, Error, Fingerprint, IdempotencyKey, Key, Store, StoreError, Token};
+use crate::scope::Site;
+use crate::{Claim, ClaimRequest, Detached, Error, Fingerprint, IdempotencyKey, Key, Store, StoreError, Token};
 
 /// How long a claim lasts when its caller neither completes nor releases it (60 s).
 pub const DEFAULT_LEASE: Duration = Duration::from_mins(1);
@@ -18,6 +22,27 @@ pub const DEFAULT_RETENTION: Duration = Duration::from_hours(24);
 const FIRST_BACKOFF: Duration = Duration::from_millis(5);
 const MAX_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_COMPLETE_BACKOFF: Duration = Duration::from_secs(1);
+/// The shortest lease accepted: shorter ones would let a duplicate in before the body started.
+pub const MIN_LEASE: Duration = Duration::from_millis(1);
+/// The lease is renewed every third of its length while the body runs.
+const HEARTBEATS_PER_LEASE: u32 = 3;
+
+/// What happens to the claim when the call's future is dropped while its body runs.
+///
+/// A cancelled body may have made some of its side effects, and those may still be landing (a
+/// request sent, a write in flight), so by default a cancellation is treated like a crash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnCancel {
+    /// Keep the claim until its lease ends (the heartbeat stops with the future), so no retry
+    /// starts while the cancelled body's effects may still land. Retries get
+    /// [`Error::InProgress`] until then.
+    #[default]
+    Keep,
+    /// Release the claim at once, so a retry runs the body again. For bodies that are safe to run
+    /// again after being cut off anywhere (for example, a body whose only effect is one
+    /// transaction that a cancellation rolls back).
+    Release,
+}
 
 /// One idempotent call, built by hand or by the `#[idempotent]` attribute.
 ///
@@ -48,6 +73,8 @@ pub struct Call {
     lease: Duration,
     retention: Duration,
     wait: Option<Duration>,
+    on_cancel: OnCancel,
+    site: Option<&'static Site>,
 }
 
 impl Call {
@@ -58,6 +85,8 @@ impl Call {
             lease: DEFAULT_LEASE,
             retention: DEFAULT_RETENTION,
             wait: None,
+            on_cancel: OnCancel::Keep,
+            site: None,
         }
     }
 
@@ -76,14 +105,17 @@ impl Call {
         self
     }
 
-    /// How long a claim lasts if its caller dies (default [`DEFAULT_LEASE`]). Make it longer than
-    /// the body can take: after it, a duplicate takes over and runs the body again.
+    /// How long a claim lasts if its caller dies (default [`DEFAULT_LEASE`], at least
+    /// [`MIN_LEASE`]). While the body runs, the lease is renewed every third of its length, so a
+    /// live body keeps its claim however long it takes; a crashed caller's claim ends one lease
+    /// after its last renewal.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self
     }
 
-    /// How long the completed result is replayed (default [`DEFAULT_RETENTION`]).
+    /// How long the completed result is replayed (default [`DEFAULT_RETENTION`]; not shorter
+    /// than the lease).
     pub fn retention(mut self, retention: Duration) -> Self {
         self.retention = retention;
         self
@@ -93,6 +125,19 @@ impl Call {
     /// instead of failing at once with [`Error::InProgress`].
     pub fn wait(mut self, wait: Duration) -> Self {
         self.wait = Some(wait);
+        self
+    }
+
+    /// What a cancellation does to the claim while the body runs (default [`OnCancel::Keep`]).
+    pub fn on_cancel(mut self, on_cancel: OnCancel) -> Self {
+        self.on_cancel = on_cancel;
+        self
+    }
+
+    /// Where the calling function is defined, for the attribute's scope check.
+    #[doc(hidden)]
+    pub fn site(mut self, site: &'static Site) -> Self {
+        self.site = Some(site);
         self
     }
 
@@ -108,6 +153,19 @@ impl Call {
     }
 
     /// Runs `body` at most once for this key, recording the errors `policy` chooses.
+    ///
+    /// # Cancellation and panics
+    ///
+    /// The future may be dropped at any point; what happens to the key depends on where:
+    ///
+    /// | dropped while | the key |
+    /// |---|---|
+    /// | the claim request is in flight | released in the background (the body never started) |
+    /// | the body runs | kept until its lease ends ([`OnCancel::Keep`], the default), or released ([`OnCancel::Release`]) |
+    /// | the result is being recorded | recorded in the background, retried while the lease lasts |
+    ///
+    /// A body that panics releases the key, like an unrecorded `Err`. Background steps go through
+    /// [`Store::detach`].
     pub async fn run_with<S, T, E, P, F>(self, store: &S, policy: P, body: F) -> Result<T, E>
     where
         S: Store + ?Sized,
@@ -117,24 +175,37 @@ impl Call {
         F: Future<Output = Result<T, E>>,
     {
         let (key, fingerprint) = self.prepared?;
+        if let Some(site) = self.site {
+            site.check(key.scope())?;
+        }
+        check_durations(&key, self.lease, self.retention)?;
         let token = Token::new();
         let request = ClaimRequest { key: &key, token: &token, fingerprint: fingerprint.as_ref(), lease: self.lease };
-        let deadline = self.wait.map(|wait| tokio::time::Instant::now() + wait);
+        let mut guard = Guard {
+            store,
+            key: &key,
+            token: &token,
+            on_cancel: self.on_cancel,
+            phase: Phase::Idle,
+            body_polling: false,
+        };
+        let deadline = self.wait.map(|wait| Instant::now() + wait);
         let mut backoff = FIRST_BACKOFF;
-        // The lease is counted from before the claim request, so our estimate of its end is never late.
-        let mut lease_end;
-        loop {
-            lease_end = tokio::time::Instant::now() + self.lease;
+        let lease_end = loop {
+            // The lease is counted from before the request, so our estimate of its end is never late.
+            let sent = Instant::now();
+            guard.phase = Phase::Claiming;
             let claim = store.claim(&request).await.map_err(|source| store_error(&key, "claim", source))?;
+            guard.phase = Phase::Idle;
             match claim {
-                Claim::Claimed => break,
+                Claim::Claimed => break sent + self.lease,
                 Claim::Completed(record) => {
                     check_fingerprint(&key, fingerprint.as_ref(), record.fingerprint.as_ref())?;
                     return replay(&key, &record.outcome, &policy);
                 }
                 Claim::InProgress { fingerprint: running, lease_remaining } => {
                     check_fingerprint(&key, fingerprint.as_ref(), running.as_ref())?;
-                    let now = tokio::time::Instant::now();
+                    let now = Instant::now();
                     match deadline {
                         Some(deadline) if now < deadline => {
                             tokio::time::sleep(backoff.min(deadline - now)).await;
@@ -147,17 +218,42 @@ impl Call {
                     }
                 }
             }
-        }
+        };
 
-        let guard = ReleaseOnDrop { store, key: &key, token: &token };
-        let result = body.await;
-        std::mem::forget(guard);
-        record(store, &key, &token, self.retention, lease_end, &policy, result).await
+        guard.phase = Phase::Running;
+        let lease_end = Mutex::new(lease_end);
+        let result =
+            with_heartbeat(&mut guard.body_polling, body, heartbeat(store, &key, &token, self.lease, &lease_end)).await;
+        let lease_end = lease_end.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
+        record(&mut guard, self.retention, lease_end, &policy, result).await
     }
 }
 
 fn store_error(key: &Key, operation: &'static str, source: StoreError) -> Error {
     Error::Store { key: key.to_string(), operation, source }
+}
+
+fn check_durations(key: &Key, lease: Duration, retention: Duration) -> Result<(), Error> {
+    let invalid = |option, reason| Err(Error::InvalidOption { key: key.to_string(), option, reason });
+    if lease < MIN_LEASE {
+        return invalid(
+            "lease",
+            format!(
+                "{lease:?} is shorter than the minimum of 1 ms: a claim that short lets duplicates run the body \
+                 at once; use a lease of seconds (it is renewed while the body runs)"
+            ),
+        );
+    }
+    if retention < lease {
+        return invalid(
+            "retention",
+            format!(
+                "{retention:?} is shorter than the lease ({lease:?}): a result could be forgotten while a \
+                 duplicate still waits for it; make the retention at least as long as the lease"
+            ),
+        );
+    }
+    Ok(())
 }
 
 fn check_fingerprint(key: &Key, ours: Option<&Fingerprint>, theirs: Option<&Fingerprint>) -> Result<(), Error> {
@@ -185,13 +281,65 @@ fn replay<T: DeserializeOwned, E: From<Error>>(
     }
 }
 
-/// Records the body's result (or releases the key) and hands the result back to the caller.
-async fn record<S, T, E>(
+/// Polls `body` to its end while `beat` renews the lease; `polling` is `true` only while the body
+/// is being polled, so a panic that unwinds out of it leaves it set.
+async fn with_heartbeat<F: Future>(polling: &mut bool, body: F, beat: impl Future<Output = ()>) -> F::Output {
+    let mut body = pin!(body);
+    let mut beat = pin!(beat);
+    let mut beating = true;
+    poll_fn(|cx| {
+        *polling = true;
+        let output = body.as_mut().poll(cx);
+        *polling = false;
+        if output.is_pending() && beating && beat.as_mut().poll(cx).is_ready() {
+            beating = false;
+        }
+        output
+    })
+    .await
+}
+
+/// Renews the lease every third of its length until the body ends (the caller stops polling) or
+/// the claim is lost. A body that ends before the first renewal costs no extra round trip.
+async fn heartbeat<S: Store + ?Sized>(
     store: &S,
     key: &Key,
     token: &Token,
+    lease: Duration,
+    lease_end: &Mutex<Instant>,
+) {
+    let period = lease / HEARTBEATS_PER_LEASE;
+    let mut next = *lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner) - lease + period;
+    loop {
+        tokio::time::sleep_until(next).await;
+        let sent = Instant::now();
+        match store.extend(key, token, lease).await {
+            Ok(()) => {
+                *lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = sent + lease;
+                next = sent + period;
+            }
+            Err(StoreError::NotOwner) => {
+                tracing::error!(
+                    target: "idempotent", key = %key,
+                    "the claim was lost while the body ran (its lease ended without a renewal and another caller \
+                     may have taken it over); this result will not be recorded"
+                );
+                return;
+            }
+            Err(e) => {
+                // Try again soon: two more periods remain before the lease ends.
+                tracing::warn!(target: "idempotent", key = %key, error = %e, "renewing the lease failed; retrying");
+                next = Instant::now() + (period / 4).max(MIN_LEASE);
+            }
+        }
+    }
+}
+
+/// Records the body's result (or releases the key) and hands the result back to the caller.
+async fn record<S, T, E>(
+    guard: &mut Guard<'_, S>,
     retention: Duration,
-    lease_end: tokio::time::Instant,
+    lease_end: Instant,
     policy: &impl ErrorPolicy<E>,
     result: Result<T, E>,
 ) -> Result<T, E>
@@ -200,12 +348,14 @@ where
     T: Serialize,
     E: From<Error>,
 {
+    let (store, key, token) = (guard.store, guard.key, guard.token);
     let encoded = match &result {
         Ok(value) => Some(outcome::encode_ok(value)),
         Err(error) => policy.encode(error),
     };
     let outcome = match encoded {
         None => {
+            guard.phase = Phase::Releasing;
             match store.release(key, token).await {
                 Ok(()) => tracing::debug!(target: "idempotent", key = %key, "released after an error"),
                 Err(e) => tracing::warn!(
@@ -213,6 +363,7 @@ where
                     "could not release the claim after an error; it frees itself when its lease ends"
                 ),
             }
+            guard.phase = Phase::Done;
             return result;
         }
         Some(Ok(bytes)) if bytes.len() <= store.max_record_bytes() => bytes,
@@ -222,36 +373,63 @@ where
         ),
         Some(Err(e)) => unrecordable(key, &format!("it failed to serialise: {e}")),
     };
-    // A failed completion is retried while the claim's lease lasts: the claim keeps duplicates out
-    // meanwhile, and completion is fenced by the token, so a retry can never overwrite another
-    // owner's record.
+    guard.phase = Phase::Recording { outcome, retention, lease_end };
+    let Phase::Recording { outcome, .. } = &guard.phase else { unreachable!("set above") };
+    let completed = complete_within_lease(store, key, token, outcome, retention, lease_end).await;
+    guard.phase = Phase::Done;
+    match completed {
+        Completed::Recorded { attempts } => {
+            tracing::debug!(target: "idempotent", key = %key, ok = result.is_ok(), attempts, "executed and recorded");
+            result
+        }
+        Completed::LeaseLost => {
+            tracing::error!(target: "idempotent", key = %key, "executed, but the claim was lost before the result was recorded");
+            Err(Error::LeaseLost { key: key.to_string() }.into())
+        }
+        Completed::Failed(e) => {
+            tracing::error!(
+                target: "idempotent", key = %key, error = %e,
+                "the body ran but its result could not be recorded within the lease; duplicates after the lease will run again"
+            );
+            result
+        }
+    }
+}
+
+/// How a completion ended.
+pub(crate) enum Completed {
+    /// Recorded (by this attempt or, its reply lost, by an earlier one of the same token).
+    Recorded { attempts: u32 },
+    /// The token no longer owns the key: its lease ended, and another caller may have run the body.
+    LeaseLost,
+    /// The store kept failing until the lease ended.
+    Failed(StoreError),
+}
+
+/// Completes, retrying failures with back-off while the lease lasts. The claim keeps duplicates
+/// out meanwhile, completion is fenced by the token (a retry never overwrites another owner's
+/// record) and repeated completions by one token succeed (a lost reply is not a lost lease).
+pub(crate) async fn complete_within_lease<S: Store + ?Sized>(
+    store: &S,
+    key: &Key,
+    token: &Token,
+    outcome: &[u8],
+    retention: Duration,
+    lease_end: Instant,
+) -> Completed {
     let mut backoff = FIRST_BACKOFF;
     let mut attempts = 0u32;
     loop {
         attempts += 1;
-        match store.complete(key, token, &outcome, retention).await {
-            Ok(()) => {
-                tracing::debug!(target: "idempotent", key = %key, ok = result.is_ok(), attempts, "executed and recorded");
-                return result;
-            }
-            // After an attempt whose reply was lost, `NotOwner` may mean that attempt recorded it.
-            Err(StoreError::NotOwner) if attempts > 1 => {
-                tracing::warn!(target: "idempotent", key = %key, attempts, "completion retried: an earlier attempt recorded it, or the lease was lost");
-                return result;
-            }
-            Err(StoreError::NotOwner) => return Err(Error::LeaseLost { key: key.to_string() }.into()),
-            Err(e) if tokio::time::Instant::now() + backoff < lease_end => {
+        match store.complete(key, token, outcome, retention).await {
+            Ok(()) => return Completed::Recorded { attempts },
+            Err(StoreError::NotOwner) => return Completed::LeaseLost,
+            Err(e) if Instant::now() + backoff < lease_end => {
                 tracing::warn!(target: "idempotent", key = %key, error = %e, attempts, "recording the result failed; retrying within the lease");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(MAX_COMPLETE_BACKOFF);
             }
-            Err(e) => {
-                tracing::error!(
-                    target: "idempotent", key = %key, error = %e, attempts,
-                    "the body ran but its result could not be recorded within the lease; duplicates after the lease will run again"
-                );
-                return result;
-            }
+            Err(e) => return Completed::Failed(e),
         }
     }
 }
@@ -261,16 +439,61 @@ fn unrecordable(key: &Key, reason: &str) -> Vec<u8> {
     outcome::encode_unrecordable(reason)
 }
 
-/// Releases the claim if the body panics or its future is dropped before it finishes.
-struct ReleaseOnDrop<'a, S: Store + ?Sized> {
+/// Where a call is, for what its destructor must do if the call's future is dropped there.
+enum Phase {
+    /// Nothing of ours is in the store (before claiming, or after losing the claim race).
+    Idle,
+    /// A claim request is in flight: it may have claimed the key.
+    Claiming,
+    /// The body runs.
+    Running,
+    /// An unrecorded error's release is in flight.
+    Releasing,
+    /// The outcome is being recorded.
+    Recording { outcome: Vec<u8>, retention: Duration, lease_end: Instant },
+    /// The call has finished with the store.
+    Done,
+}
+
+/// Finishes, through [`Store::detach`], what a dropped or panicking call left undone.
+struct Guard<'a, S: Store + ?Sized> {
     store: &'a S,
     key: &'a Key,
     token: &'a Token,
+    on_cancel: OnCancel,
+    phase: Phase,
+    /// Set while the body is polled: still set in the destructor means the body panicked.
+    body_polling: bool,
 }
 
-impl<S: Store + ?Sized> Drop for ReleaseOnDrop<'_, S> {
+impl<S: Store + ?Sized> Drop for Guard<'_, S> {
     fn drop(&mut self) {
-        tracing::debug!(target: "idempotent", key = %self.key, "released: the body panicked or was cancelled");
-        self.store.release_detached(self.key, self.token);
+        let (key, token) = (self.key.clone(), self.token.clone());
+        let step = match std::mem::replace(&mut self.phase, Phase::Done) {
+            Phase::Idle | Phase::Done => return,
+            Phase::Claiming | Phase::Releasing => Detached::Release { key, token },
+            Phase::Running if self.body_polling || std::thread::panicking() => {
+                tracing::warn!(target: "idempotent", key = %self.key, "the body panicked; releasing the key");
+                Detached::Release { key, token }
+            }
+            Phase::Running => match self.on_cancel {
+                OnCancel::Keep => {
+                    tracing::warn!(
+                        target: "idempotent", key = %self.key,
+                        "cancelled while the body ran; the key stays claimed until its lease ends (on_cancel = keep)"
+                    );
+                    return;
+                }
+                OnCancel::Release => {
+                    tracing::debug!(target: "idempotent", key = %self.key, "cancelled while the body ran; releasing (on_cancel = release)");
+                    Detached::Release { key, token }
+                }
+            },
+            Phase::Recording { outcome, retention, lease_end } => {
+                tracing::debug!(target: "idempotent", key = %self.key, "dropped while recording; finishing the record in the background");
+                Detached::Complete { key, token, outcome, retention, lease_end }
+            }
+        };
+        self.store.detach(step);
     }
 }

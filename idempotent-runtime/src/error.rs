@@ -111,6 +111,32 @@ pub enum Error {
     /// The `fingerprint` value could not be serialised. The body did not run.
     #[error("the request fingerprint could not be computed: {0}; fingerprint a serialisable value")]
     Fingerprint(String),
+
+    /// A `lease` or `retention` that cannot keep the promise (for example a zero lease, which would
+    /// let duplicates run at once). The body did not run.
+    #[error("invalid `{option}` for idempotency key {key:?}: {reason}")]
+    InvalidOption {
+        /// The key, as `scope:key`.
+        key: String,
+        /// The option at fault: `lease` or `retention`.
+        option: &'static str,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+
+    /// Two different functions of this process arrived at the same default scope, so they would
+    /// share records. The body did not run.
+    #[error(
+        "the functions at {first} and {second} both use the idempotency scope {scope:?}, so they would          share records; give at least one of them its own `scope = \"...\"`"
+    )]
+    ScopeCollision {
+        /// The shared scope.
+        scope: String,
+        /// Where the function that used the scope first is defined (`file:line:column`).
+        first: String,
+        /// Where the refused function is defined.
+        second: String,
+    },
 }
 
 fn retry_hint(retry_after: Option<Duration>) -> String {

@@ -107,8 +107,11 @@ pub enum KeyError {
         /// Its byte offset.
         at: usize,
     },
-    /// The scope is empty or holds a `:` or a control character.
-    #[error("the scope {0:?} is invalid: it must be non-empty printable text without ':'")]
+    /// The scope is empty, longer than [`MAX_KEY_BYTES`], or holds a `:` or a control character.
+    #[error(
+        "the scope {0:?} is invalid: it must be non-empty printable text of at most 255 bytes without ':'; \
+         set `scope = \"...\"` (or pass another scope to `Call::new`)"
+    )]
     InvalidScope(String),
 }
 

@@ -40,8 +40,13 @@
 //! 3. The winner runs the body, then records `Ok` (and, if asked, `Err`) for `retention`, fenced by
 //!    its owner [`Token`]: a caller whose lease ran out and was taken over gets [`Error::LeaseLost`]
 //!    and overwrites nothing.
-//! 4. An unrecorded `Err`, a panic or a dropped future releases the claim so a retry can run; a
-//!    crashed process's claim frees itself when the lease ends.
+//!    While the body runs, its lease is renewed every third of its length (the heartbeat), so a
+//!    live body is never run twice however long it takes.
+//! 4. An unrecorded `Err` or a panic releases the claim so a retry can run; a crashed process's
+//!    claim frees itself one lease after its last renewal. A cancelled call (its future dropped
+//!    while the body runs) keeps the claim until the lease ends, like a crash, unless
+//!    [`OnCancel::Release`] is chosen; a call dropped while recording is recorded in the
+//!    background (see [`Call::run_with`]).
 //!
 //! # Record format
 //!
@@ -54,16 +59,19 @@
 //! `None`; a `HashMap` with non-string keys does not serialise. Give such results a struct.
 
 mod call;
+mod detached;
 mod error;
 mod fingerprint;
 #[cfg(feature = "axum")]
 pub mod http;
 mod key;
 mod outcome;
+mod scope;
 mod store;
 pub mod stores;
 
-pub use call::{Call, DEFAULT_LEASE, DEFAULT_RETENTION};
+pub use call::{Call, DEFAULT_LEASE, DEFAULT_RETENTION, MIN_LEASE, OnCancel};
+pub use detached::Detached;
 pub use error::{Error, StoreError};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, Key, KeyError, MAX_KEY_BYTES};
@@ -79,7 +87,8 @@ pub use idempotent_macros::idempotent;
 /// What the attribute's expansion refers to. Not a public API: it may change in any release.
 #[doc(hidden)]
 pub mod __private {
-    pub use crate::{Call, RecordErrors, RecordErrorsIf, ReleaseErrors};
+    pub use crate::scope::{Site, fn_scope, method_scope};
+    pub use crate::{Call, OnCancel, RecordErrors, RecordErrorsIf, ReleaseErrors};
     pub use core::time::Duration;
 
     /// Pins a `record_err = <fn>` predicate to the function's error type, for type inference.

@@ -1,27 +1,35 @@
-//! The store trait: the three atomic steps every backend implements.
+//! The store trait: the atomic steps every backend implements.
 
 use std::future::Future;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
-use crate::{Fingerprint, Key, StoreError};
+use crate::{Detached, Fingerprint, Key, StoreError};
 
 /// The largest encoded result a store records by default (1 MiB).
 pub const DEFAULT_MAX_RECORD_BYTES: usize = 1024 * 1024;
 
 /// Where idempotency records live.
 ///
-/// A store implements three steps, **each one atomic on the backend** (one Lua script, one SQL
-/// statement, one locked map operation), so no interleaving of concurrent callers can make two of
-/// them own a key at once:
+/// A store implements four steps, **each one atomic on the backend** (one command or script, one
+/// SQL statement, one locked map operation), so no interleaving of concurrent callers can make two
+/// of them own a key at once:
 ///
 /// 1. [`claim`](Store::claim): take the key for this caller's [`Token`] with a lease, unless a live
 ///    record exists, in which case return it (completed: for replay; in progress: to wait or fail).
 ///    An expired lease or an expired completed record counts as absent.
-/// 2. [`complete`](Store::complete): if the key is still claimed by this token, store the encoded
-///    outcome and make the record live for `retention`. Otherwise fail with [`StoreError::NotOwner`].
-/// 3. [`release`](Store::release): if the key is still claimed by this token, delete it, so a retry
-///    may run. Otherwise fail with [`StoreError::NotOwner`].
+/// 2. [`extend`](Store::extend): the lease heartbeat. If the key is still claimed by this token
+///    and its lease has not ended, the lease now ends `lease` from now.
+/// 3. [`complete`](Store::complete): if the key is still claimed by this token and its lease has
+///    not ended, store the encoded outcome and make the record live for `retention`. A completion
+///    repeated by the token that already completed the record succeeds and changes nothing, so a
+///    retried completion whose first reply was lost is told apart from a lost lease.
+/// 4. [`release`](Store::release): if the key is still claimed by this token and its lease has not
+///    ended, delete it, so a retry may run.
+///
+/// Steps 2 to 4 fail with [`StoreError::NotOwner`] otherwise, and change nothing: once a lease has
+/// ended, even if nobody has claimed the key since, its owner can no longer act on it. Every
+/// expiry is decided by the store's own clock (the database's or Redis's), never the caller's.
 ///
 /// Implementations for `&S`, `Box<S>`, `Arc<S>` and `LazyLock<S>` forward to `S`, so the attribute's
 /// `store = ...` accepts a store, a reference to one, an `Arc`, or a `static` `LazyLock`.
@@ -46,12 +54,21 @@ pub trait Store: Send + Sync {
     /// Deletes the claim this token holds, so that a retry may run the body.
     fn release(&self, key: &Key, token: &Token) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// Releases a claim from a destructor, when the body panicked or its future was dropped.
+    /// Makes the lease of a claim this token holds end `lease` from now (the heartbeat that keeps a
+    /// long body's claim alive).
     ///
-    /// It cannot wait: in-memory stores release at once, remote stores spawn the release on the
-    /// current Tokio runtime. The default does nothing and the lease runs out instead.
-    fn release_detached(&self, key: &Key, token: &Token) {
-        let _ = (key, token);
+    /// Stores whose claim cannot expire while its owner lives (the transactional SQL stores, whose
+    /// claim is a row of an open transaction) succeed without doing anything.
+    fn extend(&self, key: &Key, token: &Token, lease: Duration) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Finishes a step from a destructor: the caller's future was dropped (or its body panicked)
+    /// while it released or recorded.
+    ///
+    /// It cannot wait: in-memory stores finish the step at once, remote stores spawn it on the
+    /// current Tokio runtime with [`spawn_detached`](crate::stores::spawn_detached). The default
+    /// does nothing and the claim ends with its lease.
+    fn detach(&self, step: Detached) {
+        drop(step);
     }
 
     /// Deletes expired claims and records now and returns how many it deleted.
@@ -159,8 +176,12 @@ macro_rules! forward_store {
                 (**self).release(key, token)
             }
 
-            fn release_detached(&self, key: &Key, token: &Token) {
-                (**self).release_detached(key, token);
+            fn extend(&self, key: &Key, token: &Token, lease: Duration) -> impl Future<Output = Result<(), StoreError>> + Send {
+                (**self).extend(key, token, lease)
+            }
+
+            fn detach(&self, step: Detached) {
+                (**self).detach(step);
             }
 
             fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send {

@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Once};
 use std::time::{Duration, Instant};
 
-use idempotent_runtime::{Call, Claim, ClaimRequest, Error, Key, RecordErrorsIf, Store, StoreError, Token};
+use idempotent_runtime::{Call, Claim, ClaimRequest, Detached, Error, Key, RecordErrorsIf, Store, StoreError, Token};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Semaphore, oneshot};
 
@@ -182,8 +182,12 @@ pub struct OpCounts {
     pub completes: AtomicU64,
     /// `release` calls.
     pub releases: AtomicU64,
-    /// `release_detached` calls.
+    /// Releases handed to `detach` (a panic, a cancellation, a drop while claiming).
     pub detached_releases: AtomicU64,
+    /// Completions handed to `detach` (a drop while recording).
+    pub detached_completions: AtomicU64,
+    /// `extend` calls (lease renewals).
+    pub extends: AtomicU64,
     /// Operations that failed with a backend or corruption error.
     pub backend_errors: AtomicU64,
     /// `complete` calls that failed with a backend error (a body ran; unless a retry records its
@@ -252,9 +256,20 @@ impl<S: Store> Store for Counted<S> {
         result
     }
 
-    fn release_detached(&self, key: &Key, token: &Token) {
-        self.ops.detached_releases.fetch_add(1, Ordering::Relaxed);
-        self.inner.release_detached(key, token);
+    async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
+        self.ops.extends.fetch_add(1, Ordering::Relaxed);
+        let result = self.inner.extend(key, token, lease).await;
+        self.count(&result);
+        result
+    }
+
+    fn detach(&self, step: Detached) {
+        let counter = match &step {
+            Detached::Release { .. } => &self.ops.detached_releases,
+            _ => &self.ops.detached_completions,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        self.inner.detach(step);
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {

@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use idempotent_runtime::stores::redis::redis::{self, AsyncCommands};
 use idempotent_runtime::stores::redis::{DEFAULT_PREFIX, RedisStore};
-use idempotent_runtime::{Claim, ClaimRequest, Error, Fingerprint, Key, Record, Store, StoreError, Token, idempotent};
+use idempotent_runtime::{
+    Claim, ClaimRequest, Detached, Error, Fingerprint, Key, Record, Store, StoreError, Token, idempotent,
+};
 use tokio::sync::Barrier;
 
 idempotent_tests::conformance_suite!(
@@ -94,8 +96,10 @@ async fn redis_claim_complete_and_replay() {
 
     let replay = claim(&store, &key, &Token::new(), None, LEASE).await;
     assert_eq!(replay, Claim::Completed(Record { fingerprint: Some(fp.clone()), outcome: outcome.to_vec() }));
-    // Once completed, nobody (not even the former owner) can complete or release it again.
-    assert!(matches!(store.complete(&key, &owner, b"{}", LEASE).await, Err(StoreError::NotOwner)));
+    // Once completed, only its owner's repeated completion succeeds (changing nothing); nobody
+    // can release it.
+    store.complete(&key, &owner, b"{}", LEASE).await.unwrap();
+    assert!(matches!(store.complete(&key, &other, b"{}", LEASE).await, Err(StoreError::NotOwner)));
     assert!(matches!(store.release(&key, &owner).await, Err(StoreError::NotOwner)));
     assert_eq!(claim(&store, &key, &Token::new(), None, LEASE).await, replay);
     cleanup(&mut raw, store.prefix()).await;
@@ -169,12 +173,13 @@ async fn redis_key_layout_is_one_readable_hash() {
     let pttl: i64 = raw.pttl(&name).await.unwrap();
     assert!(pttl > 9_000 && pttl <= 10_000, "the lease is the key's expiry, got PTTL {pttl}");
 
-    // Completion swaps the lease for the retention, drops the token, and stores the outcome bytes
-    // exactly (they need not be UTF-8).
+    // Completion swaps the lease for the retention, keeps the token (a repeated completion by the
+    // same caller succeeds), and stores the outcome bytes exactly (they need not be UTF-8).
     let outcome: &[u8] = b"{\"Ok\":\"\xff\x00\"}";
     store.complete(&key, &token, outcome, Duration::from_secs(3600)).await.unwrap();
     let fields: HashMap<String, Vec<u8>> = raw.hgetall(&name).await.unwrap();
-    assert_eq!(fields.len(), 3, "{fields:?}");
+    assert_eq!(fields.len(), 4, "{fields:?}");
+    assert_eq!(fields["token"], token.as_str().as_bytes());
     assert_eq!(fields["state"], b"done");
     assert_eq!(fields["fp"], fp.as_str().as_bytes());
     assert_eq!(fields["outcome"], outcome);
@@ -275,16 +280,16 @@ async fn redis_foreign_data_is_reported_not_overwritten() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_release_detached_runs_on_the_runtime() {
-    let Some(url) = idempotent_tests::services::redis_url("redis_release_detached_runs_on_the_runtime") else {
+async fn redis_detached_release_runs_on_the_runtime() {
+    let Some(url) = idempotent_tests::services::redis_url("redis_detached_release_runs_on_the_runtime") else {
         return;
     };
     let (store, mut raw) = setup(&url).await;
     let key = Key::new("detached", &"k").unwrap();
     let token = Token::new();
     assert_eq!(claim(&store, &key, &token, None, LEASE).await, Claim::Claimed);
-    store.release_detached(&key, &Token::new()); // not the owner: nothing happens
-    store.release_detached(&key, &token);
+    store.detach(Detached::Release { key: key.clone(), token: Token::new() }); // not the owner: nothing happens
+    store.detach(Detached::Release { key: key.clone(), token: token.clone() });
     let mut gone = false;
     for _ in 0..200 {
         let exists: bool = raw.exists(store.redis_key(&key)).await.unwrap();
@@ -299,7 +304,7 @@ async fn redis_release_detached_runs_on_the_runtime() {
     // Outside any runtime it does nothing, and does not panic.
     assert_eq!(claim(&store, &key, &token, None, LEASE).await, Claim::Claimed);
     let (outside, k, t) = (store.clone(), key.clone(), token.clone());
-    std::thread::spawn(move || outside.release_detached(&k, &t)).join().unwrap();
+    std::thread::spawn(move || outside.detach(Detached::Release { key: k, token: t })).join().unwrap();
     assert!(matches!(claim(&store, &key, &Token::new(), None, LEASE).await, Claim::InProgress { .. }));
     cleanup(&mut raw, store.prefix()).await;
 }

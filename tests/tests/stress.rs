@@ -82,7 +82,7 @@ mod racy {
     use std::sync::Mutex;
     use std::time::Duration;
 
-    use idempotent_runtime::{Claim, ClaimRequest, Fingerprint, Key, Record, Store, StoreError, Token};
+    use idempotent_runtime::{Claim, ClaimRequest, Detached, Fingerprint, Key, Record, Store, StoreError, Token};
 
     enum Entry {
         Running(Token, Option<Fingerprint>),
@@ -136,10 +136,19 @@ mod racy {
             }
         }
 
-        fn release_detached(&self, key: &Key, token: &Token) {
-            let mut map = self.0.lock().unwrap();
-            if matches!(map.get(key.as_str()), Some(Entry::Running(owner, _)) if owner == token) {
-                map.remove(key.as_str());
+        async fn extend(&self, key: &Key, token: &Token, _: Duration) -> Result<(), StoreError> {
+            match self.0.lock().unwrap().get(key.as_str()) {
+                Some(Entry::Running(owner, _)) if owner == token => Ok(()),
+                _ => Err(StoreError::NotOwner),
+            }
+        }
+
+        fn detach(&self, step: Detached) {
+            if let Detached::Release { key, token } = step {
+                let mut map = self.0.lock().unwrap();
+                if matches!(map.get(key.as_str()), Some(Entry::Running(owner, _)) if owner == &token) {
+                    map.remove(key.as_str());
+                }
             }
         }
     }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::store::DEFAULT_MAX_RECORD_BYTES;
-use crate::{Claim, ClaimRequest, Fingerprint, Key, Record, Store, StoreError, Token};
+use crate::{Claim, ClaimRequest, Detached, Fingerprint, Key, Record, Store, StoreError, Token};
 
 const SHARDS: usize = 64;
 /// A shard sweeps out expired entries after this many inserts, or after as many inserts as half
@@ -60,7 +60,9 @@ struct Entry {
 
 enum State {
     InProgress(Token),
-    Completed(Arc<[u8]>),
+    /// The outcome, and the token of the call that recorded it (a repeated completion by that
+    /// token succeeds).
+    Completed(Token, Arc<[u8]>),
 }
 
 impl MemoryStore {
@@ -100,10 +102,29 @@ impl MemoryStore {
     }
 
     fn release_now(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
+        let now = Instant::now();
         let mut shard = self.shard(key);
         match shard.entries.get(key.as_str()) {
-            Some(Entry { state: State::InProgress(owner), .. }) if owner == token => {
+            Some(entry) if entry.claimed_by(token, now) => {
                 shard.entries.remove(key.as_str());
+                Ok(())
+            }
+            _ => Err(StoreError::NotOwner),
+        }
+    }
+
+    fn complete_now(&self, key: &Key, token: &Token, outcome: &[u8], retention: Duration) -> Result<(), StoreError> {
+        let now = Instant::now();
+        let mut shard = self.shard(key);
+        match shard.entries.get_mut(key.as_str()) {
+            Some(entry) if entry.claimed_by(token, now) => {
+                entry.state = State::Completed(token.clone(), outcome.into());
+                entry.expires = now + retention;
+                Ok(())
+            }
+            Some(Entry { state: State::Completed(recorder, _), expires, .. })
+                if recorder == token && *expires > now =>
+            {
                 Ok(())
             }
             _ => Err(StoreError::NotOwner),
@@ -152,7 +173,7 @@ impl Store for MemoryStore {
         if let Some(entry) = shard.entries.get_mut(request.key.as_str()) {
             if entry.expires > now {
                 return Ok(match &entry.state {
-                    State::Completed(outcome) => {
+                    State::Completed(_, outcome) => {
                         Claim::Completed(Record { fingerprint: entry.fingerprint.clone(), outcome: outcome.to_vec() })
                     }
                     State::InProgress(_) => Claim::InProgress {
@@ -171,24 +192,36 @@ impl Store for MemoryStore {
     }
 
     async fn complete(&self, key: &Key, token: &Token, outcome: &[u8], retention: Duration) -> Result<(), StoreError> {
-        let now = Instant::now();
-        let mut shard = self.shard(key);
-        match shard.entries.get_mut(key.as_str()) {
-            Some(entry) if matches!(&entry.state, State::InProgress(owner) if owner == token) => {
-                entry.state = State::Completed(outcome.into());
-                entry.expires = now + retention;
-                Ok(())
-            }
-            _ => Err(StoreError::NotOwner),
-        }
+        self.complete_now(key, token, outcome, retention)
     }
 
     async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
         self.release_now(key, token)
     }
 
-    fn release_detached(&self, key: &Key, token: &Token) {
-        let _ = self.release_now(key, token);
+    async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
+        let now = Instant::now();
+        let mut shard = self.shard(key);
+        match shard.entries.get_mut(key.as_str()) {
+            Some(entry) if entry.claimed_by(token, now) => {
+                entry.expires = now + lease;
+                Ok(())
+            }
+            _ => Err(StoreError::NotOwner),
+        }
+    }
+
+    fn detach(&self, step: Detached) {
+        // Every step is a map operation: do it now, no runtime needed.
+        let result = match &step {
+            Detached::Release { key, token } => self.release_now(key, token),
+            Detached::Complete { key, token, outcome, retention, .. } => {
+                self.complete_now(key, token, outcome, *retention)
+            }
+        };
+        if let Err(e) = result {
+            tracing::debug!(target: "idempotent", key = %step.key(), error = %e, "detached step refused");
+        }
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
@@ -202,6 +235,11 @@ impl Store for MemoryStore {
 }
 
 impl Entry {
+    /// The entry is a live claim of `token`.
+    fn claimed_by(&self, token: &Token, now: Instant) -> bool {
+        self.expires > now && matches!(&self.state, State::InProgress(owner) if owner == token)
+    }
+
     fn claimed(request: &ClaimRequest<'_>, now: Instant) -> Self {
         Entry {
             fingerprint: request.fingerprint.cloned(),

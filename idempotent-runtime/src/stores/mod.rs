@@ -5,3 +5,5 @@ pub mod memory;
 pub mod redis;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub mod sql;
+
+pub use crate::detached::spawn_detached;

@@ -8,7 +8,7 @@
 //! | field     | while the call runs          | after it completed                           |
 //! |-----------|------------------------------|----------------------------------------------|
 //! | `state`   | `running`                    | `done`                                       |
-//! | `token`   | the owner token (32 hex)     | absent                                       |
+//! | `token`   | the owner token (32 hex)     | the token of the call that recorded it       |
 //! | `fp`      | the request fingerprint (64 hex), absent when the call has none | same          |
 //! | `outcome` | absent                       | the recorded outcome (JSON, see the crate docs) |
 //!
@@ -54,7 +54,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script, Value};
 
 use crate::store::DEFAULT_MAX_RECORD_BYTES;
-use crate::{Claim, ClaimRequest, Fingerprint, Key, Record, Store, StoreError, Token};
+use crate::{Claim, ClaimRequest, Detached, Fingerprint, Key, Record, Store, StoreError, Token};
 
 /// The `redis` crate this store is built on, to build a [`ConnectionManager`] of the same version.
 pub use redis;
@@ -103,13 +103,24 @@ return {0, 'the hash has no valid state/outcome fields'}
 ";
 
 /// `KEYS[1]`: the record. `ARGV`: token, outcome, retention in ms. Returns 1, or 0 if not owner.
+/// A record this token already completed answers 1 and is left as it is.
 const COMPLETE_LUA: &str = r"
 if redis.call('TYPE', KEYS[1]).ok ~= 'hash' then return 0 end
 local f = redis.call('HMGET', KEYS[1], 'state', 'token')
-if f[1] ~= 'running' or f[2] ~= ARGV[1] then return 0 end
+if f[2] ~= ARGV[1] then return 0 end
+if f[1] == 'done' then return 1 end
+if f[1] ~= 'running' then return 0 end
 redis.call('HSET', KEYS[1], 'state', 'done', 'outcome', ARGV[2])
-redis.call('HDEL', KEYS[1], 'token')
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+";
+
+/// `KEYS[1]`: the record. `ARGV`: token, lease in ms. Returns 1, or 0 if not owner.
+const EXTEND_LUA: &str = r"
+if redis.call('TYPE', KEYS[1]).ok ~= 'hash' then return 0 end
+local f = redis.call('HMGET', KEYS[1], 'state', 'token')
+if f[1] ~= 'running' or f[2] ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 ";
 
@@ -125,6 +136,7 @@ return 1
 static CLAIM: LazyLock<Script> = LazyLock::new(|| Script::new(CLAIM_LUA));
 static COMPLETE: LazyLock<Script> = LazyLock::new(|| Script::new(COMPLETE_LUA));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(RELEASE_LUA));
+static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(EXTEND_LUA));
 
 /// A store in Redis: records shared by every process that uses the same server and prefix.
 ///
@@ -351,24 +363,14 @@ impl Store for RedisStore {
         owner_reply(&invoke(&self.manager, &RELEASE, &name, &[token.as_str().as_bytes()]).await?)
     }
 
-    fn release_detached(&self, key: &Key, token: &Token) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            tracing::debug!(target: "idempotent", key = %key, "no Tokio runtime to release on; the lease will expire");
-            return;
-        };
-        let manager = self.manager.clone();
+    async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
         let name = self.redis_key(key);
-        let token = token.clone();
-        let key = key.clone();
-        runtime.spawn(async move {
-            let result = invoke(&manager, &RELEASE, &name, &[token.as_str().as_bytes()]).await;
-            if let Err(e) = result.and_then(|reply| owner_reply(&reply)) {
-                tracing::debug!(
-                    target: "idempotent", key = %key, error = %e,
-                    "detached release failed; the claim frees itself when its lease ends"
-                );
-            }
-        });
+        let lease = expiry_millis(lease).to_string();
+        owner_reply(&invoke(&self.manager, &EXTEND, &name, &[token.as_str().as_bytes(), lease.as_bytes()]).await?)
+    }
+
+    fn detach(&self, step: Detached) {
+        crate::stores::spawn_detached(self.clone(), step);
     }
 
     fn max_record_bytes(&self) -> usize {

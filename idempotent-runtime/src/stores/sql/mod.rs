@@ -32,9 +32,10 @@
 //!
 //! Each protocol step is one atomic statement: a claim is an upsert that inserts the key, or takes
 //! over an expired row, or leaves a live row alone (followed, only then, by one `SELECT` that reads
-//! the live row for replay). Completion and release are `UPDATE`/`DELETE ... WHERE token = ? AND
-//! state = 'in_progress'`, so a caller whose lease was taken over changes nothing and gets
-//! [`StoreError::NotOwner`](crate::StoreError::NotOwner). Unique violations are never raised and
+//! the live row for replay). Completion, release and lease renewal are `UPDATE`/`DELETE ... WHERE
+//! token = ? AND expires_at > <now>`, so a caller whose lease ended or was taken over changes
+//! nothing and gets [`StoreError::NotOwner`](crate::StoreError::NotOwner). A completed row keeps
+//! its token, so a completion repeated by the same caller succeeds without changing it. Unique violations are never raised and
 //! caught: a PostgreSQL transaction is never aborted by a duplicate key.
 //!
 //! Every expiry decision uses the **database's** clock, never the application's, so any number
@@ -54,7 +55,6 @@
 //! Expired rows stay until deleted: call [`Store::purge_expired`](crate::Store::purge_expired)
 //! from a job of your own, or let `spawn_purge(interval)` run it in the background ([`PurgeTask`]).
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -218,25 +218,6 @@ pub(crate) fn spawn_purge<S: Store + 'static>(store: S, every: Duration, backend
     PurgeTask { stop: Some(stop), task: Some(task) }
 }
 
-/// Spawns `release` on the current Tokio runtime, if there is one (from `release_detached`).
-pub(crate) fn spawn_release<F>(release: F, backend: &'static str)
-where
-    F: Future<Output = Result<(), StoreError>> + Send + 'static,
-{
-    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-        runtime.spawn(async move {
-            if let Err(e) = release.await {
-                tracing::debug!(target: "idempotent", backend, error = %e, "detached release failed; the lease will end by itself");
-            }
-        });
-    } else {
-        tracing::debug!(
-            target: "idempotent", backend,
-            "no Tokio runtime to release the claim on; it frees itself when its lease ends"
-        );
-    }
-}
-
 /// The state column's values.
 pub(crate) const IN_PROGRESS: &str = "in_progress";
 pub(crate) const COMPLETED: &str = "completed";
@@ -262,6 +243,7 @@ pub(crate) struct Statements {
     pub(crate) read: Arc<str>,
     pub(crate) complete: Arc<str>,
     pub(crate) release: Arc<str>,
+    pub(crate) extend: Arc<str>,
     pub(crate) purge: Arc<str>,
 }
 

@@ -43,7 +43,7 @@ use sqlx::{Executor, MySql, Row, Transaction};
 
 use super::{CLAIM_ATTEMPTS, DEFAULT_TABLE, Found, PurgeTask, Statements, TableName, TableNameError, Verdict};
 use crate::store::DEFAULT_MAX_RECORD_BYTES;
-use crate::{Claim, ClaimRequest, Key, Store, StoreError, Token};
+use crate::{Claim, ClaimRequest, Detached, Key, Store, StoreError, Token};
 
 const BACKEND: &str = "mysql";
 
@@ -83,11 +83,21 @@ fn statements(table: TableName) -> Statements {
         "SELECT state, token, fingerprint, outcome, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) \
          FROM {t} WHERE idempotency_key = ? FOR UPDATE"
     );
+    let live = "expires_at > UTC_TIMESTAMP(6)";
+    // A row this token already completed matches too, and is written back unchanged. MySQL
+    // assigns left to right, each assignment seeing the ones before: `state` goes last.
     let complete = format!(
-        "UPDATE {t} SET state = 'completed', outcome = ?, expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND \
-         WHERE idempotency_key = ? AND token = ? AND state = 'in_progress'"
+        "UPDATE {t} SET outcome = IF(state = 'in_progress', ?, outcome), \
+         expires_at = IF(state = 'in_progress', UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, expires_at), \
+         state = 'completed' \
+         WHERE idempotency_key = ? AND token = ? AND {live}"
     );
-    let release = format!("DELETE FROM {t} WHERE idempotency_key = ? AND token = ? AND state = 'in_progress'");
+    let release =
+        format!("DELETE FROM {t} WHERE idempotency_key = ? AND token = ? AND state = 'in_progress' AND {live}");
+    let extend = format!(
+        "UPDATE {t} SET expires_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND \
+         WHERE idempotency_key = ? AND token = ? AND state = 'in_progress' AND {live}"
+    );
     let purge = format!("DELETE FROM {t} WHERE {expired}");
     Statements {
         table,
@@ -96,6 +106,7 @@ fn statements(table: TableName) -> Statements {
         read: read.into(),
         complete: complete.into(),
         release: release.into(),
+        extend: extend.into(),
         purge: purge.into(),
     }
 }
@@ -237,9 +248,12 @@ impl Store for MySqlStore {
         release(&self.pool, &self.sql, key, token).await
     }
 
-    fn release_detached(&self, key: &Key, token: &Token) {
-        let (pool, sql, key, token) = (self.pool.clone(), Arc::clone(&self.sql), key.clone(), token.clone());
-        super::spawn_release(async move { release(&pool, &sql, &key, &token).await }, BACKEND);
+    async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
+        extend(&self.pool, &self.sql, key, token, lease).await
+    }
+
+    fn detach(&self, step: Detached) {
+        crate::stores::spawn_detached(self.clone(), step);
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
@@ -348,8 +362,13 @@ impl Store for MySqlTxStore {
         release(&mut **tx, &self.sql, key, token).await
     }
 
-    // release_detached: nothing to do. The claim lives only in this transaction, which rolls back
-    // when dropped uncommitted.
+    /// A claim inside a transaction lasts as long as the transaction: there is no lease to renew.
+    async fn extend(&self, _: &Key, _: &Token, _: Duration) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    // detach: nothing to do. The claim lives only in this transaction, which rolls back when
+    // dropped uncommitted.
 
     fn max_record_bytes(&self) -> usize {
         self.max_record_bytes
@@ -422,6 +441,23 @@ async fn release<'c>(
     token: &Token,
 ) -> Result<(), StoreError> {
     let done = sqlx::query(super::sql(&sql.release))
+        .bind(key.as_str())
+        .bind(token.as_str())
+        .execute(executor)
+        .await
+        .map_err(backend)?;
+    if done.rows_affected() == 1 { Ok(()) } else { Err(StoreError::NotOwner) }
+}
+
+async fn extend<'c>(
+    executor: impl Executor<'c, Database = MySql>,
+    sql: &Statements,
+    key: &Key,
+    token: &Token,
+    lease: Duration,
+) -> Result<(), StoreError> {
+    let done = sqlx::query(super::sql(&sql.extend))
+        .bind(super::micros(lease))
         .bind(key.as_str())
         .bind(token.as_str())
         .execute(executor)

@@ -38,7 +38,7 @@ use sqlx::{Executor, Postgres, Row, Transaction};
 
 use super::{CLAIM_ATTEMPTS, DEFAULT_TABLE, Found, PurgeTask, Statements, TableName, TableNameError, Verdict};
 use crate::store::DEFAULT_MAX_RECORD_BYTES;
-use crate::{Claim, ClaimRequest, Key, Store, StoreError, Token};
+use crate::{Claim, ClaimRequest, Detached, Key, Store, StoreError, Token};
 
 const BACKEND: &str = "postgres";
 
@@ -71,12 +71,21 @@ fn statements(table: TableName) -> Statements {
          CAST(EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000000 AS BIGINT) \
          FROM {t} WHERE idempotency_key = $1"
     );
+    let live = "expires_at > clock_timestamp()";
+    // A row this token already completed matches too, and is written back unchanged.
     let complete = format!(
-        "UPDATE {t} SET state = 'completed', outcome = $3, \
-         expires_at = clock_timestamp() + $4 * INTERVAL '1 microsecond' \
-         WHERE idempotency_key = $1 AND token = $2 AND state = 'in_progress'"
+        "UPDATE {t} SET outcome = CASE WHEN state = 'in_progress' THEN $3 ELSE outcome END, \
+         expires_at = CASE WHEN state = 'in_progress' \
+         THEN clock_timestamp() + $4 * INTERVAL '1 microsecond' ELSE expires_at END, \
+         state = 'completed' \
+         WHERE idempotency_key = $1 AND token = $2 AND {live}"
     );
-    let release = format!("DELETE FROM {t} WHERE idempotency_key = $1 AND token = $2 AND state = 'in_progress'");
+    let release =
+        format!("DELETE FROM {t} WHERE idempotency_key = $1 AND token = $2 AND state = 'in_progress' AND {live}");
+    let extend = format!(
+        "UPDATE {t} SET expires_at = clock_timestamp() + $3 * INTERVAL '1 microsecond' \
+         WHERE idempotency_key = $1 AND token = $2 AND state = 'in_progress' AND {live}"
+    );
     let purge = format!("DELETE FROM {t} WHERE expires_at <= clock_timestamp()");
     Statements {
         table,
@@ -85,6 +94,7 @@ fn statements(table: TableName) -> Statements {
         read: read.into(),
         complete: complete.into(),
         release: release.into(),
+        extend: extend.into(),
         purge: purge.into(),
     }
 }
@@ -204,9 +214,12 @@ impl Store for PostgresStore {
         release(&self.pool, &self.sql, key, token).await
     }
 
-    fn release_detached(&self, key: &Key, token: &Token) {
-        let (pool, sql, key, token) = (self.pool.clone(), Arc::clone(&self.sql), key.clone(), token.clone());
-        super::spawn_release(async move { release(&pool, &sql, &key, &token).await }, BACKEND);
+    async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
+        extend(&self.pool, &self.sql, key, token, lease).await
+    }
+
+    fn detach(&self, step: Detached) {
+        crate::stores::spawn_detached(self.clone(), step);
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
@@ -309,8 +322,13 @@ impl Store for PostgresTxStore {
         release(&mut **tx, &self.sql, key, token).await
     }
 
-    // release_detached: nothing to do. The claim lives only in this transaction, which rolls back
-    // when dropped uncommitted.
+    /// A claim inside a transaction lasts as long as the transaction: there is no lease to renew.
+    async fn extend(&self, _: &Key, _: &Token, _: Duration) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    // detach: nothing to do. The claim lives only in this transaction, which rolls back when
+    // dropped uncommitted.
 
     fn max_record_bytes(&self) -> usize {
         self.max_record_bytes
@@ -383,6 +401,23 @@ async fn release<'c>(
     let done = sqlx::query(super::sql(&sql.release))
         .bind(key.as_str())
         .bind(token.as_str())
+        .execute(executor)
+        .await
+        .map_err(backend)?;
+    if done.rows_affected() == 1 { Ok(()) } else { Err(StoreError::NotOwner) }
+}
+
+async fn extend<'c>(
+    executor: impl Executor<'c, Database = Postgres>,
+    sql: &Statements,
+    key: &Key,
+    token: &Token,
+    lease: Duration,
+) -> Result<(), StoreError> {
+    let done = sqlx::query(super::sql(&sql.extend))
+        .bind(key.as_str())
+        .bind(token.as_str())
+        .bind(super::micros(lease))
         .execute(executor)
         .await
         .map_err(backend)?;

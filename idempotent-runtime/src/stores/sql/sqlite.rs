@@ -40,7 +40,7 @@ use sqlx::{Executor, Row, Sqlite, Transaction};
 
 use super::{CLAIM_ATTEMPTS, DEFAULT_TABLE, Found, PurgeTask, Statements, TableName, TableNameError, Verdict};
 use crate::store::DEFAULT_MAX_RECORD_BYTES;
-use crate::{Claim, ClaimRequest, Key, Store, StoreError, Token};
+use crate::{Claim, ClaimRequest, Detached, Key, Store, StoreError, Token};
 
 const BACKEND: &str = "sqlite";
 
@@ -82,11 +82,21 @@ fn statements(table: TableName) -> Statements {
          CAST((julianday(expires_at) - julianday('now')) * 86400000000.0 AS INTEGER) \
          FROM {t} WHERE idempotency_key = ?1"
     );
+    let live = format!("expires_at > {NOW}");
+    // A row this token already completed matches too, and is written back unchanged.
     let complete = format!(
-        "UPDATE {t} SET state = 'completed', outcome = ?3, expires_at = strftime('%Y-%m-%d %H:%M:%f', 'now', ?4) \
-         WHERE idempotency_key = ?1 AND token = ?2 AND state = 'in_progress'"
+        "UPDATE {t} SET outcome = CASE WHEN state = 'in_progress' THEN ?3 ELSE outcome END, \
+         expires_at = CASE WHEN state = 'in_progress' \
+         THEN strftime('%Y-%m-%d %H:%M:%f', 'now', ?4) ELSE expires_at END, \
+         state = 'completed' \
+         WHERE idempotency_key = ?1 AND token = ?2 AND {live}"
     );
-    let release = format!("DELETE FROM {t} WHERE idempotency_key = ?1 AND token = ?2 AND state = 'in_progress'");
+    let release =
+        format!("DELETE FROM {t} WHERE idempotency_key = ?1 AND token = ?2 AND state = 'in_progress' AND {live}");
+    let extend = format!(
+        "UPDATE {t} SET expires_at = strftime('%Y-%m-%d %H:%M:%f', 'now', ?3) \
+         WHERE idempotency_key = ?1 AND token = ?2 AND state = 'in_progress' AND {live}"
+    );
     let purge = format!("DELETE FROM {t} WHERE expires_at <= {NOW}");
     Statements {
         table,
@@ -95,6 +105,7 @@ fn statements(table: TableName) -> Statements {
         read: read.into(),
         complete: complete.into(),
         release: release.into(),
+        extend: extend.into(),
         purge: purge.into(),
     }
 }
@@ -253,9 +264,12 @@ impl Store for SqliteStore {
         release(&self.pool, &self.sql, key, token).await
     }
 
-    fn release_detached(&self, key: &Key, token: &Token) {
-        let (pool, sql, key, token) = (self.pool.clone(), Arc::clone(&self.sql), key.clone(), token.clone());
-        super::spawn_release(async move { release(&pool, &sql, &key, &token).await }, BACKEND);
+    async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
+        extend(&self.pool, &self.sql, key, token, lease).await
+    }
+
+    fn detach(&self, step: Detached) {
+        crate::stores::spawn_detached(self.clone(), step);
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
@@ -325,8 +339,13 @@ impl Store for SqliteTxStore {
         release(&mut **tx, &self.sql, key, token).await
     }
 
-    // release_detached: nothing to do. The claim lives only in this transaction, which rolls back
-    // when dropped uncommitted.
+    /// A claim inside a transaction lasts as long as the transaction: there is no lease to renew.
+    async fn extend(&self, _: &Key, _: &Token, _: Duration) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    // detach: nothing to do. The claim lives only in this transaction, which rolls back when
+    // dropped uncommitted.
 
     fn max_record_bytes(&self) -> usize {
         self.max_record_bytes
@@ -399,6 +418,23 @@ async fn release<'c>(
     let done = sqlx::query(super::sql(&sql.release))
         .bind(key.as_str())
         .bind(token.as_str())
+        .execute(executor)
+        .await
+        .map_err(backend)?;
+    if done.rows_affected() == 1 { Ok(()) } else { Err(StoreError::NotOwner) }
+}
+
+async fn extend<'c>(
+    executor: impl Executor<'c, Database = Sqlite>,
+    sql: &Statements,
+    key: &Key,
+    token: &Token,
+    lease: Duration,
+) -> Result<(), StoreError> {
+    let done = sqlx::query(super::sql(&sql.extend))
+        .bind(key.as_str())
+        .bind(token.as_str())
+        .bind(modifier(lease))
         .execute(executor)
         .await
         .map_err(backend)?;

@@ -1,0 +1,108 @@
+//! Steps left to finish after their caller's future is gone: a release after a panic or a
+//! cancellation, a completion interrupted by a drop.
+
+use std::time::Duration;
+
+use crate::call::{Completed, complete_within_lease};
+use crate::{Key, Store, StoreError, Token};
+
+/// A protocol step that must still reach the store although the call that began it was dropped.
+///
+/// The protocol hands it to [`Store::detach`]. A store that can work without its caller spawns
+/// [`finish`](Detached::finish) on the runtime (see [`spawn_detached`]); an in-memory store does
+/// the step at once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Detached {
+    /// Delete the claim `token` holds on `key`: the body panicked, failed without being recorded,
+    /// or was cancelled under `on_cancel = "release"`, or the call was dropped while claiming.
+    Release {
+        /// The claimed key.
+        key: Key,
+        /// The claim's owner token.
+        token: Token,
+    },
+    /// Record `outcome` for `key`: the body finished, but its caller was dropped before the record
+    /// was written. Retried like a foreground completion while the lease lasts.
+    Complete {
+        /// The claimed key.
+        key: Key,
+        /// The claim's owner token.
+        token: Token,
+        /// The encoded outcome.
+        outcome: Vec<u8>,
+        /// How long the record is replayed.
+        retention: Duration,
+        /// When the claim's lease ends, by the caller's estimate (never later than the store's).
+        lease_end: tokio::time::Instant,
+    },
+}
+
+impl Detached {
+    /// The key the step is about.
+    #[must_use]
+    pub fn key(&self) -> &Key {
+        match self {
+            Detached::Release { key, .. } | Detached::Complete { key, .. } => key,
+        }
+    }
+
+    /// Does the step on `store`: one release, or a completion retried with back-off until the
+    /// lease ends.
+    pub async fn finish<S: Store + ?Sized>(self, store: &S) -> Result<(), StoreError> {
+        match self {
+            Detached::Release { key, token } => store.release(&key, &token).await,
+            Detached::Complete { key, token, outcome, retention, lease_end } => {
+                match complete_within_lease(store, &key, &token, &outcome, retention, lease_end).await {
+                    Completed::Recorded { .. } => Ok(()),
+                    Completed::LeaseLost => Err(StoreError::NotOwner),
+                    Completed::Failed(error) => Err(error),
+                }
+            }
+        }
+    }
+}
+
+/// Spawns `step.finish(&store)` on the current Tokio runtime; the default way for a remote store
+/// to implement [`Store::detach`]. Outside a runtime the step is dropped and the claim ends with
+/// its lease. Failures are logged under the target `idempotent`.
+///
+/// ```
+/// use idempotent_runtime::stores::spawn_detached;
+/// use idempotent_runtime::{Detached, Store};
+///
+/// #[derive(Clone)]
+/// struct MyStore { /* a pool or a client handle */ }
+/// # impl Store for MyStore {
+/// #     async fn claim(&self, _: &idempotent_runtime::ClaimRequest<'_>) -> Result<idempotent_runtime::Claim, idempotent_runtime::StoreError> { unimplemented!() }
+/// #     async fn complete(&self, _: &idempotent_runtime::Key, _: &idempotent_runtime::Token, _: &[u8], _: std::time::Duration) -> Result<(), idempotent_runtime::StoreError> { unimplemented!() }
+/// #     async fn release(&self, _: &idempotent_runtime::Key, _: &idempotent_runtime::Token) -> Result<(), idempotent_runtime::StoreError> { unimplemented!() }
+/// #     async fn extend(&self, _: &idempotent_runtime::Key, _: &idempotent_runtime::Token, _: std::time::Duration) -> Result<(), idempotent_runtime::StoreError> { unimplemented!() }
+/// fn detach(&self, step: Detached) {
+///     spawn_detached(self.clone(), step);
+/// }
+/// # }
+/// ```
+pub fn spawn_detached<S: Store + 'static>(store: S, step: Detached) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        tracing::warn!(
+            target: "idempotent", key = %step.key(),
+            "no Tokio runtime to finish a detached step on; the claim ends with its lease"
+        );
+        return;
+    };
+    runtime.spawn(async move {
+        let key = step.key().clone();
+        let what = match &step {
+            Detached::Release { .. } => "release",
+            Detached::Complete { .. } => "completion",
+        };
+        match step.finish(&store).await {
+            Ok(()) => tracing::debug!(target: "idempotent", key = %key, what, "detached step done"),
+            Err(e) => tracing::warn!(
+                target: "idempotent", key = %key, what, error = %e,
+                "detached step failed; the claim ends with its lease"
+            ),
+        }
+    });
+}

@@ -18,7 +18,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idempotent_runtime::{Claim, ClaimRequest, Error, Fingerprint, Key, Record, Store, StoreError, Token, idempotent};
+use idempotent_runtime::{
+    Call, Claim, ClaimRequest, Detached, Error, Fingerprint, Key, OnCancel, Record, Store, StoreError, Token,
+    idempotent,
+};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Barrier;
@@ -42,8 +45,14 @@ macro_rules! conformance_suite {
                 errors_release_the_key,
                 recorded_errors_are_replayed,
                 panics_release_the_key,
-                cancellation_releases_the_key,
-                lease_expiry_allows_takeover_and_fences_the_stale_owner,
+                cancellation_keeps_the_claim_until_the_lease_ends,
+                cancellation_with_release_policy_frees_the_key,
+                a_live_body_keeps_its_claim_past_the_lease,
+                a_crashed_owners_claim_frees_after_its_lease,
+                late_steps_after_the_lease_are_refused,
+                a_call_dropped_while_recording_is_still_recorded,
+                a_call_dropped_while_claiming_does_not_strand_the_key,
+                invalid_durations_are_refused_before_claiming,
                 fingerprint_mismatch_is_refused_on_every_path,
                 retention_expiry_lets_the_key_run_again,
                 purge_removes_expired_records,
@@ -370,37 +379,183 @@ pub async fn panics_release_the_key<S: Store + 'static>(store: Arc<S>, _: Expiry
     assert_eq!(ledger.count(&key), 2);
 }
 
-/// A dropped (timed-out) call releases its claim: the retry runs the body.
-pub async fn cancellation_releases_the_key<S: Store + 'static>(store: Arc<S>, _: Expiry) {
+/// A call dropped while its body runs is treated like a crash (`OnCancel::Keep`, the default):
+/// the body may have made side effects that are still landing, so retries are refused until the
+/// lease ends, and only then does a retry run.
+pub async fn cancellation_keeps_the_claim_until_the_lease_ends<S: Store + 'static>(store: Arc<S>, _: Expiry) {
     let ledger = Ledger::default();
     let key = unique("cancelled");
-    let slow = counted(&*store, &ledger, &key, "p", Duration::from_secs(30), Duration::from_secs(30));
+    let slow = counted(&*store, &ledger, &key, "p", Duration::from_secs(30), Duration::from_millis(1500));
     assert!(tokio::time::timeout(Duration::from_millis(200), slow).await.is_err());
     assert_eq!(ledger.count(&key), 1, "the first call started its body");
-    let retry = counted_waiting(&*store, &ledger, &key, "p", Duration::ZERO).await.unwrap();
-    assert_eq!(retry, (2, "p#2".to_owned()));
+    assert!(is_in_progress(&quick(&*store, &ledger, &key).await), "a retry within the lease must not run");
+    tokio::time::sleep(Duration::from_millis(1800)).await;
+    assert_eq!(quick(&*store, &ledger, &key).await.unwrap(), (2, "p#2".to_owned()), "after the lease a retry runs");
 }
 
-/// After the lease, a duplicate takes over; the stale owner's late result is refused with
-/// `LeaseLost`, and the new owner's result is the one replayed.
-pub async fn lease_expiry_allows_takeover_and_fences_the_stale_owner<S: Store + 'static>(store: Arc<S>, _: Expiry) {
-    let ledger = Arc::new(Ledger::default());
-    let key = unique("leased");
-    let stale = {
-        let (store, ledger, key) = (store.clone(), ledger.clone(), key.clone());
-        tokio::spawn(async move {
-            counted(&*store, &ledger, &key, "p", Duration::from_millis(1500), Duration::from_millis(400)).await
-        })
+/// With `OnCancel::Release`, a dropped call releases its claim at once: the retry (which waits
+/// while the release is on its way) runs the body.
+pub async fn cancellation_with_release_policy_frees_the_key<S: Store + 'static>(store: Arc<S>, _: Expiry) {
+    let (ledger, key) = (&Ledger::default(), &unique("released"));
+    let call = |hold: Duration| {
+        Call::new("conformance-release", key)
+            .lease(Duration::from_secs(30))
+            .on_cancel(OnCancel::Release)
+            .wait(Duration::from_secs(10))
+            .run(&*store, async move {
+                let run = ledger.hit(key);
+                tokio::time::sleep(hold).await;
+                Ok::<_, TestError>(run)
+            })
     };
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(tokio::time::timeout(Duration::from_millis(200), call(Duration::from_secs(30))).await.is_err());
+    assert_eq!(call(Duration::ZERO).await.unwrap(), 2, "the retry ran the body again");
+}
+
+/// The lease heartbeat: a body that runs for several leases keeps its claim; duplicates meanwhile
+/// are refused, and the one result is recorded and replayed.
+pub async fn a_live_body_keeps_its_claim_past_the_lease<S: Store + 'static>(store: Arc<S>, _: Expiry) {
+    let ledger = Arc::new(Ledger::default());
+    let key = unique("heartbeat");
+    let lease = Duration::from_millis(900);
+    let long = {
+        let (store, ledger, key) = (store.clone(), ledger.clone(), key.clone());
+        tokio::spawn(async move { counted(&*store, &ledger, &key, "p", Duration::from_millis(3200), lease).await })
+    };
+    for at in [1200, 2100, 2900] {
+        tokio::time::sleep_until(tokio::time::Instant::now() + Duration::from_millis(at / 3)).await;
+        assert!(is_in_progress(&quick(&*store, &ledger, &key).await), "a duplicate ran while the first body lived");
+    }
+    assert_eq!(long.await.unwrap().unwrap(), (1, "p#1".to_owned()));
+    assert_eq!(quick(&*store, &ledger, &key).await.unwrap(), (1, "p#1".to_owned()), "the one result is replayed");
+    assert_eq!(ledger.count(&key), 1);
+}
+
+/// A claim whose owner died (claimed straight through the store, never renewed) frees itself when
+/// its lease ends; the dead owner can then neither renew, complete nor release it.
+pub async fn a_crashed_owners_claim_frees_after_its_lease<S: Store + 'static>(store: Arc<S>, _: Expiry) {
+    let ledger = Ledger::default();
+    let key = unique("crashed");
+    let stored = Key::new("conformance-counted", &key.as_str()).unwrap();
+    let dead = Token::new();
+    assert_eq!(store.claim(&claim_request(&stored, &dead, None, 400)).await.unwrap(), Claim::Claimed);
     assert!(is_in_progress(&quick(&*store, &ledger, &key).await), "within the lease, the key is in progress");
     tokio::time::sleep(Duration::from_millis(700)).await;
-    let taken_over = counted(&*store, &ledger, &key, "p", Duration::ZERO, Duration::from_secs(30)).await;
-    assert_eq!(taken_over.unwrap(), (2, "p#2".to_owned()), "after the lease a duplicate takes over");
-    let stale = stale.await.unwrap();
-    assert!(matches!(stale, Err(TestError::Idempotency(Error::LeaseLost { .. }))), "{stale:?}");
-    assert_eq!(quick(&*store, &ledger, &key).await.unwrap(), (2, "p#2".to_owned()), "the new owner's record stands");
-    assert_eq!(ledger.count(&key), 2);
+    assert_eq!(quick(&*store, &ledger, &key).await.unwrap(), (1, "p#1".to_owned()), "after the lease a duplicate runs");
+    assert!(matches!(store.extend(&stored, &dead, Duration::from_secs(30)).await, Err(StoreError::NotOwner)));
+    assert!(matches!(store.complete(&stored, &dead, b"{}", Duration::from_secs(60)).await, Err(StoreError::NotOwner)));
+    assert!(matches!(store.release(&stored, &dead).await, Err(StoreError::NotOwner)));
+    assert_eq!(quick(&*store, &ledger, &key).await.unwrap(), (1, "p#1".to_owned()), "the new owner's record stands");
+}
+
+/// Steps that arrive after the lease ended are refused even when nobody took the key over: every
+/// store behaves the same way, and the key stays free for the next caller.
+pub async fn late_steps_after_the_lease_are_refused<S: Store + 'static>(store: Arc<S>, _: Expiry) {
+    let key = Key::new(&unique("late"), &"k").unwrap();
+    let (owner, next) = (Token::new(), Token::new());
+    assert_eq!(store.claim(&claim_request(&key, &owner, None, 150)).await.unwrap(), Claim::Claimed);
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    assert!(matches!(store.extend(&key, &owner, Duration::from_secs(30)).await, Err(StoreError::NotOwner)));
+    assert!(matches!(
+        store.complete(&key, &owner, br#"{"Ok":1}"#, Duration::from_secs(60)).await,
+        Err(StoreError::NotOwner)
+    ));
+    assert!(matches!(store.release(&key, &owner).await, Err(StoreError::NotOwner)));
+    assert_eq!(
+        store.claim(&claim_request(&key, &next, None, 30_000)).await.unwrap(),
+        Claim::Claimed,
+        "nothing was recorded late"
+    );
+}
+
+/// A real store with a pause in chosen steps, to drop a call at a chosen point.
+struct Paused<S> {
+    inner: Arc<S>,
+    /// Pause after the claim has reached the store, before its reply is returned.
+    after_claim: Duration,
+    /// Pause before a completion is sent.
+    before_complete: Duration,
+}
+
+impl<S: Store> Store for Paused<S> {
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        let claim = self.inner.claim(request).await;
+        tokio::time::sleep(self.after_claim).await;
+        claim
+    }
+
+    async fn complete(&self, key: &Key, token: &Token, outcome: &[u8], retention: Duration) -> Result<(), StoreError> {
+        tokio::time::sleep(self.before_complete).await;
+        self.inner.complete(key, token, outcome, retention).await
+    }
+
+    async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
+        self.inner.release(key, token).await
+    }
+
+    async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
+        self.inner.extend(key, token, lease).await
+    }
+
+    fn detach(&self, step: Detached) {
+        self.inner.detach(step);
+    }
+}
+
+/// A call dropped while its result is being recorded is recorded in the background: the body
+/// does not run again, and the retry replays the result.
+pub async fn a_call_dropped_while_recording_is_still_recorded<S: Store + 'static>(store: Arc<S>, _: Expiry) {
+    let ledger = Ledger::default();
+    let key = unique("recording");
+    let paused = Paused { inner: store.clone(), after_claim: Duration::ZERO, before_complete: Duration::from_secs(30) };
+    let first = counted(&paused, &ledger, &key, "p", Duration::ZERO, Duration::from_secs(30));
+    assert!(tokio::time::timeout(Duration::from_millis(300), first).await.is_err());
+    assert_eq!(ledger.count(&key), 1, "the body ran before the drop");
+    let retry = counted_waiting(&*store, &ledger, &key, "p", Duration::ZERO).await.unwrap();
+    assert_eq!(retry, (1, "p#1".to_owned()), "the retry replays the first result");
+    assert_eq!(ledger.count(&key), 1);
+}
+
+/// A call dropped while its claim request is in flight never runs the body, and does not strand
+/// the key for a lease: the claim it may have made is released in the background.
+pub async fn a_call_dropped_while_claiming_does_not_strand_the_key<S: Store + 'static>(store: Arc<S>, _: Expiry) {
+    let ledger = Ledger::default();
+    let key = unique("claiming");
+    let paused = Paused { inner: store.clone(), after_claim: Duration::from_secs(30), before_complete: Duration::ZERO };
+    let first = counted(&paused, &ledger, &key, "p", Duration::ZERO, Duration::from_secs(60));
+    assert!(tokio::time::timeout(Duration::from_millis(300), first).await.is_err());
+    assert_eq!(ledger.count(&key), 0, "the body never started");
+    let retry =
+        tokio::time::timeout(Duration::from_secs(15), counted_waiting(&*store, &ledger, &key, "p", Duration::ZERO));
+    let retry = retry.await.expect("the key was stranded for the 60 s lease").unwrap();
+    assert_eq!(retry, (1, "p#1".to_owned()));
+}
+
+/// Leases and retentions given at run time are checked before anything is claimed.
+pub async fn invalid_durations_are_refused_before_claiming<S: Store + 'static>(store: Arc<S>, _: Expiry) {
+    let ledger = Ledger::default();
+    let key = unique("durations");
+    let run = |lease: Duration, retention: Duration| {
+        Call::new("conformance-durations", &key)
+            .lease(lease)
+            .retention(retention)
+            .run(&*store, async { Ok::<_, TestError>(ledger.hit(&key)) })
+    };
+    for (lease, retention, option) in [
+        (Duration::ZERO, Duration::from_secs(60), "lease"),
+        (Duration::from_micros(999), Duration::from_secs(60), "lease"),
+        (Duration::from_secs(60), Duration::from_secs(59), "retention"),
+    ] {
+        match run(lease, retention).await {
+            Err(TestError::Idempotency(Error::InvalidOption { option: got, .. })) => assert_eq!(got, option),
+            other => panic!("lease {lease:?}, retention {retention:?}: expected InvalidOption, got {other:?}"),
+        }
+    }
+    assert_eq!(ledger.count(&key), 0);
+    // 1 ms is accepted (whether the record lands within so short a lease depends on the store).
+    let shortest = run(Duration::from_millis(1), Duration::from_millis(1)).await;
+    assert!(!matches!(shortest, Err(TestError::Idempotency(Error::InvalidOption { .. }))), "{shortest:?}");
+    assert_eq!(ledger.count(&key), 1);
 }
 
 /// A reused key with another request is refused while it runs, after it completes, and for waiters.
@@ -562,15 +717,30 @@ pub async fn store_steps_are_fenced_by_the_token<S: Store + 'static>(store: Arc<
         }
         other => panic!("expected InProgress, got {other:?}"),
     }
-    // Only the owner may complete or release.
+    // Only the owner may renew, complete or release.
+    assert!(matches!(store.extend(&key, &second, retention).await, Err(StoreError::NotOwner)));
     assert!(matches!(store.complete(&key, &second, b"{}", retention).await, Err(StoreError::NotOwner)));
     assert!(matches!(store.release(&key, &second).await, Err(StoreError::NotOwner)));
     store.complete(&key, &first, br#"{"Ok":1}"#, retention).await.unwrap();
-    // Completed: replayed, and no longer completable or releasable.
+    // Completed: replayed. Its owner's repeated completion succeeds and changes nothing (a retry
+    // whose first reply was lost); anything else is refused.
     let replay = store.claim(&claim_request(&key, &second, None, 30_000)).await.unwrap();
-    assert_eq!(replay, Claim::Completed(Record { fingerprint: Some(fp), outcome: br#"{"Ok":1}"#.to_vec() }));
-    assert!(matches!(store.complete(&key, &first, b"{}", retention).await, Err(StoreError::NotOwner)));
+    let recorded = Claim::Completed(Record { fingerprint: Some(fp), outcome: br#"{"Ok":1}"#.to_vec() });
+    assert_eq!(replay, recorded);
+    store.complete(&key, &first, br#"{"Ok":1}"#, retention).await.expect("a repeated completion succeeds");
+    assert!(matches!(store.complete(&key, &second, b"{}", retention).await, Err(StoreError::NotOwner)));
     assert!(matches!(store.release(&key, &first).await, Err(StoreError::NotOwner)));
+    assert!(matches!(store.extend(&key, &first, retention).await, Err(StoreError::NotOwner)));
+    assert_eq!(store.claim(&claim_request(&key, &second, None, 30_000)).await.unwrap(), recorded, "unchanged");
+
+    // The owner's renewal moves the end of the lease.
+    let renewed = Key::new(&scope, &"k0").unwrap();
+    assert_eq!(store.claim(&claim_request(&renewed, &first, None, 1_000)).await.unwrap(), Claim::Claimed);
+    store.extend(&renewed, &first, Duration::from_secs(30)).await.unwrap();
+    match store.claim(&claim_request(&renewed, &second, None, 30_000)).await.unwrap() {
+        Claim::InProgress { lease_remaining: Some(left), .. } => assert!(left > Duration::from_secs(25), "{left:?}"),
+        other => panic!("expected a renewed claim, got {other:?}"),
+    }
 
     // A released claim can be claimed again.
     let other = Key::new(&scope, &"k2").unwrap();

@@ -74,15 +74,23 @@ impl Payments {
     async fn deduct_balance(&self, request_id: &str, user: &str, amount: i64) -> Result<Receipt, PayError> {
         // The bank is slow today: long enough for the client to time out and retry.
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let updated = sqlx::query("UPDATE users SET balance = balance - ?1 WHERE id = ?2 AND balance >= ?1")
-            .bind(amount)
-            .bind(user)
-            .execute(self.store.pool())
-            .await?;
-        if updated.rows_affected() == 0 {
+        // The side effect is ONE statement that also returns everything the receipt needs. Once it
+        // has committed, nothing can fail before we return `Ok`, so the result is always recorded
+        // (and a failure before it commits leaves nothing behind, so releasing the key is safe).
+        // A second statement after the write, say a `SELECT balance`, could fail: its `Err` would
+        // release the key and the retry would deduct again. For a body with several writes, record
+        // the key in the same transaction instead (see `transactional_payment`), which also closes
+        // the window of a crash between this write and its record.
+        let balance_after: Option<i64> = sqlx::query_scalar(
+            "UPDATE users SET balance = balance - ?1 WHERE id = ?2 AND balance >= ?1 RETURNING balance",
+        )
+        .bind(amount)
+        .bind(user)
+        .fetch_optional(self.store.pool())
+        .await?;
+        let Some(balance_after) = balance_after else {
             return Err(PayError::InsufficientBalance { user: user.to_owned(), amount });
-        }
-        let balance_after = self.balance(user).await?;
+        };
         println!("    [server] charged {user} {amount} for {request_id}; balance now {balance_after}");
         Ok(Receipt { request_id: request_id.to_owned(), user: user.to_owned(), amount, balance_after })
     }

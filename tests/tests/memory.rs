@@ -26,3 +26,35 @@ async fn memory_store_forgets_expired_entries_as_new_keys_arrive() {
     store.purge_expired().await.unwrap();
     assert_eq!(store.len(), 10_000);
 }
+
+/// The heartbeat's cost: a body shorter than a third of its lease makes no renewal (two store
+/// round trips in all: claim and complete); a longer one renews every third of the lease.
+#[tokio::test(start_paused = true)]
+async fn memory_heartbeat_renews_only_bodies_longer_than_a_third_of_their_lease() {
+    use std::sync::atomic::Ordering::Relaxed;
+    use std::time::Duration;
+
+    use idempotent_runtime::{Call, Error};
+    use idempotent_tests::stress::Counted;
+
+    let store = Counted::new(MemoryStore::new());
+    let ops = |store: &Counted<MemoryStore>| {
+        (store.ops.claims.load(Relaxed), store.ops.completes.load(Relaxed), store.ops.extends.load(Relaxed))
+    };
+    let short = Call::new("heartbeat", &"short").lease(Duration::from_secs(3));
+    let body = async {
+        tokio::time::sleep(Duration::from_millis(999)).await;
+        Ok::<_, Error>(1)
+    };
+    assert_eq!(short.run(&store, body).await.unwrap(), 1);
+    assert_eq!(ops(&store), (1, 1, 0), "claims, completes, renewals of a body shorter than lease/3");
+
+    let long = Call::new("heartbeat", &"long").lease(Duration::from_millis(300));
+    let body = async {
+        tokio::time::sleep(Duration::from_millis(1050)).await;
+        Ok::<_, Error>(2)
+    };
+    assert_eq!(long.run(&store, body).await.unwrap(), 2);
+    // Renewals at 100, 200, ..., 1000 ms of a 1050 ms body.
+    assert_eq!(ops(&store), (2, 2, 10), "claims, completes, renewals after a body of 3.5 leases");
+}

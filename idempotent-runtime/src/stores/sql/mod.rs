@@ -34,7 +34,7 @@
 //! over an expired row, or leaves a live row alone (followed, only then, by one `SELECT` that reads
 //! the live row for replay). Completion, release and lease renewal are `UPDATE`/`DELETE ... WHERE
 //! token = ? AND expires_at > <now>`, so a caller whose lease ended or was taken over changes
-//! nothing and gets [`StoreError::NotOwner`](crate::StoreError::NotOwner). A completed row keeps
+//! nothing and gets [`StoreError::NotOwner`]. A completed row keeps
 //! its token, so a completion repeated by the same caller succeeds without changing it. Unique violations are never raised and
 //! caught: a PostgreSQL transaction is never aborted by a duplicate key.
 //!
@@ -52,7 +52,7 @@
 //!
 //! # Purging
 //!
-//! Expired rows stay until deleted: call [`Store::purge_expired`](crate::Store::purge_expired)
+//! Expired rows stay until deleted: call [`Store::purge_expired`]
 //! from a job of your own, or let `spawn_purge(interval)` run it in the background ([`PurgeTask`]).
 
 use std::sync::Arc;

@@ -237,8 +237,8 @@ impl Store for PostgresStore {
 ///
 /// A concurrent duplicate (in its own transaction) blocks on the claimed row until this
 /// transaction ends, then replays the committed result, or runs the body if this one rolled back.
-/// The body reaches the transaction through [`conn`](Self::conn). After the call, [`commit`]
-/// (Self::commit) or [`rollback`](Self::rollback); dropping it rolls back.
+/// The body reaches the transaction through [`conn`](Self::conn). After the call,
+/// [`commit`](Self::commit) or [`rollback`](Self::rollback); dropping it rolls back.
 ///
 /// An `Err` from the body deletes the claim inside the transaction; a panic or a dropped future
 /// leaves it there: roll the transaction back (dropping it does).

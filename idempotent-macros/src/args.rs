@@ -1,14 +1,16 @@
-//! Parsing `#[idempotent(...)]` arguments, with every error spanned on the token at fault.
+//! Parsing `#[idempotent(...)]` arguments on syn's `meta::parser`, with every error spanned on the
+//! token at fault and every mistake in one attribute reported at once.
 
 use proc_macro2::{Span, TokenStream};
+use syn::meta::ParseNestedMeta;
 use syn::parse::Parser;
-use syn::punctuated::Punctuated;
 use syn::spanned::Spanned;
-use syn::{Expr, ExprLit, Lit, LitStr, Meta, Path, Token};
+use syn::{Expr, ExprLit, Lit, LitStr, Path, Token};
 
 use crate::duration;
 
-const OPTIONS: &str = "key, store, scope, fingerprint, lease, retention, wait, record_err, crate";
+const OPTIONS: [&str; 10] =
+    ["key", "store", "scope", "fingerprint", "lease", "retention", "wait", "record_err", "on_cancel", "crate"];
 
 /// The attribute's arguments, validated.
 pub struct Args {
@@ -20,6 +22,7 @@ pub struct Args {
     pub retention: Option<DurationArg>,
     pub wait: Option<DurationArg>,
     pub record_err: RecordErr,
+    pub on_cancel: Option<OnCancel>,
     pub krate: Option<Path>,
 }
 
@@ -29,11 +32,18 @@ pub enum DurationArg {
     Expr(Expr),
 }
 
-/// Which `Err` results are recorded.
+/// Which `Err` results are recorded; `Always` keeps the option's span for type errors about `E`.
 pub enum RecordErr {
     Never,
-    Always,
+    Always(Span),
     If(Expr),
+}
+
+/// What a cancelled call does with its claim.
+#[derive(Debug, PartialEq, Eq)]
+pub enum OnCancel {
+    Keep,
+    Release,
 }
 
 /// Collects errors so that one compile reports every mistake in the attribute.
@@ -52,58 +62,58 @@ impl Errors {
 
 /// Parses and checks the arguments.
 pub fn parse(tokens: TokenStream) -> Result<Args, syn::Error> {
-    let metas = Punctuated::<Meta, Token![,]>::parse_terminated.parse2(tokens)?;
     let mut errors = Errors::default();
-    let mut key = None;
-    let mut store = None;
-    let mut scope = None;
-    let mut fingerprint = None;
-    let mut lease = None;
-    let mut retention = None;
-    let mut wait = None;
-    let mut record_err = None;
-    let mut krate = None;
+    let (mut key, mut store, mut scope, mut fingerprint, mut record_err, mut on_cancel, mut krate) =
+        (None, None, None, None, None, None, None);
+    let (mut lease, mut retention, mut wait) = (None, None, None);
 
-    for meta in metas {
-        let path = meta.path();
+    syn::meta::parser(|meta: ParseNestedMeta| {
+        let path = &meta.path;
         let name =
             path.get_ident().map_or_else(|| quote::quote!(#path).to_string().replace(' ', ""), ToString::to_string);
-        let name_span = meta.path().span();
+        let span = path.span();
         macro_rules! once {
             ($slot:ident, $value:expr) => {{
+                let value = $value;
                 if $slot.is_some() {
-                    errors.push(name_span, format_args!("`{name}` is given twice; keep one"));
-                } else {
-                    $slot = $value;
+                    errors.push(span, format_args!("`{name}` is given twice; keep one"));
+                } else if value.is_some() {
+                    $slot = value;
                 }
             }};
         }
-        match name.as_str() {
-            "record_err" => {
-                if let Some(value) = record_err_arg(&meta, &mut errors) {
-                    once!(record_err, Some(value));
+        if !meta.input.peek(Token![=]) {
+            let list =
+                meta.input.peek(syn::token::Paren).then(|| meta.input.parse::<proc_macro2::Group>()).transpose()?;
+            match (name.as_str(), list) {
+                ("record_err", None) => once!(record_err, Some(RecordErr::Always(span))),
+                ("record_err", Some(list)) => {
+                    errors.push(list.span(), "write `record_err`, `record_err = true` or `record_err = some_fn`");
                 }
-            }
-            known @ ("key" | "store" | "scope" | "fingerprint" | "lease" | "retention" | "wait" | "crate") => {
-                let Meta::NameValue(nv) = meta else {
-                    errors.push(name_span, format_args!("`{known}` needs a value: `{known} = ...`"));
-                    continue;
-                };
-                let value = nv.value;
-                match known {
-                    "key" => once!(key, Some(value)),
-                    "store" => once!(store, Some(value)),
-                    "fingerprint" => once!(fingerprint, Some(value)),
-                    "lease" => once!(lease, duration_arg(value, &mut errors)),
-                    "retention" => once!(retention, duration_arg(value, &mut errors)),
-                    "wait" => once!(wait, duration_arg(value, &mut errors)),
-                    "scope" => once!(scope, scope_arg(&value, &mut errors)),
-                    _ => once!(krate, crate_arg(&value, &mut errors)),
+                (known, _) if OPTIONS.contains(&known) => {
+                    errors.push(span, format_args!("`{known}` needs a value: `{known} = ...`"));
                 }
+                (unknown, _) => errors.push(span, unknown_option(unknown)),
             }
-            unknown => errors.push(name_span, format_args!("unknown option `{unknown}`; expected one of: {OPTIONS}")),
+            return Ok(());
         }
-    }
+        let value: Expr = meta.value()?.parse()?;
+        match name.as_str() {
+            "key" => once!(key, Some(value)),
+            "store" => once!(store, Some(value)),
+            "fingerprint" => once!(fingerprint, Some(value)),
+            "lease" => once!(lease, duration_arg(value, &mut errors)),
+            "retention" => once!(retention, duration_arg(value, &mut errors)),
+            "wait" => once!(wait, duration_arg(value, &mut errors)),
+            "scope" => once!(scope, scope_arg(&value, &mut errors)),
+            "record_err" => once!(record_err, record_err_arg(value, span, &mut errors)),
+            "on_cancel" => once!(on_cancel, on_cancel_arg(&value, &mut errors)),
+            "crate" => once!(krate, crate_arg(&value, &mut errors)),
+            unknown => errors.push(span, unknown_option(unknown)),
+        }
+        Ok(())
+    })
+    .parse2(tokens)?;
 
     if let (Some(DurationArg::Millis(lease, _)), Some(DurationArg::Millis(retention, span))) = (&lease, &retention)
         && retention < lease
@@ -138,33 +148,28 @@ pub fn parse(tokens: TokenStream) -> Result<Args, syn::Error> {
         retention,
         wait,
         record_err: record_err.unwrap_or(RecordErr::Never),
+        on_cancel,
         krate,
     })
 }
 
-fn record_err_arg(meta: &Meta, errors: &mut Errors) -> Option<RecordErr> {
-    match meta {
-        Meta::Path(_) => Some(RecordErr::Always),
-        Meta::NameValue(nv) => match &nv.value {
-            Expr::Lit(ExprLit { lit: Lit::Bool(b), .. }) => {
-                Some(if b.value { RecordErr::Always } else { RecordErr::Never })
-            }
-            Expr::Lit(lit) => {
-                errors.push(
-                    lit.span(),
-                    "`record_err` takes `true`, `false`, or a function `fn(&E) -> bool` that says which errors to record",
-                );
-                None
-            }
-            other => Some(RecordErr::If(other.clone())),
-        },
-        Meta::List(list) => {
+fn unknown_option(name: &str) -> String {
+    format!("unknown option `{name}`; expected one of: {}", OPTIONS.join(", "))
+}
+
+fn record_err_arg(value: Expr, span: Span, errors: &mut Errors) -> Option<RecordErr> {
+    match value {
+        Expr::Lit(ExprLit { lit: Lit::Bool(b), .. }) => {
+            Some(if b.value { RecordErr::Always(span) } else { RecordErr::Never })
+        }
+        Expr::Lit(lit) => {
             errors.push(
-                list.delimiter.span().join(),
-                "write `record_err`, `record_err = true` or `record_err = some_fn`",
+                lit.span(),
+                "`record_err` takes `true`, `false`, or a function `fn(&E) -> bool` that says which errors to record",
             );
             None
         }
+        other => Some(RecordErr::If(other)),
     }
 }
 
@@ -189,31 +194,47 @@ fn duration_arg(value: Expr, errors: &mut Errors) -> Option<DurationArg> {
 }
 
 fn scope_arg(value: &Expr, errors: &mut Errors) -> Option<LitStr> {
+    let Expr::Lit(ExprLit { lit: Lit::Str(text), .. }) = value else {
+        errors.push(
+            value.span(),
+            "`scope` must be a string literal such as \"payments\": it names the keys' namespace and must stay stable",
+        );
+        return None;
+    };
+    let scope = text.value();
+    if scope.is_empty() || scope.len() > 255 || scope.chars().any(|c| c == ':' || c.is_control()) {
+        errors.push(text.span(), "a scope is non-empty printable text of at most 255 bytes, without ':'");
+        return None;
+    }
+    Some(text.clone())
+}
+
+fn on_cancel_arg(value: &Expr, errors: &mut Errors) -> Option<OnCancel> {
     if let Expr::Lit(ExprLit { lit: Lit::Str(text), .. }) = value {
-        let scope = text.value();
-        if scope.is_empty() || scope.len() > 255 || scope.chars().any(|c| c == ':' || c.is_control()) {
-            errors.push(text.span(), "a scope is non-empty printable text of at most 255 bytes, without ':'");
-            return None;
+        match text.value().as_str() {
+            "keep" => return Some(OnCancel::Keep),
+            "release" => return Some(OnCancel::Release),
+            _ => {}
         }
-        return Some(text.clone());
     }
     errors.push(
         value.span(),
-        "`scope` must be a string literal such as \"payments\": it names the keys' namespace and must stay stable",
+        "`on_cancel` is \"keep\" (the default: a cancelled call keeps its claim until its lease ends, as a \
+         crash does) or \"release\" (the key is freed at once, for bodies that are safe to run again)",
     );
     None
 }
 
 fn crate_arg(value: &Expr, errors: &mut Errors) -> Option<Path> {
-    if let Expr::Lit(ExprLit { lit: Lit::Str(text), .. }) = value {
-        match text.parse::<Path>() {
-            Ok(path) => return Some(path),
-            Err(_) => errors.push(text.span(), "`crate` must be a path such as \"::idempotent_runtime\""),
-        }
+    let Expr::Lit(ExprLit { lit: Lit::Str(text), .. }) = value else {
+        errors.push(value.span(), "`crate` takes a string literal: `crate = \"::my_reexport::idempotent_runtime\"`");
         return None;
+    };
+    let path = text.parse::<Path>();
+    if path.is_err() {
+        errors.push(text.span(), "`crate` must be a path such as \"::idempotent_runtime\"");
     }
-    errors.push(value.span(), "`crate` takes a string literal: `crate = \"::my_reexport::idempotent_runtime\"`");
-    None
+    path.ok()
 }
 
 #[cfg(test)]
@@ -246,7 +267,7 @@ mod tests {
         assert!(matches!(args.lease, Some(DurationArg::Millis(30_000, _))));
         assert!(matches!(args.retention, Some(DurationArg::Millis(3_600_000, _))));
         assert!(matches!(args.wait, Some(DurationArg::Expr(_))));
-        assert!(matches!(args.record_err, RecordErr::Always));
+        assert!(matches!(args.record_err, RecordErr::Always(_)));
         assert_eq!(args.scope.unwrap().value(), "pay");
     }
 
@@ -263,6 +284,7 @@ mod tests {
     fn record_err_forms() {
         let some = |t| parse(t).unwrap().record_err;
         assert!(matches!(some(quote!(key = k, store = s, record_err = false)), RecordErr::Never));
+        assert!(matches!(some(quote!(key = k, store = s, record_err = true)), RecordErr::Always(_)));
         assert!(matches!(some(quote!(key = k, store = s, record_err = is_final)), RecordErr::If(_)));
         assert!(error(quote!(key = k, store = s, record_err = "yes")).contains("`record_err` takes"));
     }

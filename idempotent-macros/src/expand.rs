@@ -1,9 +1,17 @@
 //! Rewriting the annotated function: the body becomes a future handed to `Call::run_with`.
+//!
+//! Two shapes are accepted, with one code path: an `async fn`, whose block is the body, and a fn
+//! that returns a boxed future and ends in `Box::pin(async move { .. })`, which is what
+//! `#[async_trait]` on the enclosing impl or trait makes of an `async fn` before this attribute
+//! runs. There the body is the inside of that async block (the probe follows tracing-attributes).
 
-use proc_macro2::TokenStream;
+use proc_macro2::{Span, TokenStream, TokenTree};
 use quote::{ToTokens, quote, quote_spanned};
 use syn::spanned::Spanned;
-use syn::{ItemFn, ReturnType, Type};
+use syn::{
+    Block, Expr, ExprAsync, GenericArgument, ItemFn, Pat, PathArguments, ReturnType, Signature, Stmt, Type,
+    TypeParamBound,
+};
 
 use crate::args::{self, Args, DurationArg, RecordErr};
 
@@ -15,9 +23,9 @@ pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
         Err(error) => return with_error(item, &error),
     };
     let args = args::parse(args);
-    let checked = check_signature(&function);
-    match (args, checked) {
-        (Ok(args), Ok(())) => expand(&args, function),
+    let output = output_type(&function);
+    match (args, output) {
+        (Ok(args), Ok(output)) => expand(&args, output, function),
         (Err(mut error), Err(more)) => {
             error.combine(more);
             with_error(function.into_token_stream(), &error)
@@ -35,22 +43,38 @@ fn with_error(item: TokenStream, error: &syn::Error) -> TokenStream {
     out
 }
 
-fn check_signature(function: &ItemFn) -> Result<(), syn::Error> {
+/// The `Result<T, E>` the body produces: the declared return type of an `async fn`, or the
+/// `Output` of the boxed future an `#[async_trait]` method returns.
+fn output_type(function: &ItemFn) -> Result<Type, syn::Error> {
     let sig = &function.sig;
-    if sig.asyncness.is_none() {
-        return Err(syn::Error::new(
-            sig.fn_token.span,
-            "`#[idempotent]` works on an `async fn`: add `async` (the claim and the record are awaited)",
-        ));
-    }
-    let ReturnType::Type(_, ty) = &sig.output else {
+    let ReturnType::Type(_, declared) = &sig.output else {
+        if sig.asyncness.is_none() {
+            return Err(not_async(function));
+        }
         return Err(syn::Error::new(
             sig.paren_token.span.join(),
             "`#[idempotent]` needs a function that returns `Result<T, E>`: the `Ok` value is recorded and \
              replayed, and `E` carries `idempotent_runtime::Error`",
         ));
     };
-    check_return_type(ty)
+    let output = if sig.asyncness.is_some() {
+        (**declared).clone()
+    } else {
+        match (future_output(declared), boxed_block(&function.block)) {
+            (Some(output), Some(_)) => output.clone(),
+            _ => return Err(not_async(function)),
+        }
+    };
+    check_return_type(&output)?;
+    Ok(output)
+}
+
+fn not_async(function: &ItemFn) -> syn::Error {
+    syn::Error::new(
+        function.sig.fn_token.span,
+        "`#[idempotent]` works on an `async fn` (also inside an `#[async_trait]` impl or trait): add `async` \
+         (the claim and the record are awaited)",
+    )
 }
 
 fn check_return_type(ty: &Type) -> Result<(), syn::Error> {
@@ -73,53 +97,161 @@ fn check_return_type(ty: &Type) -> Result<(), syn::Error> {
     }
 }
 
-fn expand(args: &Args, function: ItemFn) -> TokenStream {
-    let ItemFn { attrs, vis, sig, block } = function;
+/// `R` in `Pin<Box<dyn Future<Output = R> + ..>>`, the return type `#[async_trait]` writes.
+fn future_output(ty: &Type) -> Option<&Type> {
+    fn type_arg<'a>(ty: &'a Type, name: &str) -> Option<&'a PathArguments> {
+        let Type::Path(path) = ty else { return None };
+        Some(&path.path.segments.last().filter(|s| s.ident == name)?.arguments)
+    }
+    fn first_type(args: &PathArguments) -> Option<&Type> {
+        let PathArguments::AngleBracketed(args) = args else { return None };
+        args.args.iter().find_map(|arg| if let GenericArgument::Type(ty) = arg { Some(ty) } else { None })
+    }
+    let boxed = first_type(type_arg(ty, "Pin")?)?;
+    let Type::TraitObject(object) = first_type(type_arg(boxed, "Box")?)? else { return None };
+    let future = object.bounds.iter().find_map(|bound| match bound {
+        TypeParamBound::Trait(t) => t.path.segments.last().filter(|s| s.ident == "Future"),
+        _ => None,
+    })?;
+    let PathArguments::AngleBracketed(args) = &future.arguments else { return None };
+    args.args.iter().find_map(|arg| match arg {
+        GenericArgument::AssocType(assoc) if assoc.ident == "Output" => Some(&assoc.ty),
+        _ => None,
+    })
+}
+
+/// The async block of a body ending in `Box::pin(async move { .. })` or `async move { .. }`.
+fn boxed_block(block: &Block) -> Option<&ExprAsync> {
+    let Some(Stmt::Expr(last, None)) = block.stmts.last() else { return None };
+    match last {
+        Expr::Async(inner) => Some(inner),
+        Expr::Call(call) => {
+            let Expr::Path(func) = &*call.func else { return None };
+            let mut segments = func.path.segments.iter().rev();
+            let is_box_pin =
+                segments.next().is_some_and(|s| s.ident == "pin") && segments.next().is_some_and(|s| s.ident == "Box");
+            match call.args.first() {
+                Some(Expr::Async(inner)) if is_box_pin && call.args.len() == 1 => Some(inner),
+                _ => None,
+            }
+        }
+        _ => None,
+    }
+}
+
+fn boxed_block_mut(block: &mut Block) -> Option<&mut ExprAsync> {
+    match block.stmts.last_mut() {
+        Some(Stmt::Expr(Expr::Async(inner), None)) => Some(inner),
+        Some(Stmt::Expr(Expr::Call(call), None)) => match call.args.first_mut() {
+            Some(Expr::Async(inner)) => Some(inner),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+fn expand(args: &Args, output: Type, mut function: ItemFn) -> TokenStream {
+    if function.sig.asyncness.is_some() {
+        let block = &function.block;
+        let run = run(args, &function.sig, &output, &quote!(async #block), false);
+        function.block = Box::new(syn::parse_quote!({ #run }));
+    } else {
+        let inner = boxed_block_mut(&mut function.block).expect("checked by output_type");
+        // `#[async_trait]` writes `let __self = self;`, rebinds the arguments, then `let __ret: R =
+        // { body }; __ret`. The call goes after those bindings, so the store may borrow what the
+        // body moves; the attribute's `self` then means `__self`.
+        let stmts = std::mem::take(&mut inner.block.stmts);
+        let split = stmts.iter().position(|s| binds(s, "__ret")).unwrap_or(0);
+        let (bindings, body) = stmts.split_at(split);
+        let renamed = bindings.iter().any(|s| binds(s, "__self"));
+        let run = run(args, &function.sig, &output, &quote!(async { #(#body)* }), renamed);
+        inner.block.stmts = syn::parse_quote!(#(#bindings)* #run);
+    }
+    function.into_token_stream()
+}
+
+/// Whether `stmt` is `let <name>... = ..;`.
+fn binds(stmt: &Stmt, name: &str) -> bool {
+    let Stmt::Local(local) = stmt else { return false };
+    let pat = match &local.pat {
+        Pat::Type(typed) => &*typed.pat,
+        pat => pat,
+    };
+    matches!(pat, Pat::Ident(ident) if ident.ident == name)
+}
+
+/// `Call::new(..)...run_with(store, policy, body).await`, the body being a future expression.
+fn run(args: &Args, sig: &Signature, output: &Type, body: &TokenStream, renamed: bool) -> TokenStream {
     let krate = args.krate.as_ref().map_or_else(|| quote!(::idempotent_runtime), ToTokens::to_token_stream);
     let private = quote!(#krate::__private);
+    let user = |expr: &Expr| if renamed { rename_self(expr.to_token_stream()) } else { expr.to_token_stream() };
 
     let scope = args.scope.as_ref().map_or_else(|| sig.ident.to_string(), syn::LitStr::value);
-    let key = &args.key;
-    let store = &args.store;
-
-    let mut call = quote_spanned!(key.span()=> #private::Call::new(#scope, &(#key)));
+    let key = user(&args.key);
+    let mut call = quote_spanned!(args.key.span()=> #private::Call::new(#scope, &(#key)));
     if let Some(fingerprint) = &args.fingerprint {
-        call = quote_spanned!(fingerprint.span()=> #call.fingerprint(&(#fingerprint)));
+        let value = user(fingerprint);
+        call = quote_spanned!(fingerprint.span()=> #call.fingerprint(&(#value)));
     }
     for (method, value) in [("lease", &args.lease), ("retention", &args.retention), ("wait", &args.wait)] {
         if let Some(value) = value {
-            let method = syn::Ident::new(method, proc_macro2::Span::call_site());
-            let value = duration_tokens(value, &private);
+            let method = syn::Ident::new(method, Span::call_site());
+            let value = match value {
+                DurationArg::Millis(millis, _) => quote!(#private::Duration::from_millis(#millis)),
+                DurationArg::Expr(expr) => user(expr),
+            };
             call = quote!(#call.#method(#value));
         }
     }
 
-    let ReturnType::Type(_, output) = &sig.output else { unreachable!("checked by check_signature") };
     let policy = match &args.record_err {
         RecordErr::Never => quote!(#private::ReleaseErrors),
-        RecordErr::Always => quote!(#private::RecordErrors),
-        RecordErr::If(predicate) => quote_spanned!(predicate.span()=>
-            #private::record_errors_if(::core::marker::PhantomData::<fn() -> #output>, #predicate)
-        ),
+        RecordErr::Always(span) => quote_spanned!(*span=> #private::RecordErrors),
+        RecordErr::If(predicate) => {
+            let value = user(predicate);
+            quote_spanned!(predicate.span()=>
+                #private::record_errors_if(::core::marker::PhantomData::<fn() -> #output>, #value)
+            )
+        }
     };
 
     // Spans chosen so type errors point at the user's tokens: a non-store at `store = ...`, a
     // non-serialisable `T` or an `E` without `From<Error>` at the return type.
-    let store = quote_spanned!(store.span()=> &(#store));
+    let store = user(&args.store);
+    let store = quote_spanned!(args.store.span()=> (&(#store)).idempotent_store());
     let run_with = quote_spanned!(output.span()=> run_with);
-    quote! {
-        #(#attrs)*
-        #vis #sig {
-            #call.#run_with(#store, #policy, async #block).await
-        }
-    }
+    // The call expression, its `.await` and `run_with` share one span: rustc reports a failed bound
+    // once per span, so an unsatisfied bound on `T` or `E` appears once, at the return type.
+    // The local is hygienic (mixed-site): the body neither sees it nor has it shadow a name.
+    let span = output.span();
+    let local = syn::Ident::new("idempotent_call", Span::mixed_site().located_at(span));
+    quote_spanned!(span=> {
+        use #private::AsStore as _;
+        let #local = #call;
+        (#local).#run_with(#store, #policy, #body).await
+    })
 }
 
-fn duration_tokens(value: &DurationArg, private: &TokenStream) -> TokenStream {
-    match value {
-        DurationArg::Millis(millis, _) => quote!(#private::Duration::from_millis(#millis)),
-        DurationArg::Expr(expr) => expr.to_token_stream(),
+/// Replaces `self` (not `self::`) with `__self`, for code placed after `#[async_trait]`'s
+/// `let __self = self;`.
+fn rename_self(tokens: TokenStream) -> TokenStream {
+    let mut out = Vec::new();
+    let mut tokens = tokens.into_iter().peekable();
+    while let Some(token) = tokens.next() {
+        out.push(match token {
+            TokenTree::Ident(ident) if ident == "self" => {
+                let path = matches!(tokens.peek(), Some(TokenTree::Punct(p)) if p.as_char() == ':');
+                if path { TokenTree::Ident(ident) } else { TokenTree::Ident(syn::Ident::new("__self", ident.span())) }
+            }
+            TokenTree::Group(group) => {
+                let mut renamed = proc_macro2::Group::new(group.delimiter(), rename_self(group.stream()));
+                renamed.set_span(group.span());
+                TokenTree::Group(renamed)
+            }
+            other => other,
+        });
     }
+    out.into_iter().collect()
 }
 
 #[cfg(test)]
@@ -146,9 +278,65 @@ mod tests {
             "{out}"
         );
         assert!(
-            out.contains("run_with (& (self . store) , :: idempotent_runtime :: __private :: ReleaseErrors , async {"),
+            out.contains(
+                "run_with ((& (self . store)) . idempotent_store () , :: idempotent_runtime :: __private :: ReleaseErrors , async {"
+            ),
             "{out}"
         );
+    }
+
+    /// What `#[async_trait]` makes of `async fn pay(&self, id: &str) -> Result<u32, E>`.
+    #[test]
+    fn async_trait_body_is_wrapped_after_its_bindings() {
+        let out = super::idempotent(
+            quote!(key = id, store = self.store, fingerprint = self::helper(self)),
+            quote!(
+                fn pay<'life0, 'life1, 'async_trait>(
+                    &'life0 self,
+                    id: &'life1 str,
+                ) -> ::core::pin::Pin<
+                    Box<dyn ::core::future::Future<Output = Result<u32, E>> + ::core::marker::Send + 'async_trait>,
+                >
+                where
+                    'life0: 'async_trait,
+                    'life1: 'async_trait,
+                    Self: 'async_trait,
+                {
+                    Box::pin(async move {
+                        if let ::core::option::Option::Some(__ret) = ::core::option::Option::None::<Result<u32, E>> {
+                            #[allow(unreachable_code)]
+                            return __ret;
+                        }
+                        let __self = self;
+                        let __ret: Result<u32, E> = { Ok(__self.n) };
+                        #[allow(unreachable_code)]
+                        __ret
+                    })
+                }
+            ),
+        )
+        .to_string();
+        let bindings = out.find("let __self = self ;").expect(&out);
+        let call = out.find("Call :: new (\"pay\" , & (id))").expect(&out);
+        let body = out.find("async { let __ret : Result < u32 , E > = { Ok (__self . n) } ;").expect(&out);
+        assert!(bindings < call && call < body, "{out}");
+        assert!(out.contains("fingerprint (& (self :: helper (__self)))"), "{out}");
+        assert!(out.contains("(& (__self . store)) . idempotent_store ()"), "{out}");
+        assert!(out.trim_end().ends_with(". await } }) }"), "{out}");
+    }
+
+    #[test]
+    fn a_plain_fn_is_refused() {
+        let out = super::idempotent(
+            quote!(key = id, store = s),
+            quote!(
+                fn pay(id: &str) -> Result<u32, E> {
+                    Box::pin(make(id))
+                }
+            ),
+        )
+        .to_string();
+        assert!(out.contains("works on an `async fn`"), "{out}");
     }
 
     #[test]

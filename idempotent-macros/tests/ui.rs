@@ -2,11 +2,23 @@
 //! misuse gives the diagnostic pinned in its `.stderr` file (`ui/fail`).
 //!
 //! Regenerate the snapshots after an intended change with `TRYBUILD=overwrite cargo test -p
-//! idempotent-macros --test ui`, and review the diff.
+//! idempotent-macros --test ui`, and review the diff. `IDEMPOTENT_UI=<file stem>` runs one case.
 
 #[test]
 fn ui() {
     let cases = trybuild::TestCases::new();
-    cases.pass("tests/ui/pass/*.rs");
-    cases.compile_fail("tests/ui/fail/*.rs");
+    match std::env::var("IDEMPOTENT_UI") {
+        Ok(only) => {
+            for dir in ["pass", "fail"] {
+                let path = format!("tests/ui/{dir}/{only}.rs");
+                if std::path::Path::new(&path).exists() {
+                    if dir == "pass" { cases.pass(path) } else { cases.compile_fail(path) }
+                }
+            }
+        }
+        Err(_) => {
+            cases.pass("tests/ui/pass/*.rs");
+            cases.compile_fail("tests/ui/fail/*.rs");
+        }
+    }
 }

@@ -204,14 +204,19 @@ fn run(args: &Args, sig: &Signature, output: &Type, body: &TokenStream, renamed:
         }
     }
 
+    // `record_err` is a method on the named return type: an error type that cannot be recorded
+    // is one error at the option, and a closure's argument type is inferred from it.
+    let output_of = quote!(#private::Output::<#output>::new());
     let policy = match &args.record_err {
         RecordErr::Never => quote!(#private::ReleaseErrors),
-        RecordErr::Always(span) => quote_spanned!(*span=> #private::RecordErrors),
+        RecordErr::Always(span) => {
+            let method = syn::Ident::new("record_errors", *span);
+            quote_spanned!(*span=> #output_of.#method())
+        }
         RecordErr::If(predicate) => {
             let value = user(predicate);
-            quote_spanned!(predicate.span()=>
-                #private::record_errors_if(::core::marker::PhantomData::<fn() -> #output>, #value)
-            )
+            let method = syn::Ident::new("record_errors_if", predicate.span());
+            quote_spanned!(predicate.span()=> #output_of.#method(#value))
         }
     };
 
@@ -225,11 +230,33 @@ fn run(args: &Args, sig: &Signature, output: &Type, body: &TokenStream, renamed:
     // The local is hygienic (mixed-site): the body neither sees it nor has it shadow a name.
     let span = output.span();
     let local = syn::Ident::new("idempotent_call", Span::mixed_site().located_at(span));
+    let records = (!matches!(args.record_err, RecordErr::Never)).then(|| quote!(use #private::RecordsErrors as _;));
+    // Its own check of `E: From<Error>` reports an alias such as `io::Result<T>` in words; spanned
+    // like `run_with`'s, rustc reports it once.
+    let checked = respan(output.to_token_stream(), span);
     quote_spanned!(span=> {
         use #private::AsStore as _;
+        #records
+        #private::check_result::<#checked>();
         let #local = #call;
         (#local).#run_with(#store, #policy, #body).await
     })
+}
+
+/// `tokens` with every span set to `span`, so that rustc sees one span for them.
+fn respan(tokens: TokenStream, span: Span) -> TokenStream {
+    tokens
+        .into_iter()
+        .map(|mut token| {
+            if let TokenTree::Group(group) = &token {
+                let mut inner = proc_macro2::Group::new(group.delimiter(), respan(group.stream(), span));
+                inner.set_span(span);
+                token = TokenTree::Group(inner);
+            }
+            token.set_span(span);
+            token
+        })
+        .collect()
 }
 
 /// Replaces `self` (not `self::`) with `__self`, for code placed after `#[async_trait]`'s

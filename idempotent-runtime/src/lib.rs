@@ -61,6 +61,7 @@
 mod call;
 mod detached;
 mod error;
+mod expansion;
 mod fingerprint;
 #[cfg(feature = "axum")]
 pub mod http;
@@ -87,25 +88,8 @@ pub use idempotent_macros::idempotent;
 /// What the attribute's expansion refers to. Not a public API: it may change in any release.
 #[doc(hidden)]
 pub mod __private {
+    pub use crate::expansion::{AsStore, CarriesErrors, Output, RecordsErrors, ResultType, check_result};
     pub use crate::scope::{Site, fn_scope, method_scope};
     pub use crate::{Call, OnCancel, RecordErrors, RecordErrorsIf, ReleaseErrors};
     pub use core::time::Duration;
-
-    /// Resolves `store = ...` by method call: a value that is not a store is reported once, at the
-    /// option, and the failed lookup keeps rustc from reporting it again at each later use.
-    pub trait AsStore: crate::Store {
-        fn idempotent_store(&self) -> &Self {
-            self
-        }
-    }
-
-    impl<S: crate::Store + ?Sized> AsStore for S {}
-
-    /// Pins a `record_err = <fn>` predicate to the function's error type, for type inference.
-    pub fn record_errors_if<T, E, F: Fn(&E) -> bool>(
-        _: core::marker::PhantomData<fn() -> Result<T, E>>,
-        predicate: F,
-    ) -> RecordErrorsIf<F> {
-        RecordErrorsIf(predicate)
-    }
 }

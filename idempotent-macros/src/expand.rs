@@ -13,7 +13,7 @@ use syn::{
     TypeParamBound,
 };
 
-use crate::args::{self, Args, DurationArg, RecordErr};
+use crate::args::{self, Args, DurationArg, OnCancel, RecordErr};
 
 /// The attribute's entry point. On any error it emits the user's function unchanged next to the
 /// errors, so one mistake does not turn into a cascade of "function not found" errors.
@@ -186,9 +186,16 @@ fn run(args: &Args, sig: &Signature, output: &Type, body: &TokenStream, renamed:
     let private = quote!(#krate::__private);
     let user = |expr: &Expr| if renamed { rename_self(expr.to_token_stream()) } else { expr.to_token_stream() };
 
-    let scope = args.scope.as_ref().map_or_else(|| sig.ident.to_string(), syn::LitStr::value);
+    // Without `scope`, the runtime derives one from the module path, or from the `Self` type for
+    // a method with a receiver; the site lets it refuse two functions that arrive at the same one.
+    let name = sig.ident.to_string();
+    let scope = match (&args.scope, sig.receiver()) {
+        (Some(scope), _) => scope.to_token_stream(),
+        (None, None) => quote!(&#private::fn_scope(::core::module_path!(), #name)),
+        (None, Some(_)) => quote!(&#private::method_scope::<Self>(#name)),
+    };
     let key = user(&args.key);
-    let mut call = quote_spanned!(args.key.span()=> #private::Call::new(#scope, &(#key)));
+    let mut call = quote_spanned!(args.key.span()=> #private::Call::new(#scope, &(#key)).site(&__IDEMPOTENT_SITE));
     if let Some(fingerprint) = &args.fingerprint {
         let value = user(fingerprint);
         call = quote_spanned!(fingerprint.span()=> #call.fingerprint(&(#value)));
@@ -202,6 +209,13 @@ fn run(args: &Args, sig: &Signature, output: &Type, body: &TokenStream, renamed:
             };
             call = quote!(#call.#method(#value));
         }
+    }
+    if let Some(on_cancel) = &args.on_cancel {
+        let variant = match on_cancel {
+            OnCancel::Keep => quote!(Keep),
+            OnCancel::Release => quote!(Release),
+        };
+        call = quote!(#call.on_cancel(#private::OnCancel::#variant));
     }
 
     // `record_err` is a method on the named return type: an error type that cannot be recorded
@@ -234,7 +248,12 @@ fn run(args: &Args, sig: &Signature, output: &Type, body: &TokenStream, renamed:
     // Its own check of `E: From<Error>` reports an alias such as `io::Result<T>` in words; spanned
     // like `run_with`'s, rustc reports it once.
     let checked = respan(output.to_token_stream(), span);
+    let site = quote! {
+        static __IDEMPOTENT_SITE: #private::Site =
+            #private::Site::new(::core::concat!(::core::file!(), ":", ::core::line!(), ":", ::core::column!()));
+    };
     quote_spanned!(span=> {
+        #site
         use #private::AsStore as _;
         #records
         #private::check_result::<#checked>();
@@ -299,7 +318,13 @@ mod tests {
         )
         .to_string();
         assert!(out.starts_with("# [doc = r\" Docs.\"] # [allow (dead_code)] pub async fn pay (& self , id : & str) -> Result < u32 , E >"), "{out}");
-        assert!(out.contains("Call :: new (\"pay\" , & (id))"), "{out}");
+        assert!(
+            out.contains(
+                "Call :: new (& :: idempotent_runtime :: __private :: method_scope :: < Self > (\"pay\") , & (id)) . site (& __IDEMPOTENT_SITE)"
+            ),
+            "{out}"
+        );
+        assert!(out.contains("static __IDEMPOTENT_SITE : :: idempotent_runtime :: __private :: Site = :: idempotent_runtime :: __private :: Site :: new (:: core :: concat ! (:: core :: file ! () , \":\" , :: core :: line ! () , \":\" , :: core :: column ! ()))"), "{out}");
         assert!(
             out.contains(". lease (:: idempotent_runtime :: __private :: Duration :: from_millis (2000u64))"),
             "{out}"
@@ -344,12 +369,41 @@ mod tests {
         )
         .to_string();
         let bindings = out.find("let __self = self ;").expect(&out);
-        let call = out.find("Call :: new (\"pay\" , & (id))").expect(&out);
+        let call = out
+            .find("Call :: new (& :: idempotent_runtime :: __private :: method_scope :: < Self > (\"pay\") , & (id))")
+            .expect(&out);
         let body = out.find("async { let __ret : Result < u32 , E > = { Ok (__self . n) } ;").expect(&out);
         assert!(bindings < call && call < body, "{out}");
         assert!(out.contains("fingerprint (& (self :: helper (__self)))"), "{out}");
         assert!(out.contains("(& (__self . store)) . idempotent_store ()"), "{out}");
         assert!(out.trim_end().ends_with(". await } }) }"), "{out}");
+    }
+
+    #[test]
+    fn scopes_without_a_receiver_and_explicit_ones() {
+        let free = super::idempotent(
+            quote!(key = id, store = s, on_cancel = "release"),
+            quote!(
+                async fn pay(s: &S, id: &str) -> Result<u32, E> {
+                    Ok(1)
+                }
+            ),
+        )
+        .to_string();
+        assert!(
+            free.contains("Call :: new (& :: idempotent_runtime :: __private :: fn_scope (:: core :: module_path ! () , \"pay\") , & (id)) . site (& __IDEMPOTENT_SITE) . on_cancel (:: idempotent_runtime :: __private :: OnCancel :: Release)"),
+            "{free}"
+        );
+        let named = super::idempotent(
+            quote!(key = id, store = self.s, scope = "payments"),
+            quote!(
+                async fn pay(&self, id: &str) -> Result<u32, E> {
+                    Ok(1)
+                }
+            ),
+        )
+        .to_string();
+        assert!(named.contains("Call :: new (\"payments\" , & (id)) . site (& __IDEMPOTENT_SITE)"), "{named}");
     }
 
     #[test]

@@ -39,6 +39,7 @@ const LEASE: Duration = Duration::from_secs(30);
     retention = "7d",
     wait = "500ms",
     record_err,
+    on_cancel = "keep",
 )]
 #[must_use = "a payment result should be checked"]
 async fn literals(key: &str, user: &str, amount: i64) -> Result<i64, PayError> {
@@ -52,7 +53,7 @@ async fn expressions(key: &str) -> Result<(), PayError> {
     Ok(())
 }
 
-#[idempotent(key = key, store = STORE, record_err = |e: &PayError| matches!(e, PayError::Insufficient))]
+#[idempotent(key = key, store = STORE, record_err = |e: &PayError| matches!(e, PayError::Insufficient), on_cancel = "release")]
 async fn closure(key: &str) -> Result<(), PayError> {
     Ok(())
 }

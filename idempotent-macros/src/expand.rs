@@ -25,7 +25,7 @@ pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     let args = args::parse(args);
     let output = output_type(&function);
     match (args, output) {
-        (Ok(args), Ok(output)) => expand(&args, output, function),
+        (Ok(args), Ok(output)) => expand(&args, &output, function),
         (Err(mut error), Err(more)) => {
             error.combine(more);
             with_error(function.into_token_stream(), &error)
@@ -150,10 +150,10 @@ fn boxed_block_mut(block: &mut Block) -> Option<&mut ExprAsync> {
     }
 }
 
-fn expand(args: &Args, output: Type, mut function: ItemFn) -> TokenStream {
+fn expand(args: &Args, output: &Type, mut function: ItemFn) -> TokenStream {
     if function.sig.asyncness.is_some() {
         let block = &function.block;
-        let run = run(args, &function.sig, &output, &quote!(async #block), false);
+        let run = run(args, &function.sig, output, &quote!(async #block), false);
         function.block = Box::new(syn::parse_quote!({ #run }));
     } else {
         let inner = boxed_block_mut(&mut function.block).expect("checked by output_type");
@@ -164,7 +164,7 @@ fn expand(args: &Args, output: Type, mut function: ItemFn) -> TokenStream {
         let split = stmts.iter().position(|s| binds(s, "__ret")).unwrap_or(0);
         let (bindings, body) = stmts.split_at(split);
         let renamed = bindings.iter().any(|s| binds(s, "__self"));
-        let run = run(args, &function.sig, &output, &quote!(async { #(#body)* }), renamed);
+        let run = run(args, &function.sig, output, &quote!(async { #(#body)* }), renamed);
         inner.block.stmts = syn::parse_quote!(#(#bindings)* #run);
     }
     function.into_token_stream()

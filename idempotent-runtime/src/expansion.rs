@@ -52,6 +52,7 @@ where
 /// the option, and a `record_err = <fn>` closure has its argument type inferred.
 pub struct Output<R>(PhantomData<fn() -> R>);
 
+#[allow(clippy::new_without_default)] // only the expansion makes one
 impl<R> Output<R> {
     /// The marker; it holds nothing.
     #[must_use]

@@ -187,15 +187,18 @@ fn run(args: &Args, sig: &Signature, output: &Type, body: &TokenStream, renamed:
     let user = |expr: &Expr| if renamed { rename_self(expr.to_token_stream()) } else { expr.to_token_stream() };
 
     // Without `scope`, the runtime derives one from the module path, or from the `Self` type for
-    // a method with a receiver; the site lets it refuse two functions that arrive at the same one.
+    // a method with a receiver, and the site lets it refuse two functions that arrive at the same
+    // one. An explicit scope is a decision to share (or not): no site, no check.
     let name = sig.ident.to_string();
-    let scope = match (&args.scope, sig.receiver()) {
-        (Some(scope), _) => scope.to_token_stream(),
-        (None, None) => quote!(&#private::fn_scope(::core::module_path!(), #name)),
-        (None, Some(_)) => quote!(&#private::method_scope::<Self>(#name)),
+    let (scope, site) = match (&args.scope, sig.receiver()) {
+        (Some(scope), _) => (scope.to_token_stream(), None),
+        (None, None) => {
+            (quote!(&#private::fn_scope(::core::module_path!(), #name)), Some(quote!(.site(&__IDEMPOTENT_SITE))))
+        }
+        (None, Some(_)) => (quote!(&#private::method_scope::<Self>(#name)), Some(quote!(.site(&__IDEMPOTENT_SITE)))),
     };
     let key = user(&args.key);
-    let mut call = quote_spanned!(args.key.span()=> #private::Call::new(#scope, &(#key)).site(&__IDEMPOTENT_SITE));
+    let mut call = quote_spanned!(args.key.span()=> #private::Call::new(#scope, &(#key))#site);
     if let Some(fingerprint) = &args.fingerprint {
         let value = user(fingerprint);
         call = quote_spanned!(fingerprint.span()=> #call.fingerprint(&(#value)));
@@ -248,10 +251,12 @@ fn run(args: &Args, sig: &Signature, output: &Type, body: &TokenStream, renamed:
     // Its own check of `E: From<Error>` reports an alias such as `io::Result<T>` in words; spanned
     // like `run_with`'s, rustc reports it once.
     let checked = respan(output.to_token_stream(), span);
-    let site = quote! {
-        static __IDEMPOTENT_SITE: #private::Site =
-            #private::Site::new(::core::concat!(::core::file!(), ":", ::core::line!(), ":", ::core::column!()));
-    };
+    let site = site.map(|_| {
+        quote! {
+            static __IDEMPOTENT_SITE: #private::Site =
+                #private::Site::new(::core::concat!(::core::file!(), ":", ::core::line!(), ":", ::core::column!()));
+        }
+    });
     quote_spanned!(span=> {
         #site
         use #private::AsStore as _;
@@ -403,7 +408,8 @@ mod tests {
             ),
         )
         .to_string();
-        assert!(named.contains("Call :: new (\"payments\" , & (id)) . site (& __IDEMPOTENT_SITE)"), "{named}");
+        assert!(named.contains("Call :: new (\"payments\" , & (id)) ;"), "{named}");
+        assert!(!named.contains("__IDEMPOTENT_SITE"), "an explicit scope may be shared on purpose: {named}");
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Default scopes: two functions never share records unless they name the same `scope`.
 //! Methods with a receiver are told apart by their `Self` type, functions by their module path;
 //! two receiverless functions that arrive at one default are refused (`Error::ScopeCollision`).
+//! Functions that name one `scope` explicitly share its records, on purpose.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -105,4 +106,22 @@ async fn memory_two_receiverless_functions_with_one_default_scope_are_refused() 
         matches!(Refunds::lookup(&store, "8").await, Err(Error::ScopeCollision { .. })),
         "and the second stays refused"
     );
+}
+
+#[idempotent(key = id, store = store, scope = "scopes-test.shared")]
+async fn place(store: &MemoryStore, id: &str) -> Result<String, Error> {
+    Ok(format!("placed {id}"))
+}
+
+#[idempotent(key = id, store = store, scope = "scopes-test.shared")]
+async fn place_again(store: &MemoryStore, id: &str) -> Result<String, Error> {
+    Ok(format!("placed again {id}"))
+}
+
+#[tokio::test]
+async fn memory_functions_naming_one_scope_share_its_records() {
+    let store = MemoryStore::new();
+    assert_eq!(place(&store, "1").await.unwrap(), "placed 1");
+    assert_eq!(place_again(&store, "1").await.unwrap(), "placed 1", "replayed from the shared scope");
+    assert_eq!(place_again(&store, "2").await.unwrap(), "placed again 2");
 }

@@ -7,18 +7,15 @@
 #[test]
 fn ui() {
     let cases = trybuild::TestCases::new();
-    match std::env::var("IDEMPOTENT_UI") {
-        Ok(only) => {
-            for dir in ["pass", "fail"] {
-                let path = format!("tests/ui/{dir}/{only}.rs");
-                if std::path::Path::new(&path).exists() {
-                    if dir == "pass" { cases.pass(path) } else { cases.compile_fail(path) }
-                }
-            }
-        }
-        Err(_) => {
-            cases.pass("tests/ui/pass/*.rs");
-            cases.compile_fail("tests/ui/fail/*.rs");
+    let Ok(only) = std::env::var("IDEMPOTENT_UI") else {
+        cases.pass("tests/ui/pass/*.rs");
+        cases.compile_fail("tests/ui/fail/*.rs");
+        return;
+    };
+    for dir in ["pass", "fail"] {
+        let path = format!("tests/ui/{dir}/{only}.rs");
+        if std::path::Path::new(&path).exists() {
+            if dir == "pass" { cases.pass(path) } else { cases.compile_fail(path) }
         }
     }
 }

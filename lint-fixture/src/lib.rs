@@ -158,6 +158,19 @@ where
     }
 }
 
+/// A native `async fn` trait with a default method.
+#[allow(async_fn_in_trait)] // the user's own choice, about their declaration, not the expansion
+pub trait Ledger {
+    /// Where records go.
+    fn store(&self) -> &MemoryStore;
+
+    /// A default method.
+    #[idempotent(key = key, store = self.store(), on_cancel = "release")]
+    async fn post(&self, key: u64) -> Result<u64, Error> {
+        Ok(key)
+    }
+}
+
 /// The same protocol by hand, next to the attribute (these imports stay used).
 ///
 /// # Errors

@@ -1,4 +1,5 @@
-//! A trait implemented with native `async fn`; the returned future is `Send`.
+//! A trait implemented with native `async fn` (the returned future is `Send`), and a native
+//! trait's default method.
 #![deny(warnings)]
 
 use std::future::Future;
@@ -20,6 +21,22 @@ impl Payments for Provider {
     }
 }
 
+trait Refunds {
+    fn store(&self) -> &MemoryStore;
+
+    /// A default method: the default scope comes from the implementing type.
+    #[idempotent(key = key, store = self.store())]
+    async fn refund(&self, key: &str) -> Result<i64, Error> {
+        Ok(1)
+    }
+}
+
+impl Refunds for Provider {
+    fn store(&self) -> &MemoryStore {
+        &self.store
+    }
+}
+
 fn assert_send<F: Future + Send>(future: F) -> F {
     future
 }
@@ -29,4 +46,6 @@ async fn main() {
     let provider = Provider { store: MemoryStore::new() };
     let paid = tokio::spawn(async move { assert_send(provider.pay("k", 3)).await.unwrap() });
     assert_eq!(paid.await.unwrap(), 3);
+    let provider = Provider { store: MemoryStore::new() };
+    assert_eq!(provider.refund("k").await.unwrap(), 1);
 }

@@ -713,7 +713,7 @@ pub async fn store_steps_are_fenced_by_the_token<S: Store + 'static>(store: Arc<
         Claim::InProgress { fingerprint, lease_remaining } => {
             assert_eq!(fingerprint.as_ref(), Some(&fp));
             let left = lease_remaining.expect("the store knows the lease");
-            assert!(left > Duration::from_secs(25) && left <= Duration::from_secs(30), "{left:?}");
+            assert!(left > Duration::from_secs(25) && left <= Duration::from_millis(30_001), "{left:?}");
         }
         other => panic!("expected InProgress, got {other:?}"),
     }

@@ -59,10 +59,14 @@
 //! `None`; a `HashMap` with non-string keys does not serialise. Give such results a struct.
 
 mod call;
+#[cfg(feature = "reqwest")]
+pub mod client;
 mod detached;
 mod error;
 mod expansion;
 mod fingerprint;
+#[cfg(any(feature = "axum", feature = "reqwest"))]
+mod headers;
 #[cfg(feature = "axum")]
 pub mod http;
 mod key;

@@ -64,8 +64,4 @@ pub use layer::{
 pub use problem::{HttpError, Problem, RETRY_AFTER_SECS, problem_response};
 pub use recorded::DEFAULT_RECORDED_HEADERS;
 
-/// The request header that carries the key: `Idempotency-Key`.
-pub const IDEMPOTENCY_KEY: http::HeaderName = http::HeaderName::from_static("idempotency-key");
-
-/// The response header that marks a replayed response: `Idempotent-Replayed: true`.
-pub const IDEMPOTENT_REPLAYED: http::HeaderName = http::HeaderName::from_static("idempotent-replayed");
+pub use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};

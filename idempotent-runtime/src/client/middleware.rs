@@ -1,0 +1,216 @@
+//! The middleware: give a request its key, send it, retry what is safe to retry with that key.
+
+use std::time::Duration;
+
+use http::{Extensions, HeaderValue, Method, StatusCode};
+use reqwest::{Request, Response};
+use reqwest_middleware::{Middleware, Next};
+use tokio::time::Instant;
+
+use super::error::{Attempts, OutboundError, Stopped};
+use super::policy::{RetryPolicy, is_retryable_status, retry_after};
+use crate::headers::IDEMPOTENCY_KEY;
+
+/// `reqwest-middleware` middleware that makes non-idempotent requests safe to retry, and retries
+/// them: each gets an `Idempotency-Key` (a v4 UUID) unless it has one, and every retry carries
+/// the same key, so the server runs the request once however many attempts reach it.
+///
+/// Requests with a [method](Self::methods) in its set (`POST` and `PATCH` by default), or that
+/// already carry an `Idempotency-Key`, are handled; every other request passes through untouched.
+///
+/// | outcome of an attempt | what happens |
+/// |---|---|
+/// | connection refused or lost, timeout (no response) | retried after a back-off |
+/// | `409`, `429`, `5xx` | retried after `Retry-After` if sent, else after a back-off |
+/// | `422` | [`OutboundError::KeyReused`]: the key was used with another request |
+/// | any other status | returned as it is |
+/// | attempts or time budget used up | the last response, or [`OutboundError::GaveUp`] with the key |
+/// | a failure on a streaming body | returned without retry ([`OutboundError::NotReplayable`], or the response marked [`Stopped::BodyNotReplayable`]) |
+///
+/// Every response it returns carries an [`Attempts`] extension (key, attempts, why it stopped).
+/// Bounds, back-off and jitter are set by a [`RetryPolicy`].
+///
+/// ```
+/// use idempotent_runtime::client::{IdempotentRetry, RetryPolicy};
+/// use reqwest_middleware::ClientBuilder;
+///
+/// let client = ClientBuilder::new(reqwest::Client::new())
+///     .with(IdempotentRetry::new(RetryPolicy::default().max_attempts(6)))
+///     .build();
+/// // client.post(url).json(&payment).send().await: one key, however many attempts.
+/// # let _ = client;
+/// ```
+///
+/// Put it after middleware that should see every attempt (logging, tracing) and before
+/// middleware that signs or authenticates each request.
+#[derive(Debug, Clone)]
+pub struct IdempotentRetry {
+    policy: RetryPolicy,
+    methods: Vec<Method>,
+}
+
+impl Default for IdempotentRetry {
+    fn default() -> Self {
+        Self::new(RetryPolicy::default())
+    }
+}
+
+/// What one attempt's outcome calls for.
+enum Verdict {
+    /// Return it.
+    Done,
+    /// `422` on a keyed request.
+    KeyReused,
+    /// Retry, after `Retry-After` if the server sent it.
+    Retry { retry_after: Option<Duration> },
+}
+
+impl IdempotentRetry {
+    /// The middleware with `policy`, handling `POST` and `PATCH`.
+    #[must_use]
+    pub fn new(policy: RetryPolicy) -> Self {
+        IdempotentRetry { policy, methods: vec![Method::POST, Method::PATCH] }
+    }
+
+    /// Handles exactly these methods (default `POST` and `PATCH`). Requests that already carry
+    /// an `Idempotency-Key` are handled whatever their method.
+    #[must_use]
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// The policy in use.
+    #[must_use]
+    pub fn policy(&self) -> &RetryPolicy {
+        &self.policy
+    }
+
+    async fn send(
+        &self,
+        mut request: Request,
+        extensions: &mut Extensions,
+        next: Next<'_>,
+    ) -> Result<Response, reqwest_middleware::Error> {
+        let key = if let Some(value) = request.headers().get(&IDEMPOTENCY_KEY) {
+            String::from_utf8_lossy(value.as_bytes()).into_owned()
+        } else {
+            let key = uuid::Uuid::new_v4().to_string();
+            let value = HeaderValue::from_str(&key).expect("a UUID is a valid header value");
+            request.headers_mut().insert(IDEMPOTENCY_KEY, value);
+            key
+        };
+        let url = request.url().to_string();
+        let start = Instant::now();
+        let mut count = 1;
+        loop {
+            let spare = request.try_clone();
+            let result = next.clone().run(request, extensions).await;
+            let retry_after = match classify(&result) {
+                Verdict::Done => return Ok(mark(result?, &key, count, None)),
+                Verdict::KeyReused => return Err(key_reused(result?, key, url).await),
+                Verdict::Retry { retry_after } => retry_after,
+            };
+            let Some(spare) = spare else {
+                tracing::warn!(target: "idempotent", %url, key, "not retrying: the request body is a stream");
+                return match result {
+                    Ok(response) => Ok(mark(response, &key, count, Some(Stopped::BodyNotReplayable))),
+                    Err(source) => Err(reqwest_middleware::Error::middleware(OutboundError::NotReplayable {
+                        key,
+                        url,
+                        source: Box::new(source),
+                    })),
+                };
+            };
+            let wait = retry_after.unwrap_or_else(|| self.policy.next_backoff(count));
+            let stopped = if count >= self.policy.attempts() {
+                Some(Stopped::AttemptsExhausted)
+            } else if start.elapsed() + wait > self.policy.budget() {
+                Some(Stopped::TimeBudgetExhausted)
+            } else {
+                None
+            };
+            if let Some(stopped) = stopped {
+                tracing::warn!(target: "idempotent", %url, key, attempts = count, %stopped, "giving up");
+                return match result {
+                    Ok(response) => Ok(mark(response, &key, count, Some(stopped))),
+                    Err(source) => Err(reqwest_middleware::Error::middleware(OutboundError::GaveUp {
+                        key,
+                        url,
+                        attempts: count,
+                        elapsed: start.elapsed(),
+                        source: Box::new(source),
+                    })),
+                };
+            }
+            match &result {
+                Ok(response) => tracing::info!(
+                    target: "idempotent", %url, key, attempt = count, status = response.status().as_u16(),
+                    wait_ms = wait.as_millis(), "retrying with the same key"
+                ),
+                Err(error) => tracing::info!(
+                    target: "idempotent", %url, key, attempt = count, %error,
+                    wait_ms = wait.as_millis(), "retrying with the same key"
+                ),
+            }
+            drop(result);
+            tokio::time::sleep(wait).await;
+            request = spare;
+            count += 1;
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Middleware for IdempotentRetry {
+    async fn handle(
+        &self,
+        request: Request,
+        extensions: &mut Extensions,
+        next: Next<'_>,
+    ) -> Result<Response, reqwest_middleware::Error> {
+        if !self.methods.contains(request.method()) && !request.headers().contains_key(&IDEMPOTENCY_KEY) {
+            return next.run(request, extensions).await;
+        }
+        self.send(request, extensions, next).await
+    }
+}
+
+fn classify(result: &Result<Response, reqwest_middleware::Error>) -> Verdict {
+    match result {
+        Ok(response) if response.status() == StatusCode::UNPROCESSABLE_ENTITY => Verdict::KeyReused,
+        Ok(response) if is_retryable_status(response.status()) => {
+            Verdict::Retry { retry_after: retry_after(response.headers()) }
+        }
+        // No response: the request may or may not have reached the server, and the key makes
+        // sending it again safe either way.
+        Err(reqwest_middleware::Error::Reqwest(error))
+            if error.is_connect() || error.is_timeout() || error.is_request() =>
+        {
+            Verdict::Retry { retry_after: None }
+        }
+        // Other statuses are answers. Builder, redirect and other middleware's errors: another
+        // attempt would fail the same way.
+        Ok(_) | Err(_) => Verdict::Done,
+    }
+}
+
+fn mark(mut response: Response, key: &str, count: u32, stopped: Option<Stopped>) -> Response {
+    response.extensions_mut().insert(Attempts { key: key.to_owned(), count, stopped });
+    response
+}
+
+/// The typed `422` error, with the server's `detail` (problem JSON) or the start of its body.
+async fn key_reused(response: Response, key: String, url: String) -> reqwest_middleware::Error {
+    const MAX_DETAIL: usize = 500;
+    let body = response.bytes().await.unwrap_or_default();
+    let detail = serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|problem| problem.get("detail")?.as_str().map(str::to_owned))
+        .or_else(|| {
+            let text = String::from_utf8_lossy(&body);
+            let text = text.trim();
+            (!text.is_empty()).then(|| text.chars().take(MAX_DETAIL).collect())
+        });
+    reqwest_middleware::Error::middleware(OutboundError::KeyReused { key, url, detail })
+}

@@ -1,6 +1,7 @@
-//! A TCP proxy that injects network faults between a store and its server: it delays traffic,
-//! stalls it (a black hole that delivers what it held once it heals), refuses new connections,
-//! or kills every open connection.
+//! A TCP proxy that injects network faults between a client and its server (a store and its
+//! database, an HTTP client and its API): it delays traffic, stalls it (a black hole that delivers
+//! what it held once it heals), loses responses (the request reaches the server, the connection
+//! is cut before the answer gets back), refuses new connections, or kills every open connection.
 //!
 //! ```ignore
 //! let proxy = FaultProxy::start("127.0.0.1:6379").await?;
@@ -33,6 +34,9 @@ pub enum Mode {
     Stall,
     /// Close new connections at once (open ones keep their mode of forwarding: [`Mode::Pass`]).
     Refuse,
+    /// Forward what the client sends, but cut the connection (both ends) when the server's first
+    /// bytes come back, without delivering them: the server did the work, the client never hears.
+    LoseResponses,
 }
 
 /// What the proxy did, for the test's report.
@@ -48,12 +52,15 @@ pub struct ProxyStats {
     pub held_chunks: AtomicU64,
     /// Bytes forwarded, both directions.
     pub bytes: AtomicU64,
+    /// Connections cut in [`Mode::LoseResponses`] as their answer came back.
+    pub lost_responses: AtomicU64,
 }
 
 /// A running proxy; dropping it stops it and closes its connections.
 #[derive(Debug)]
 pub struct FaultProxy {
     addr: SocketAddr,
+    target: watch::Sender<SocketAddr>,
     mode: watch::Sender<Mode>,
     kills: watch::Sender<u64>,
     stats: Arc<ProxyStats>,
@@ -76,14 +83,22 @@ impl FaultProxy {
         let (mode, _) = watch::channel(Mode::Pass);
         let (kills, _) = watch::channel(0u64);
         let stats = Arc::new(ProxyStats::default());
-        let accept = tokio::spawn(accept_loop(listener, target, mode.clone(), kills.clone(), Arc::clone(&stats)));
-        Ok(FaultProxy { addr, mode, kills, stats, accept })
+        let (target, _) = watch::channel(target);
+        let accept =
+            tokio::spawn(accept_loop(listener, target.subscribe(), mode.clone(), kills.clone(), Arc::clone(&stats)));
+        Ok(FaultProxy { addr, target, mode, kills, stats, accept })
     }
 
     /// The address clients connect to.
     #[must_use]
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Sends new connections to `target` from now on (a server restarted on another port); open
+    /// connections stay where they are.
+    pub fn set_target(&self, target: SocketAddr) {
+        self.target.send_replace(target);
     }
 
     /// Changes how traffic is treated from now on (held chunks are re-examined at once).
@@ -101,6 +116,20 @@ impl FaultProxy {
     pub fn stats(&self) -> &ProxyStats {
         &self.stats
     }
+
+    /// Waits until `done` holds for the stats (checked every 5 ms), for ordering a test's steps
+    /// on what the proxy saw rather than on sleeps.
+    ///
+    /// # Panics
+    ///
+    /// If it does not hold within `limit`.
+    pub async fn wait_until(&self, what: &str, limit: Duration, done: impl Fn(&ProxyStats) -> bool) {
+        let deadline = tokio::time::Instant::now() + limit;
+        while !done(&self.stats) {
+            assert!(tokio::time::Instant::now() < deadline, "proxy: not within {limit:?}: {what}; {:?}", self.stats);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
 }
 
 impl Drop for FaultProxy {
@@ -112,7 +141,7 @@ impl Drop for FaultProxy {
 
 async fn accept_loop(
     listener: TcpListener,
-    target: SocketAddr,
+    target: watch::Receiver<SocketAddr>,
     mode: watch::Sender<Mode>,
     kills: watch::Sender<u64>,
     stats: Arc<ProxyStats>,
@@ -126,6 +155,7 @@ async fn accept_loop(
         }
         stats.accepted.fetch_add(1, Ordering::Relaxed);
         let (mode, kills, stats) = (mode.subscribe(), kills.subscribe(), Arc::clone(&stats));
+        let target = *target.borrow();
         tokio::spawn(async move {
             let Ok(server) = TcpStream::connect(target).await else { return };
             let _ = client.set_nodelay(true);
@@ -133,10 +163,16 @@ async fn accept_loop(
             let (client_read, client_write) = client.into_split();
             let (server_read, server_write) = server.into_split();
             let mut kill_watch = kills.clone();
-            let up = pump(client_read, server_write, mode.clone(), Arc::clone(&stats));
-            let down = pump(server_read, client_write, mode, Arc::clone(&stats));
+            let (lost, lost_signal) = tokio::sync::oneshot::channel();
+            let up = pump(client_read, server_write, Direction::Request, mode.clone(), Arc::clone(&stats));
+            let down = async {
+                if pump(server_read, client_write, Direction::Response, mode, Arc::clone(&stats)).await == End::Lost {
+                    let _ = lost.send(());
+                }
+            };
             tokio::select! {
                 () = async { tokio::join!(up, down); } => {}
+                Ok(()) = lost_signal => {}
                 _ = kill_watch.changed() => {
                     stats.killed.fetch_add(1, Ordering::Relaxed);
                 }
@@ -145,13 +181,29 @@ async fn accept_loop(
     }
 }
 
+/// Which way a pump copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    Request,
+    Response,
+}
+
+/// How a pump ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    Closed,
+    /// A response chunk was withheld in [`Mode::LoseResponses`]: cut the connection.
+    Lost,
+}
+
 /// Copies one direction, chunk by chunk, applying the mode to each chunk.
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
+    direction: Direction,
     mut mode: watch::Receiver<Mode>,
     stats: Arc<ProxyStats>,
-) {
+) -> End {
     let mut buffer = vec![0u8; 64 * 1024];
     loop {
         let n = match from.read(&mut buffer).await {
@@ -161,7 +213,11 @@ async fn pump(
         loop {
             let current = *mode.borrow_and_update();
             match current {
-                Mode::Pass | Mode::Refuse => break,
+                Mode::LoseResponses if direction == Direction::Response => {
+                    stats.lost_responses.fetch_add(1, Ordering::Relaxed);
+                    return End::Lost;
+                }
+                Mode::Pass | Mode::Refuse | Mode::LoseResponses => break,
                 Mode::Delay(delay) => {
                     stats.held_chunks.fetch_add(1, Ordering::Relaxed);
                     tokio::time::sleep(delay).await;
@@ -170,7 +226,7 @@ async fn pump(
                 Mode::Stall => {
                     stats.held_chunks.fetch_add(1, Ordering::Relaxed);
                     if mode.changed().await.is_err() {
-                        return;
+                        return End::Closed;
                     }
                 }
             }
@@ -181,4 +237,5 @@ async fn pump(
         stats.bytes.fetch_add(n as u64, Ordering::Relaxed);
     }
     let _ = to.shutdown().await;
+    End::Closed
 }

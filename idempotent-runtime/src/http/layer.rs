@@ -57,6 +57,11 @@ type StatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
 /// did not (or could not) finish the request, so the key is released and a retry runs it again.
 /// Errors of the inner service also release the key.
 ///
+/// Each request runs in a Tokio task of its own, to its end, even if the client disconnects (a
+/// client that timed out): its response is recorded, and the client's retry with the same key
+/// gets `409` while it runs and the recorded response after. (Were it cancelled with the
+/// connection, the key would be released and the retry would run the request a second time.)
+///
 /// The first response passes through with all its headers; replays carry only the recorded
 /// ones. The layer takes `axum::body::Body` requests and responses, as axum routes do; apply it
 /// to the routes that need it with `route_layer`, or to one method with `post(handler).layer(...)`.
@@ -310,7 +315,17 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let config = Arc::clone(&self.config);
-        Box::pin(async move { config.handle(inner, request).await })
+        // The request runs in a task of its own, to the end, even if the client goes away: hyper
+        // drops a connection's futures when it closes, and a dropped call releases its key, so a
+        // client that timed out and retried would run the request again. Spawned, it finishes,
+        // its response is recorded, and the retry gets it (after a 409 while it still runs).
+        Box::pin(async move {
+            match tokio::spawn(async move { config.handle(inner, request).await }).await {
+                Ok(result) => result,
+                Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+                Err(error) => panic!("the request's task was cancelled (is the runtime shutting down?): {error}"),
+            }
+        })
     }
 }
 

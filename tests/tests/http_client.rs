@@ -1,0 +1,490 @@
+#![cfg(feature = "http")]
+//! The outbound side: `IdempotentRetry` (reqwest-middleware) against real axum servers on
+//! 127.0.0.1, some behind the fault proxy.
+//!
+//! - End to end: our `IdempotencyLayer` server, reached through a proxy that loses the response
+//!   after the server ran the request, then refuses connections (and, in one test, while the
+//!   server restarts on its SQLite file). The client retries with the same key, the handler runs
+//!   once (counted by a ledger outside the store), and the client gets the recorded response,
+//!   marked replayed.
+//! - The policy, one rule per test, against a scripted server that answers a given sequence of
+//!   statuses and notes the key of every request it gets.
+//!
+//! Ordering comes from what the proxy or the server saw, never from racing sleeps; the jitter is
+//! seeded.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, post};
+use bytes::Bytes;
+use idempotent_runtime::client::{Attempts, IdempotentRetry, OutboundError, RetryPolicy, Stopped};
+use idempotent_runtime::http::IdempotencyLayer;
+use idempotent_runtime::{MemoryStore, Store};
+use idempotent_tests::proxy::{FaultProxy, Mode};
+use reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
+use serde_json::{Value, json};
+use tokio::sync::oneshot;
+
+const JSON: &str = "application/json";
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// Many quick attempts: the faults last as long as the test says, not as long as the policy allows.
+fn patient() -> RetryPolicy {
+    RetryPolicy::default()
+        .max_attempts(200)
+        .backoff(ms(10), ms(100))
+        .max_elapsed(Duration::from_secs(30))
+        .jitter_seed(1)
+}
+
+fn client(policy: RetryPolicy) -> ClientWithMiddleware {
+    client_with(reqwest::Client::new(), policy)
+}
+
+fn client_with(inner: reqwest::Client, policy: RetryPolicy) -> ClientWithMiddleware {
+    ClientBuilder::new(inner).with(IdempotentRetry::new(policy)).build()
+}
+
+fn attempts(response: &reqwest::Response) -> Attempts {
+    response.extensions().get::<Attempts>().cloned().expect("the middleware notes its attempts")
+}
+
+fn is_uuid_v4(text: &str) -> bool {
+    uuid::Uuid::parse_str(text).is_ok_and(|u| u.get_version_num() == 4)
+}
+
+// ---------------------------------------------------------------- the API with IdempotencyLayer
+
+/// Counts what happened on the server side, outside the idempotency store.
+#[derive(Clone, Default)]
+struct Ledger {
+    /// Handler runs begun.
+    started: Arc<AtomicUsize>,
+    /// Handler runs finished.
+    runs: Arc<AtomicUsize>,
+    /// The `Idempotency-Key` of every request that reached the server, replays included.
+    keys: Arc<Mutex<Vec<String>>>,
+}
+
+impl Ledger {
+    fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+
+    fn keys(&self) -> Vec<String> {
+        self.keys.lock().unwrap().clone()
+    }
+}
+
+/// Notes the key of every request, before the idempotency layer.
+async fn note_key(State(ledger): State<Ledger>, request: Request, next: Next) -> Response {
+    let key = request.headers().get("idempotency-key").map(|v| v.to_str().unwrap().to_owned());
+    ledger.keys.lock().unwrap().push(key.unwrap_or_default());
+    next.run(request).await
+}
+
+/// `POST /charges`: counts its run in the ledger, sleeps `x-delay-ms` if asked, answers 201.
+async fn charge(State(ledger): State<Ledger>, headers: HeaderMap, body: Bytes) -> Response {
+    ledger.started.fetch_add(1, Ordering::SeqCst);
+    if let Some(delay) = headers.get("x-delay-ms").and_then(|v| v.to_str().ok()?.parse().ok()) {
+        tokio::time::sleep(ms(delay)).await;
+    }
+    let run = ledger.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    let receipt = json!({ "charge": run, "request": String::from_utf8_lossy(&body) });
+    (StatusCode::CREATED, [("location", format!("/charges/{run}"))], axum::Json(receipt)).into_response()
+}
+
+/// A running API server; `stop` shuts it down and drops its store.
+struct Api {
+    addr: SocketAddr,
+    shutdown: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Api {
+    async fn start<S: Store + 'static>(store: S, ledger: &Ledger) -> Api {
+        let app = Router::new()
+            .route("/charges", post(charge))
+            .route_layer(IdempotencyLayer::new(store).scope("charges"))
+            .layer(axum::middleware::from_fn_with_state(ledger.clone(), note_key))
+            .with_state(ledger.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
+        let addr = listener.local_addr().expect("the bound address");
+        let (shutdown, stop) = oneshot::channel();
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async {
+                    let _ = stop.await;
+                })
+                .await
+                .expect("the server runs");
+        });
+        Api { addr, shutdown, task }
+    }
+
+    /// Stops accepting, waits for open connections to end (kill them first), drops the store.
+    async fn stop(self) {
+        let _ = self.shutdown.send(());
+        tokio::time::timeout(Duration::from_secs(10), self.task)
+            .await
+            .expect("the server stops once its connections are gone")
+            .expect("the server task ends cleanly");
+    }
+}
+
+/// The response's notes, headers and JSON body.
+async fn read(response: reqwest::Response) -> (Attempts, HeaderMap, Value) {
+    let attempts = attempts(&response);
+    let headers = response.headers().clone();
+    let body = response.bytes().await.expect("the body arrives");
+    (attempts, headers, serde_json::from_slice(&body).expect("a JSON body"))
+}
+
+/// The client got the first run's recorded 201, replayed.
+fn assert_replayed_first_run(headers: &HeaderMap, body: &Value) {
+    let replayed = headers.get("idempotent-replayed").map(|v| v.to_str().unwrap());
+    assert_eq!(replayed, Some("true"), "the answer is the recorded one, replayed: {body}");
+    assert_eq!(headers.get("location").unwrap(), "/charges/1");
+    assert_eq!(*body, json!({ "charge": 1, "request": r#"{"amount":100}"# }));
+}
+
+/// The ledger shows one run, and every request that reached the server had the client's key.
+fn assert_one_run_one_key(ledger: &Ledger, attempts: &Attempts) {
+    assert_eq!(ledger.started.load(Ordering::SeqCst), 1, "the handler began exactly once");
+    assert_eq!(ledger.runs(), 1, "the handler ran exactly once");
+    let keys = ledger.keys();
+    assert!(keys.len() >= 2, "the first attempt and the replayed one reached the server: {keys:?}");
+    assert!(keys.iter().all(|k| *k == attempts.key), "every attempt carried {}: {keys:?}", attempts.key);
+    assert!(is_uuid_v4(&attempts.key), "{}", attempts.key);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_client_lost_response_then_refused_connections_is_retried_with_the_same_key_and_replayed() {
+    let ledger = Ledger::default();
+    let api = Api::start(MemoryStore::new(), &ledger).await;
+    let proxy = FaultProxy::start(&api.addr.to_string()).await.expect("start the proxy");
+    proxy.set_mode(Mode::LoseResponses);
+
+    let client = client(patient());
+    let url = format!("http://{}/charges", proxy.addr());
+    let call = tokio::spawn(client.post(url).header("content-type", JSON).body(r#"{"amount":100}"#).send());
+
+    proxy
+        .wait_until("the server's answer is lost", Duration::from_secs(10), |s| {
+            s.lost_responses.load(Ordering::SeqCst) >= 1
+        })
+        .await;
+    assert_eq!(ledger.runs(), 1, "the server ran the request before its answer was lost");
+    proxy.set_mode(Mode::Refuse);
+    proxy.wait_until("retries are refused", Duration::from_secs(10), |s| s.refused.load(Ordering::SeqCst) >= 3).await;
+    proxy.set_mode(Mode::Pass);
+
+    let response = call.await.expect("the call task").expect("the client gets an answer in the end");
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let (attempts, headers, body) = read(response).await;
+    assert_replayed_first_run(&headers, &body);
+    assert!(attempts.count >= 5, "one lost, three refused, one answered: {attempts:?}");
+    assert_eq!(attempts.stopped, None);
+    assert_one_run_one_key(&ledger, &attempts);
+    api.stop().await;
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_client_retry_across_a_server_restart_on_sqlite_replays_the_recorded_response() {
+    use idempotent_runtime::stores::sql::SqliteStore;
+
+    let dir = idempotent_tests::fresh::temp_dir("http-client-restart");
+    let path = dir.join("records.db");
+    let ledger = Ledger::default();
+    let first = Api::start(SqliteStore::open(&path).await.expect("open SQLite"), &ledger).await;
+    let proxy = FaultProxy::start(&first.addr.to_string()).await.expect("start the proxy");
+    proxy.set_mode(Mode::LoseResponses);
+
+    let client = client(patient());
+    let url = format!("http://{}/charges", proxy.addr());
+    let call = tokio::spawn(client.post(url).header("content-type", JSON).body(r#"{"amount":100}"#).send());
+
+    proxy
+        .wait_until("the server's answer is lost", Duration::from_secs(10), |s| {
+            s.lost_responses.load(Ordering::SeqCst) >= 1
+        })
+        .await;
+    // The server goes down: connections refused, open ones cut, the process's store closed.
+    proxy.set_mode(Mode::Refuse);
+    proxy.kill_connections();
+    first.stop().await;
+    proxy
+        .wait_until("retries are refused while it is down", Duration::from_secs(10), |s| {
+            s.refused.load(Ordering::SeqCst) >= 3
+        })
+        .await;
+
+    // A new server process on the same file, on another port.
+    let second = Api::start(SqliteStore::open(&path).await.expect("reopen SQLite"), &ledger).await;
+    proxy.set_target(second.addr);
+    proxy.set_mode(Mode::Pass);
+
+    let response = call.await.expect("the call task").expect("the client gets an answer in the end");
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let (attempts, headers, body) = read(response).await;
+    assert_replayed_first_run(&headers, &body);
+    assert!(attempts.count >= 5, "{attempts:?}");
+    assert_one_run_one_key(&ledger, &attempts);
+    second.stop().await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_client_timeout_shorter_than_the_handler_gets_409_then_the_replay_and_runs_it_once() {
+    let ledger = Ledger::default();
+    let api = Api::start(MemoryStore::new(), &ledger).await;
+    // The first attempt times out after 300 ms while the handler takes 1 s. The server keeps
+    // running it (the client's disconnect does not cancel it), the retry finds it still running
+    // (409, Retry-After: 1), waits, and gets the recorded response.
+    let inner = reqwest::Client::builder().timeout(ms(300)).build().expect("a client");
+    let start = Instant::now();
+    let response = client_with(inner, patient())
+        .post(format!("http://{}/charges", api.addr))
+        .header("content-type", JSON)
+        .header("x-delay-ms", "1000")
+        .body(r#"{"amount":100}"#)
+        .send()
+        .await
+        .expect("an answer in the end");
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let (attempts, headers, body) = read(response).await;
+    assert_replayed_first_run(&headers, &body);
+    assert!(attempts.count >= 3, "timed out, 409, replayed: {attempts:?}");
+    assert!(start.elapsed() >= Duration::from_secs(1), "Retry-After: 1 was honoured");
+    assert_one_run_one_key(&ledger, &attempts);
+    api.stop().await;
+}
+
+#[tokio::test]
+async fn http_client_key_reused_with_another_body_is_a_typed_error() {
+    let ledger = Ledger::default();
+    let api = Api::start(MemoryStore::new(), &ledger).await;
+    let client = client(patient());
+    let url = format!("http://{}/charges", api.addr);
+    let key = "0b6f8a52-5d0e-4f0a-9a57-3c1d2e4f5a60";
+    let first = client.post(&url).header("idempotency-key", key).body(r#"{"amount":100}"#).send().await.unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    assert_eq!(attempts(&first).key, key, "the caller's key is kept");
+
+    let error = client.post(&url).header("idempotency-key", key).body(r#"{"amount":999}"#).send().await.unwrap_err();
+    let Some(OutboundError::KeyReused { key: reused, url: at, detail }) = OutboundError::find(&error) else {
+        panic!("expected KeyReused, got {error:?}");
+    };
+    assert_eq!((reused.as_str(), at.as_str()), (key, url.as_str()));
+    assert!(detail.as_deref().is_some_and(|d| d.contains("different request")), "{detail:?}");
+    let message = error.to_string();
+    assert!(message.contains("422") && message.contains("new key"), "{message}");
+    assert_eq!(ledger.runs(), 1);
+    assert_eq!(ledger.keys().len(), 2, "a 422 is not retried");
+    api.stop().await;
+}
+
+// ---------------------------------------------------------------- a scripted server
+
+/// Answers each request with the next status of its script (with `Retry-After` if given), `200`
+/// once the script is used up, and notes every request's method and key.
+#[derive(Clone, Default)]
+struct Script {
+    answers: Arc<Mutex<VecDeque<(u16, Option<&'static str>)>>>,
+    /// How long the first request hangs before it is answered.
+    first_delay: Arc<Mutex<Option<Duration>>>,
+    seen: Arc<Mutex<Vec<(Method, Option<String>)>>>,
+}
+
+impl Script {
+    async fn serve(answers: &[(u16, Option<&'static str>)]) -> (Script, String) {
+        let script = Script { answers: Arc::new(Mutex::new(answers.iter().copied().collect())), ..Script::default() };
+        let app = Router::new().route("/{*path}", any(scripted)).with_state(script.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.expect("the server runs") });
+        (script, base)
+    }
+
+    fn seen(&self) -> Vec<(Method, Option<String>)> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// The keys of the requests seen, all of which must have one and the same.
+    fn one_key(&self) -> String {
+        let seen = self.seen();
+        let first = seen[0].1.clone().expect("a key");
+        assert!(seen.iter().all(|(_, key)| key.as_ref() == Some(&first)), "one key on every attempt: {seen:?}");
+        first
+    }
+}
+
+async fn scripted(State(script): State<Script>, request: Request) -> Response {
+    let key = request.headers().get("idempotency-key").map(|v| v.to_str().unwrap().to_owned());
+    script.seen.lock().unwrap().push((request.method().clone(), key));
+    let _ = axum::body::to_bytes(request.into_body(), 1 << 20).await;
+    let delay = script.first_delay.lock().unwrap().take();
+    if let Some(delay) = delay {
+        tokio::time::sleep(delay).await;
+    }
+    let (status, retry_after) = script.answers.lock().unwrap().pop_front().unwrap_or((200, None));
+    let mut response = (StatusCode::from_u16(status).unwrap(), format!("answer {status}")).into_response();
+    if let Some(seconds) = retry_after {
+        response.headers_mut().insert("retry-after", seconds.parse().unwrap());
+    }
+    response
+}
+
+#[tokio::test]
+async fn http_client_gives_post_and_patch_one_uuid_key_each_and_leaves_other_methods_alone() {
+    let (script, base) = Script::serve(&[]).await;
+    let client = client(patient());
+    for method in [Method::POST, Method::PATCH, Method::GET, Method::PUT, Method::DELETE] {
+        let response = client.request(method.clone(), format!("{base}/x")).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        let noted = response.extensions().get::<Attempts>().cloned();
+        assert_eq!(noted.is_some(), matches!(method, Method::POST | Method::PATCH), "{method}: {noted:?}");
+    }
+    let seen = script.seen();
+    let keys: Vec<_> = seen.iter().map(|(_, key)| key.clone()).collect();
+    assert!(keys[0].as_deref().is_some_and(is_uuid_v4) && keys[1].as_deref().is_some_and(is_uuid_v4), "{seen:?}");
+    assert_ne!(keys[0], keys[1], "each request gets its own key");
+    assert_eq!(&keys[2..], &[None, None, None], "GET, PUT, DELETE get no key");
+
+    // Configured methods; a key the caller set makes any request retried with it.
+    let (script, base) = Script::serve(&[(503, None)]).await;
+    let client =
+        ClientBuilder::new(reqwest::Client::new()).with(IdempotentRetry::new(patient()).methods([Method::PUT])).build();
+    let put = client.put(format!("{base}/x")).send().await.unwrap();
+    assert_eq!((put.status(), attempts(&put).count), (StatusCode::OK, 2), "PUT is now keyed and retried");
+    let post = client.post(format!("{base}/x")).send().await.unwrap();
+    assert!(post.extensions().get::<Attempts>().is_none(), "POST is no longer handled");
+    let get = client.get(format!("{base}/x")).header("idempotency-key", "mine-1").send().await.unwrap();
+    assert_eq!(attempts(&get).key, "mine-1");
+    let seen = script.seen();
+    assert_eq!(seen.len(), 4, "{seen:?}");
+    assert_eq!(seen[0].1, seen[1].1, "the PUT retry carried the same key");
+    assert_eq!((seen[2].1.as_deref(), seen[3].1.as_deref()), (None, Some("mine-1")));
+}
+
+#[tokio::test]
+async fn http_client_retries_5xx_429_and_409_with_the_same_key() {
+    let (script, base) =
+        Script::serve(&[(503, None), (500, None), (429, Some("0")), (409, Some("0")), (502, None), (201, None)]).await;
+    let response = client(patient()).post(format!("{base}/orders")).body("order").send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let attempts = attempts(&response);
+    assert_eq!((attempts.count, attempts.stopped), (6, None));
+    assert_eq!(script.seen().len(), 6);
+    assert_eq!(script.one_key(), attempts.key);
+}
+
+#[tokio::test]
+async fn http_client_retries_a_timed_out_request_with_the_same_key() {
+    let (script, base) = Script::serve(&[(201, None)]).await;
+    *script.first_delay.lock().unwrap() = Some(Duration::from_secs(3));
+    let inner = reqwest::Client::builder().timeout(ms(300)).build().expect("a client");
+    let response = client_with(inner, patient()).post(format!("{base}/orders")).body("order").send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    assert_eq!(attempts(&response).count, 2, "the first attempt timed out; the second was answered");
+    assert_eq!(script.seen().len(), 2);
+    assert_eq!(script.one_key(), attempts(&response).key);
+}
+
+#[tokio::test]
+async fn http_client_never_retries_other_4xx() {
+    for status in [400, 401, 403, 404, 405, 408, 410, 412, 413, 415, 425] {
+        let (script, base) = Script::serve(&[(status, None), (201, None)]).await;
+        let response = client(patient()).post(format!("{base}/orders")).body("order").send().await.unwrap();
+        assert_eq!(response.status().as_u16(), status);
+        assert_eq!(attempts(&response).count, 1, "{status}");
+        assert_eq!(script.seen().len(), 1, "{status} is an answer, not retried");
+    }
+}
+
+#[tokio::test]
+async fn http_client_stops_after_its_attempts_and_returns_the_last_response() {
+    let (script, base) = Script::serve(&[(503, None); 10]).await;
+    let response = client(patient().max_attempts(3)).post(format!("{base}/orders")).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let attempts = attempts(&response);
+    assert_eq!((attempts.count, attempts.stopped), (3, Some(Stopped::AttemptsExhausted)));
+    assert_eq!(script.seen().len(), 3);
+    assert_eq!(script.one_key(), attempts.key);
+}
+
+#[tokio::test]
+async fn http_client_honours_retry_after_and_stops_at_its_time_budget() {
+    // Retry-After: 1 is waited for (the back-off alone would be 5-10 ms).
+    let (_, base) = Script::serve(&[(503, Some("1")), (201, None)]).await;
+    let start = Instant::now();
+    let response = client(patient()).post(format!("{base}/orders")).send().await.unwrap();
+    assert_eq!((response.status(), attempts(&response).count), (StatusCode::CREATED, 2));
+    assert!(start.elapsed() >= Duration::from_secs(1), "{:?}", start.elapsed());
+
+    // Retry-After: 60 does not fit a 2 s budget: the 503 comes back at once.
+    let (script, base) = Script::serve(&[(503, Some("60")), (201, None)]).await;
+    let policy = patient().max_elapsed(Duration::from_secs(2));
+    let response = client(policy).post(format!("{base}/orders")).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let attempts = attempts(&response);
+    assert_eq!((attempts.count, attempts.stopped), (1, Some(Stopped::TimeBudgetExhausted)));
+    assert_eq!(script.seen().len(), 1);
+}
+
+/// A loopback port with nothing listening on it.
+async fn closed_port() -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    listener.local_addr().unwrap()
+}
+
+#[tokio::test]
+async fn http_client_gives_up_on_refused_connections_with_a_typed_error_naming_the_key() {
+    let addr = closed_port().await;
+    let error = client(patient().max_attempts(3)).post(format!("http://{addr}/orders")).send().await.unwrap_err();
+    let Some(gave_up @ OutboundError::GaveUp { attempts, source, .. }) = OutboundError::find(&error) else {
+        panic!("expected GaveUp, got {error:?}");
+    };
+    assert_eq!(*attempts, 3);
+    assert!(is_uuid_v4(gave_up.key()), "{gave_up}");
+    assert!(source.is_connect(), "{source:?}");
+    let message = error.to_string();
+    assert!(message.contains(gave_up.key()) && message.contains("retry later with the same key"), "{message}");
+}
+
+fn stream_body() -> reqwest::Body {
+    let chunks: Vec<Result<Bytes, std::io::Error>> =
+        vec![Ok(Bytes::from_static(b"chunk 1, ")), Ok(Bytes::from_static(b"chunk 2"))];
+    reqwest::Body::wrap_stream(futures_util::stream::iter(chunks))
+}
+
+#[tokio::test]
+async fn http_client_sends_a_streaming_body_once_and_says_why_it_did_not_retry() {
+    let (script, base) = Script::serve(&[(503, None), (201, None)]).await;
+    let response = client(patient()).post(format!("{base}/upload")).body(stream_body()).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let attempts = attempts(&response);
+    assert_eq!((attempts.count, attempts.stopped), (1, Some(Stopped::BodyNotReplayable)));
+    assert_eq!(script.seen().len(), 1);
+    assert!(is_uuid_v4(&script.one_key()), "a streamed request gets a key too");
+
+    let addr = closed_port().await;
+    let error = client(patient()).post(format!("http://{addr}/upload")).body(stream_body()).send().await.unwrap_err();
+    let Some(not_replayable @ OutboundError::NotReplayable { .. }) = OutboundError::find(&error) else {
+        panic!("expected NotReplayable, got {error:?}");
+    };
+    assert!(not_replayable.to_string().contains("body is a stream"), "{not_replayable}");
+}

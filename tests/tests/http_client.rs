@@ -299,18 +299,23 @@ async fn http_client_key_reused_with_another_body_is_a_typed_error() {
 
 // ---------------------------------------------------------------- a scripted server
 
+/// A status to answer, with the `Retry-After` to send with it.
+type Answer = (u16, Option<&'static str>);
+/// A request's method and `Idempotency-Key`.
+type Seen = (Method, Option<String>);
+
 /// Answers each request with the next status of its script (with `Retry-After` if given), `200`
 /// once the script is used up, and notes every request's method and key.
 #[derive(Clone, Default)]
 struct Script {
-    answers: Arc<Mutex<VecDeque<(u16, Option<&'static str>)>>>,
+    answers: Arc<Mutex<VecDeque<Answer>>>,
     /// How long the first request hangs before it is answered.
     first_delay: Arc<Mutex<Option<Duration>>>,
-    seen: Arc<Mutex<Vec<(Method, Option<String>)>>>,
+    seen: Arc<Mutex<Vec<Seen>>>,
 }
 
 impl Script {
-    async fn serve(answers: &[(u16, Option<&'static str>)]) -> (Script, String) {
+    async fn serve(answers: &[Answer]) -> (Script, String) {
         let script = Script { answers: Arc::new(Mutex::new(answers.iter().copied().collect())), ..Script::default() };
         let app = Router::new().route("/{*path}", any(scripted)).with_state(script.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
@@ -319,7 +324,7 @@ impl Script {
         (script, base)
     }
 
-    fn seen(&self) -> Vec<(Method, Option<String>)> {
+    fn seen(&self) -> Vec<Seen> {
         self.seen.lock().unwrap().clone()
     }
 

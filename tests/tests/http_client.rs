@@ -117,7 +117,8 @@ impl Api {
     async fn start<S: Store + 'static>(store: S, ledger: &Ledger) -> Api {
         let app = Router::new()
             .route("/charges", post(charge))
-            .route_layer(IdempotencyLayer::new(store).scope("charges"))
+            // A short lease: a 409's Retry-After may be the claim's remaining lease.
+            .route_layer(IdempotencyLayer::new(store).scope("charges").lease(Duration::from_secs(3)))
             .layer(axum::middleware::from_fn_with_state(ledger.clone(), note_key))
             .with_state(ledger.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");

@@ -1,5 +1,6 @@
-//! The stores: one file each.
+//! The stores: one file each, and [`AnyStore`], any of them chosen at run time.
 
+mod any;
 pub mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
@@ -7,3 +8,4 @@ pub mod redis;
 pub mod sql;
 
 pub use crate::detached::spawn_detached;
+pub use any::{AnyStore, BoxFuture, DynStore, StoreUrlError};

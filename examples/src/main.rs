@@ -7,10 +7,15 @@
 //! ```text
 //! cargo run -p idempotent-examples            # uses <temp dir>/idempotent-payment-example.db
 //! cargo run -p idempotent-examples -- my.db   # or a file of your choice
+//! IDEMPOTENT_STORE=redis://127.0.0.1:6379 cargo run -p idempotent-examples   # records elsewhere
 //! ```
+//!
+//! The balances always live in the SQLite file; `IDEMPOTENT_STORE` (a URL, see `AnyStore`) moves
+//! only the idempotency records, which default to the same file.
 
 use std::time::Duration;
 
+use idempotent_runtime::stores::AnyStore;
 use idempotent_runtime::stores::sql::SqliteStore;
 use idempotent_runtime::{Error, idempotent};
 use serde::{Deserialize, Serialize};
@@ -55,7 +60,9 @@ impl PayError {
 }
 
 struct Payments {
-    store: SqliteStore,
+    store: AnyStore,
+    /// The balances.
+    db: sqlx::SqlitePool,
 }
 
 impl Payments {
@@ -86,7 +93,7 @@ impl Payments {
         )
         .bind(amount)
         .bind(user)
-        .fetch_optional(self.store.pool())
+        .fetch_optional(&self.db)
         .await?;
         let Some(balance_after) = balance_after else {
             return Err(PayError::InsufficientBalance { user: user.to_owned(), amount });
@@ -96,7 +103,7 @@ impl Payments {
     }
 
     async fn balance(&self, user: &str) -> Result<i64, sqlx::Error> {
-        sqlx::query_scalar("SELECT balance FROM users WHERE id = ?1").bind(user).fetch_one(self.store.pool()).await
+        sqlx::query_scalar("SELECT balance FROM users WHERE id = ?1").bind(user).fetch_one(&self.db).await
     }
 }
 
@@ -104,13 +111,19 @@ impl Payments {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path =
         std::env::args().nth(1).map_or_else(|| std::env::temp_dir().join("idempotent-payment-example.db"), Into::into);
-    println!("store: SQLite file {}", path.display());
-    let store = SqliteStore::open(&path).await?;
+    println!("balances: SQLite file {}", path.display());
+    let file = SqliteStore::open(&path).await?;
+    let store = match std::env::var("IDEMPOTENT_STORE") {
+        Ok(url) => AnyStore::from_url(&url).await?,
+        Err(_) => AnyStore::new(file.clone()),
+    };
+    println!("idempotency records: {}", std::env::var("IDEMPOTENT_STORE").as_deref().unwrap_or("the same file"));
+    let db = file.pool().clone();
     sqlx::query("CREATE TABLE IF NOT EXISTS users (id TEXT PRIMARY KEY, balance INTEGER NOT NULL)")
-        .execute(store.pool())
+        .execute(&db)
         .await?;
-    sqlx::query("INSERT OR IGNORE INTO users (id, balance) VALUES ('alice', 1000)").execute(store.pool()).await?;
-    let payments = std::sync::Arc::new(Payments { store });
+    sqlx::query("INSERT OR IGNORE INTO users (id, balance) VALUES ('alice', 1000)").execute(&db).await?;
+    let payments = std::sync::Arc::new(Payments { store, db });
 
     let start = payments.balance("alice").await?;
     println!("alice's balance: {start}\n");

@@ -10,6 +10,7 @@
 //!
 //! ```text
 //! cargo run -p idempotent-examples --bin http_server        # listens on 127.0.0.1:3000 (or $ADDR)
+//! IDEMPOTENT_STORE=sqlite://orders.db cargo run -p idempotent-examples --bin http_server  # records survive restarts
 //! curl -i -X POST localhost:3000/orders -H 'Idempotency-Key: 1f0c...' -H 'x-user: alice' \
 //!      -H 'content-type: application/json' -d '{"item":"book","quantity":1}'
 //! ```
@@ -25,14 +26,15 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Router, serve};
 use idempotent_runtime::http::{HttpError, IdempotencyKeyHeader, IdempotencyLayer, JsonResponse};
-use idempotent_runtime::{MemoryStore, idempotent};
+use idempotent_runtime::idempotent;
+use idempotent_runtime::stores::AnyStore;
 use serde::{Deserialize, Serialize};
 
 const PROVIDER_DELAY: Duration = Duration::from_secs(2);
 
 #[derive(Clone)]
 struct AppState {
-    store: MemoryStore,
+    store: AnyStore,
     next_id: Arc<AtomicU64>,
 }
 
@@ -119,7 +121,11 @@ fn caller(parts: &Parts) -> String {
 
 #[tokio::main]
 async fn main() -> std::io::Result<()> {
-    let state = AppState { store: MemoryStore::new(), next_id: Arc::new(AtomicU64::new(1)) };
+    // The store from IDEMPOTENT_STORE (memory://, sqlite://PATH, redis://, postgres://, mysql://).
+    let url = std::env::var("IDEMPOTENT_STORE").unwrap_or_else(|_| "memory://".to_owned());
+    let store = AnyStore::from_url(&url).await.map_err(std::io::Error::other)?;
+    println!("idempotency store: {url}");
+    let state = AppState { store, next_id: Arc::new(AtomicU64::new(1)) };
     let orders = Router::new()
         .route("/orders", post(create_order))
         .route_layer(IdempotencyLayer::new(state.store.clone()).scope("orders").caller(caller));

@@ -114,7 +114,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("balances: SQLite file {}", path.display());
     let file = SqliteStore::open(&path).await?;
     let store = match std::env::var("IDEMPOTENT_STORE") {
-        Ok(url) => AnyStore::from_url(&url).await?,
+        Ok(url) => AnyStore::from_url(&url).await.map_err(|e| format!("IDEMPOTENT_STORE: {e}"))?,
         Err(_) => AnyStore::new(file.clone()),
     };
     println!("idempotency records: {}", std::env::var("IDEMPOTENT_STORE").as_deref().unwrap_or("the same file"));

@@ -82,6 +82,7 @@ pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, Key, KeyError, MAX_KEY_BYTES};
 pub use outcome::{ErrorPolicy, RecordErrors, RecordErrorsIf, ReleaseErrors};
 pub use store::{Claim, ClaimRequest, DEFAULT_MAX_RECORD_BYTES, Record, Store, Token};
+pub use stores::AnyStore;
 pub use stores::memory::MemoryStore;
 #[cfg(feature = "redis")]
 pub use stores::redis::RedisStore;

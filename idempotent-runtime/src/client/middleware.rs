@@ -41,8 +41,9 @@ use crate::headers::IDEMPOTENCY_KEY;
 /// # let _ = client;
 /// ```
 ///
-/// Put it after middleware that should see every attempt (logging, tracing) and before
-/// middleware that signs or authenticates each request.
+/// Middleware attached before it (`.with(a).with(IdempotentRetry::..)`) sees each request once;
+/// middleware attached after it runs for every attempt: put there what must be redone per
+/// attempt (signing a request with a timestamp, logging each attempt).
 #[derive(Debug, Clone)]
 pub struct IdempotentRetry {
     policy: RetryPolicy,

@@ -3,10 +3,10 @@
 //! 127.0.0.1, some behind the fault proxy.
 //!
 //! - End to end: our `IdempotencyLayer` server, reached through a proxy that loses the response
-//!   after the server ran the request, then refuses connections (and, in one test, while the
-//!   server restarts on its SQLite file). The client retries with the same key, the handler runs
-//!   once (counted by a ledger outside the store), and the client gets the recorded response,
-//!   marked replayed.
+//!   after the server ran the request, then refuses connections (in two tests, while the server
+//!   restarts on a persistent store it opens from a URL with `AnyStore`: an SQLite file, and
+//!   PostgreSQL). The client retries with the same key, the handler runs once (counted by a
+//!   ledger outside the store), and the client gets the recorded response, marked replayed.
 //! - The policy, one rule per test, against a scripted server that answers a given sequence of
 //!   statuses and notes the key of every request it gets.
 //!
@@ -28,6 +28,7 @@ use axum::routing::{any, post};
 use bytes::Bytes;
 use idempotent_runtime::client::{Attempts, IdempotentRetry, OutboundError, RetryPolicy, Stopped};
 use idempotent_runtime::http::IdempotencyLayer;
+use idempotent_runtime::stores::AnyStore;
 use idempotent_runtime::{MemoryStore, Store};
 use idempotent_tests::proxy::{FaultProxy, Mode};
 use reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
@@ -202,15 +203,13 @@ async fn http_client_lost_response_then_refused_connections_is_retried_with_the_
     api.stop().await;
 }
 
-#[cfg(feature = "sqlite")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn http_client_retry_across_a_server_restart_on_sqlite_replays_the_recorded_response() {
-    use idempotent_runtime::stores::sql::SqliteStore;
-
-    let dir = idempotent_tests::fresh::temp_dir("http-client-restart");
-    let path = dir.join("records.db");
+/// The answer is lost, the server goes down and comes back as a new process on the same
+/// persistent store (opened from `store_url`, as a deployment would): the retry is replayed.
+/// Returns the key, for cleaning up.
+async fn restart_scenario(store_url: &str) -> String {
+    let open = async || AnyStore::from_url(store_url).await.expect("open the store");
     let ledger = Ledger::default();
-    let first = Api::start(SqliteStore::open(&path).await.expect("open SQLite"), &ledger).await;
+    let first = Api::start(open().await, &ledger).await;
     let proxy = FaultProxy::start(&first.addr.to_string()).await.expect("start the proxy");
     proxy.set_mode(Mode::LoseResponses);
 
@@ -233,8 +232,8 @@ async fn http_client_retry_across_a_server_restart_on_sqlite_replays_the_recorde
         })
         .await;
 
-    // A new server process on the same file, on another port.
-    let second = Api::start(SqliteStore::open(&path).await.expect("reopen SQLite"), &ledger).await;
+    // A new server process on the same store, on another port.
+    let second = Api::start(open().await, &ledger).await;
     proxy.set_target(second.addr);
     proxy.set_mode(Mode::Pass);
 
@@ -245,7 +244,31 @@ async fn http_client_retry_across_a_server_restart_on_sqlite_replays_the_recorde
     assert!(attempts.count >= 5, "{attempts:?}");
     assert_one_run_one_key(&ledger, &attempts);
     second.stop().await;
+    attempts.key
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_client_retry_across_a_server_restart_on_sqlite_replays_the_recorded_response() {
+    let dir = idempotent_tests::fresh::temp_dir("http-client-restart");
+    restart_scenario(&format!("sqlite://{}", dir.join("records.db").display())).await;
     let _ = std::fs::remove_dir_all(dir);
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_client_retry_across_a_server_restart_on_postgres_replays_the_recorded_response() {
+    use idempotent_runtime::stores::sql::sqlx;
+    let test = "http_client_retry_across_a_server_restart_on_postgres_replays_the_recorded_response";
+    let Some(url) = idempotent_tests::services::postgres_url(test) else { return };
+    let key = restart_scenario(&url).await;
+    let pool = sqlx::PgPool::connect(&url).await.expect("connect to PostgreSQL");
+    let deleted = sqlx::query("DELETE FROM idempotency_records WHERE idempotency_key = $1")
+        .bind(format!("charges:{key}"))
+        .execute(&pool)
+        .await
+        .expect("delete the test's record");
+    assert_eq!(deleted.rows_affected(), 1, "the record was in PostgreSQL");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,6 +1,6 @@
 //! The stores: one file each, and [`AnyStore`], any of them chosen at run time.
 
-mod any;
+pub mod any;
 pub mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;

@@ -10,7 +10,7 @@
 //!
 //! | URL | store | feature |
 //! |---|---|---|
-//! | `memory://` | [`MemoryStore`] | always |
+//! | `memory://` | [`MemoryStore`](crate::MemoryStore) | always |
 //! | `sqlite://PATH` (`sqlite:///abs/path.db`, `sqlite://data/idem.db`) | [`SqliteStore::open`](crate::stores::sql::SqliteStore) | `sqlite` |
 //! | `redis://HOST[:PORT][/DB]`, `rediss://...` | [`RedisStore::connect`](crate::stores::redis::RedisStore) | `redis` |
 //! | `postgres://USER[:PASSWORD]@HOST[:PORT]/DB` (or `postgresql://`) | `PostgresStore`, table created if missing | `postgres` |

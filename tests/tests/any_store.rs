@@ -52,6 +52,16 @@ async fn memory_any_store_from_url() {
     assert!(store.type_name().ends_with("MemoryStore"), "{store:?}");
     runs_once_then_replays(&store).await;
     assert_eq!(store.max_record_bytes(), idempotent_runtime::DEFAULT_MAX_RECORD_BYTES);
+
+    // The wrapped store's own limit comes through, and is enforced on the erased store.
+    let small = AnyStore::new(MemoryStore::with_max_record_bytes(16));
+    assert_eq!(small.max_record_bytes(), 16);
+    let dyn_small: Arc<dyn DynStore> = Arc::new(MemoryStore::with_max_record_bytes(16));
+    assert_eq!(dyn_small.max_record_bytes(), 16);
+    let result = Call::new("any-limit", "k").run(&small, async { Ok::<_, Error>("x".repeat(100)) }).await;
+    assert_eq!(result.expect("the first caller gets its value").len(), 100);
+    let replay = Call::new("any-limit", "k").run(&small, async { Ok::<_, Error>(String::new()) }).await;
+    assert!(matches!(replay, Err(Error::Unrecordable { .. })), "{replay:?}");
 }
 
 #[cfg(feature = "sqlite")]

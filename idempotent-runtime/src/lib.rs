@@ -61,6 +61,8 @@
 mod call;
 #[cfg(feature = "reqwest")]
 pub mod client;
+#[cfg(any(feature = "amqp", feature = "jetstream"))]
+pub mod consume;
 mod detached;
 mod error;
 mod expansion;

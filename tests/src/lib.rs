@@ -2,6 +2,8 @@
 //! that every store must pass.
 
 pub mod conformance;
+#[cfg(feature = "postgres")]
+pub mod consume;
 pub mod fresh;
 pub mod proxy;
 pub mod services;

@@ -62,6 +62,18 @@ pub fn mysql_url(test: &str) -> Option<String> {
     service_url("MYSQL_URL", "mysql://root@127.0.0.1:3306/test", test)
 }
 
+/// The RabbitMQ URL (`AMQP_URL`, default `amqp://guest:guest@127.0.0.1:5672/%2f`).
+#[must_use]
+pub fn amqp_url(test: &str) -> Option<String> {
+    service_url("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f", test)
+}
+
+/// The NATS URL, of a server with JetStream enabled (`NATS_URL`, default `nats://127.0.0.1:4222`).
+#[must_use]
+pub fn nats_url(test: &str) -> Option<String> {
+    service_url("NATS_URL", "nats://127.0.0.1:4222", test)
+}
+
 fn reachable(url: &str) -> bool {
     let Some((host, port)) = host_port(url) else { return false };
     let Ok(addrs) = (host, port).to_socket_addrs() else { return false };
@@ -77,6 +89,8 @@ fn host_port(url: &str) -> Option<(String, u16)> {
         "redis" | "rediss" => 6379,
         "postgres" | "postgresql" => 5432,
         "mysql" | "mariadb" => 3306,
+        "amqp" | "amqps" => 5672,
+        "nats" | "tls" => 4222,
         _ => return None,
     };
     match host_port.rsplit_once(':') {
@@ -94,6 +108,8 @@ mod tests {
         assert_eq!(host_port("redis://127.0.0.1:6379"), Some(("127.0.0.1".into(), 6379)));
         assert_eq!(host_port("postgres://postgres@127.0.0.1/test"), Some(("127.0.0.1".into(), 5432)));
         assert_eq!(host_port("mysql://root:pw@db:3307/test?x=1"), Some(("db".into(), 3307)));
+        assert_eq!(host_port("amqp://guest:guest@127.0.0.1:5672/%2f"), Some(("127.0.0.1".into(), 5672)));
+        assert_eq!(host_port("nats://127.0.0.1"), Some(("127.0.0.1".into(), 4222)));
         assert_eq!(host_port("nonsense"), None);
     }
 }

@@ -43,6 +43,8 @@
 //! message), and its cost is bounded: a waiting delivery occupies one of the consumer's
 //! [`concurrency`](Consumer::concurrency) slots, the others keep working.
 
+pub use lapin;
+
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

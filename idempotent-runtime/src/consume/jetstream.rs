@@ -44,6 +44,8 @@
 //! while the first delivery is still being handled: make `ack_wait` longer than a handler takes
 //! (the duplicate would get [`Error::InProgress`](crate::Error::InProgress) and be retried).
 
+pub use async_nats;
+
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

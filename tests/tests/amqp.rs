@@ -1,0 +1,319 @@
+//! The idempotent consumer on a real RabbitMQ (`idempotent_runtime::consume::amqp`).
+//!
+//! 1. Kill and redeliver: competing worker processes (`tests/src/bin/consumer_worker.rs`) consume
+//!    one queue while a producer publishes messages with ids (some twice, as a retrying producer
+//!    does) and malformed ones without an id. Workers SIGKILL themselves at scheduled ids, after
+//!    the side effect ran and its record was written, before the ack; RabbitMQ redelivers; killed
+//!    workers are restarted. Then: one side effect per id in the PostgreSQL ledger, nothing left in
+//!    the queue, and the dead-letter queue holds exactly the malformed messages.
+//! 2. Settlement by outcome, in process: a reused id with another body and a message without an id
+//!    are dead-lettered, a message whose id is claimed elsewhere is retried after the delay (not in
+//!    a hot loop) and acked once the claim completes, a failing handler follows its policy.
+
+#![cfg(all(feature = "amqp", feature = "postgres", feature = "redis"))]
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idempotent_runtime::consume::amqp::lapin::options::{
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use idempotent_runtime::consume::amqp::lapin::types::FieldTable;
+use idempotent_runtime::consume::amqp::lapin::{self, BasicProperties, Channel, Connection};
+use idempotent_runtime::consume::amqp::{Consumer, declare_with_dead_letter};
+use idempotent_runtime::consume::{Disposition, Settled};
+use idempotent_runtime::{Call, Error, MemoryStore};
+use idempotent_tests::consume::{Fleet, Ledger, assert_exactly_once, kill_schedule, malformed_body, message_id};
+use idempotent_tests::{fresh, services};
+
+const MESSAGES: usize = 1000;
+const MALFORMED: usize = 20;
+const DUPLICATE_EVERY: usize = 50;
+const WORKERS: usize = 3;
+const KILLS: usize = 10;
+
+async fn connect(url: &str) -> (Connection, Channel) {
+    let connection =
+        Connection::connect(url, lapin::ConnectionProperties::default()).await.expect("connect to RabbitMQ");
+    let channel = connection.create_channel().await.expect("a channel");
+    channel.confirm_select(ConfirmSelectOptions::default()).await.expect("publisher confirms");
+    (connection, channel)
+}
+
+async fn publish(channel: &Channel, queue: &str, id: Option<&str>, body: &[u8]) {
+    let mut properties = BasicProperties::default().with_delivery_mode(2);
+    if let Some(id) = id {
+        properties = properties.with_message_id(id.into());
+    }
+    let confirm = channel
+        .basic_publish("".into(), queue.into(), BasicPublishOptions::default(), body, properties)
+        .await
+        .expect("publish");
+    assert!(confirm.await.expect("a confirmation").is_ack(), "RabbitMQ refused a message");
+}
+
+async fn message_count(channel: &Channel, queue: &str) -> u32 {
+    let options = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
+    channel.queue_declare(queue.into(), options, FieldTable::default()).await.expect("the queue").message_count()
+}
+
+/// The producer: every id once, every `DUPLICATE_EVERY`-th id twice, malformed messages in between.
+/// Returns how many messages it published.
+async fn produce(channel: &Channel, queue: &str) -> usize {
+    let mut published = 0;
+    for i in 0..MESSAGES {
+        let id = message_id(i);
+        let body = format!("{{\"amount\":{i}}}");
+        publish(channel, queue, Some(&id), body.as_bytes()).await;
+        published += 1;
+        if i % DUPLICATE_EVERY == 0 {
+            publish(channel, queue, Some(&id), body.as_bytes()).await;
+            published += 1;
+        }
+        if i % (MESSAGES / MALFORMED) == 0 {
+            publish(channel, queue, None, malformed_body(i / (MESSAGES / MALFORMED)).as_bytes()).await;
+            published += 1;
+        }
+    }
+    published
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_workers_sigkilled_before_the_ack_apply_each_message_once() {
+    const TEST: &str = "amqp_workers_sigkilled_before_the_ack_apply_each_message_once";
+    let Some(amqp) = services::amqp_url(TEST) else { return };
+    let Some(pg) = services::postgres_url(TEST) else { return };
+    let (store, cleanup) = fresh::postgres_at(&pg, 2).await.expect("a fresh store");
+    let ledger = Ledger::create(&pg).await;
+    let queue = format!("idempotent-consume-{}", fresh::suffix());
+    let (connection, channel) = connect(&amqp).await;
+    let dead = declare_with_dead_letter(&channel, &queue).await.expect("declare the queues");
+
+    let kill_ids = kill_schedule(MESSAGES, KILLS);
+    let duplicates = MESSAGES.div_ceil(DUPLICATE_EVERY);
+    let expected = MESSAGES + duplicates + MALFORMED;
+    let args = vec![
+        "amqp".to_owned(),
+        amqp.clone(),
+        queue.clone(),
+        format!("postgres:{pg}|{}", store.table()),
+        format!("{pg}|{}", ledger.table),
+        kill_ids.join(","),
+    ];
+    let started = Instant::now();
+    let fleet = Fleet::start(env!("CARGO_BIN_EXE_consumer_worker"), WORKERS, args);
+    let tally = tokio::task::spawn_blocking(move || fleet.run_until_settled(expected, Duration::from_secs(120)));
+    let published = produce(&channel, &queue).await;
+    assert_eq!(published, expected);
+    let tally = tally.await.expect("the fleet");
+    let elapsed = started.elapsed();
+
+    // Every side effect exactly once, every kill happened, nothing left, the malformed ones dead-lettered.
+    let counts = ledger.counts().await;
+    let doubles = assert_exactly_once(&counts, MESSAGES);
+    assert_eq!(tally.kills, KILLS, "every scheduled kill happened once: {tally:?}");
+    assert_eq!(tally.acked, MESSAGES + duplicates, "{tally:?}");
+    assert!(tally.dead_lettered.iter().all(|id| id == "-"), "only messages without an id are dead-lettered: {tally:?}");
+    assert_eq!(tally.dead_lettered.len(), MALFORMED, "{tally:?}");
+    assert!(tally.redelivered >= KILLS, "each killed delivery came back flagged as redelivered: {tally:?}");
+    assert_eq!(message_count(&channel, &queue).await, 0, "nothing left in the queue, acked or not");
+    let mut dead_bodies = Vec::new();
+    while let Some(message) =
+        channel.basic_get(dead.as_str().into(), BasicGetOptions::default()).await.expect("read the dead letters")
+    {
+        assert!(message.delivery.properties.message_id().is_none(), "a dead letter with an id");
+        dead_bodies.push(String::from_utf8(message.delivery.data.clone()).expect("a text body"));
+        message.delivery.ack(BasicAckOptions::default()).await.expect("ack a dead letter");
+    }
+    dead_bodies.sort();
+    let mut malformed: Vec<String> = (0..MALFORMED).map(malformed_body).collect();
+    malformed.sort();
+    assert_eq!(dead_bodies, malformed, "the dead-letter queue holds exactly the malformed messages");
+    println!(
+        "AMQP kill-and-redeliver: {MESSAGES} messages with ids + {duplicates} duplicate publishes + {MALFORMED} \
+         without an id, {WORKERS} competing workers ({} processes started), {} SIGKILLs after the record and \
+         before the ack, {} deliveries settled as redelivered, {} retried; double effects {doubles}, ledger rows {}, \
+         left in the queue 0, dead letters {} (all malformed); {:.1} s",
+        tally.started,
+        tally.kills,
+        tally.redelivered,
+        tally.retried,
+        counts.values().sum::<i64>(),
+        dead_bodies.len(),
+        elapsed.as_secs_f64()
+    );
+
+    for q in [&queue, &dead] {
+        channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.expect("delete a queue");
+    }
+    let _ = connection.close(200, "done".into()).await;
+    ledger.drop_table().await;
+    cleanup.run().await;
+}
+
+/// The settlements seen by an in-process consumer, with the time each happened.
+type Seen = Arc<Mutex<Vec<(Instant, Settled)>>>;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_settles_each_outcome_as_documented() {
+    const TEST: &str = "amqp_settles_each_outcome_as_documented";
+    const DELAY: Duration = Duration::from_millis(300);
+    let Some(amqp) = services::amqp_url(TEST) else { return };
+    let (connection, channel) = connect(&amqp).await;
+    let queue = format!("idempotent-settle-{}", fresh::suffix());
+    let dead = declare_with_dead_letter(&channel, &queue).await.expect("declare the queues");
+    let store = Arc::new(MemoryStore::new());
+
+    // Another caller holds the claim on "busy" until told to finish.
+    let (finish, finished) = tokio::sync::oneshot::channel::<()>();
+    let (claimed, is_claimed) = tokio::sync::oneshot::channel::<()>();
+    let holder = tokio::spawn({
+        let store = Arc::clone(&store);
+        async move {
+            Call::new("settle", "busy")
+                .fingerprint(b"busy-body".as_slice())
+                .run(&*store, async move {
+                    let _ = claimed.send(());
+                    let _ = finished.await;
+                    Ok::<_, Error>("done elsewhere".to_owned())
+                })
+                .await
+        }
+    });
+    is_claimed.await.expect("the holder claimed the key");
+
+    let seen: Seen = Arc::default();
+    let attempts: Arc<Mutex<Vec<(String, Instant)>>> = Arc::default();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = tokio::spawn({
+        let (store, seen, attempts) = (Arc::clone(&store), Arc::clone(&seen), Arc::clone(&attempts));
+        let (channel, queue) = (channel.clone(), queue.clone());
+        async move {
+            Consumer::new(channel, queue)
+                .concurrency(4)
+                .retry_delay(DELAY)
+                .on_settled(move |s| seen.lock().unwrap().push((Instant::now(), s.clone())))
+                .run_until(
+                    |message| {
+                        let (store, attempts) = (Arc::clone(&store), Arc::clone(&attempts));
+                        async move {
+                            attempts.lock().unwrap().push((message.id().to_owned(), Instant::now()));
+                            let body = message.data().to_vec();
+                            Call::new("settle", message.id())
+                                .fingerprint(&body)
+                                .run(
+                                    &*store,
+                                    async move { Ok::<_, Error>(String::from_utf8_lossy(&body).into_owned()) },
+                                )
+                                .await
+                        }
+                    },
+                    async move {
+                        let _ = stopped.await;
+                    },
+                )
+                .await
+        }
+    });
+
+    publish(&channel, &queue, Some("a"), b"first").await;
+    wait_for(&seen, |s| s.iter().any(|(_, s)| s.message_id.as_deref() == Some("a"))).await;
+    publish(&channel, &queue, Some("a"), b"another body").await; // the id reused: dead-letter
+    publish(&channel, &queue, None, b"no id").await; // dead-letter
+    publish(&channel, &queue, Some("busy"), b"busy-body").await; // in progress elsewhere: retried
+    wait_for(&seen, |s| s.iter().filter(|(_, s)| s.disposition == Disposition::Retry).count() >= 2).await;
+    finish.send(()).expect("the holder is waiting");
+    assert_eq!(holder.await.expect("the holder").expect("the holder's call"), "done elsewhere");
+    wait_for(&seen, |s| {
+        s.iter().any(|(_, s)| s.message_id.as_deref() == Some("busy") && s.disposition == Disposition::Ack)
+    })
+    .await;
+    stop.send(()).expect("the consumer runs");
+    consumer.await.expect("the consumer task").expect("the consumer");
+
+    let seen = seen.lock().unwrap().clone();
+    let of = |id: Option<&str>| -> Vec<(Disposition, bool)> {
+        seen.iter()
+            .filter(|(_, s)| s.message_id.as_deref() == id)
+            .map(|(_, s)| (s.disposition, s.redelivered))
+            .collect()
+    };
+    let a = of(Some("a"));
+    assert_eq!(a, vec![(Disposition::Ack, false), (Disposition::DeadLetter, false)], "{seen:?}");
+    assert_eq!(of(None), vec![(Disposition::DeadLetter, false)]);
+    let busy = of(Some("busy"));
+    assert!(busy.len() >= 3, "at least two retries, then the ack: {busy:?}");
+    assert!(busy[..busy.len() - 1].iter().all(|(d, _)| *d == Disposition::Retry), "{busy:?}");
+    assert_eq!(busy.last(), Some(&(Disposition::Ack, true)), "the requeued message is acked once the claim completed");
+    // No hot loop: consecutive attempts of the busy message are at least the retry delay apart.
+    let times: Vec<Instant> =
+        attempts.lock().unwrap().iter().filter(|(id, _)| id == "busy").map(|(_, at)| *at).collect();
+    assert_eq!(times.len(), busy.len(), "one attempt per settlement");
+    for pair in times.windows(2) {
+        assert!(pair[1] - pair[0] >= DELAY, "attempts {:?} apart, under the retry delay {DELAY:?}", pair[1] - pair[0]);
+    }
+    for (_, s) in &seen {
+        if s.disposition != Disposition::Ack {
+            assert!(s.reason.is_some(), "a retry or dead letter without a reason: {s:?}");
+        }
+    }
+    assert_eq!(message_count(&channel, &dead).await, 2, "the reused id and the message without an id");
+    assert_eq!(message_count(&channel, &queue).await, 0);
+
+    // The policy: a handler's own failure, classified final, is dead-lettered.
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let failures: Seen = Arc::default();
+    publish(&channel, &queue, Some("f"), b"fail-final").await;
+    let run = tokio::spawn({
+        let (channel, queue, failures) = (channel.clone(), queue.clone(), Arc::clone(&failures));
+        async move {
+            Consumer::new(channel, queue)
+                .on_failure(|_: &Declined| Disposition::DeadLetter)
+                .on_settled(move |s| failures.lock().unwrap().push((Instant::now(), s.clone())))
+                .run_until(
+                    |message| async move { if message.data() == b"fail-final" { Err(Declined) } else { Ok(()) } },
+                    async move {
+                        let _ = stopped.await;
+                    },
+                )
+                .await
+        }
+    });
+    wait_for(&failures, |s| !s.is_empty()).await;
+    stop.send(()).expect("the consumer runs");
+    run.await.expect("the consumer task").expect("the consumer");
+    let failures = failures.lock().unwrap().clone();
+    assert_eq!(failures.len(), 1);
+    assert_eq!(failures[0].1.disposition, Disposition::DeadLetter);
+    assert_eq!(failures[0].1.reason.as_deref(), Some("the handler failed: declined"));
+    assert_eq!(message_count(&channel, &dead).await, 3);
+
+    for q in [&queue, &dead] {
+        channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.expect("delete a queue");
+    }
+    let _ = connection.close(200, "done".into()).await;
+}
+
+/// A handler's own error (not an idempotency error).
+struct Declined;
+
+impl std::fmt::Display for Declined {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("declined")
+    }
+}
+
+impl idempotent_runtime::consume::HandlerError for Declined {
+    fn idempotency_error(&self) -> Option<&Error> {
+        None
+    }
+}
+
+async fn wait_for(seen: &Seen, done: impl Fn(&[(Instant, Settled)]) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !done(&seen.lock().unwrap()) {
+        assert!(Instant::now() < deadline, "not settled in time: {:?}", seen.lock().unwrap());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -14,6 +14,7 @@
 //! | your own error (the claim was released) | your [`on_failure`](amqp::Consumer::on_failure) policy: retry after the delay (default), ack, or dead-letter |
 //! | [`Error::FingerprintMismatch`], no id or an invalid one, [`Error::Decode`], [`Error::Fingerprint`] | dead-letter, with the reason logged |
 //! | [`Error::Unrecordable`], [`Error::LeaseLost`] | ack: the body ran, running it again is what must not happen |
+//! | [`Error::InvalidOption`], [`Error::ScopeCollision`] (a configuration mistake) | retry after the delay: the message waits for the fix |
 //!
 //! Brokers: [`amqp`] (RabbitMQ through `lapin`, feature `amqp`) and [`jetstream`] (NATS JetStream
 //! through `async-nats`, feature `jetstream`).
@@ -119,6 +120,9 @@ pub(crate) fn disposition<T, E: HandlerError>(
     };
     let disposition = match idempotency {
         Error::InProgress { .. } | Error::Store { .. } => Disposition::Retry,
+        // A mistake in the program's configuration: the message waits in the queue for the fix
+        // instead of filling the dead-letter path.
+        Error::InvalidOption { .. } | Error::ScopeCollision { .. } => Disposition::Retry,
         // The body ran (and will not run again under this key): acknowledging is what keeps it once.
         Error::Unrecordable { .. } | Error::LeaseLost { .. } => Disposition::Ack,
         // A reused id with another request, a bad id, a record of another type: retrying cannot help.
@@ -172,6 +176,8 @@ mod tests {
         assert_eq!(of(Error::Decode { key: "k".into(), reason: "r".into() }), Disposition::DeadLetter);
         assert_eq!(of(Error::Unrecordable { key: "k".into(), reason: "r".into() }), Disposition::Ack);
         assert_eq!(of(Error::LeaseLost { key: "k".into() }), Disposition::Ack);
+        let collision = Error::ScopeCollision { scope: "s".into(), first: "a".into(), second: "b".into() };
+        assert_eq!(of(collision), Disposition::Retry);
     }
 
     #[test]

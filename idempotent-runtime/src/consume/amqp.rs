@@ -1,7 +1,7 @@
 //! An idempotent consumer for RabbitMQ (AMQP 0-9-1, through [`lapin`]). Feature `amqp`.
 //!
 //! ```no_run
-//! use idempotent_runtime::consume::amqp::{self, Consumer};
+//! use idempotent_runtime::consume::amqp::{self, Consumer, lapin};
 //! use idempotent_runtime::{idempotent, Error, MemoryStore};
 //!
 //! #[idempotent(key = id, store = store, fingerprint = body)]

@@ -2,8 +2,8 @@
 //! `jetstream`.
 //!
 //! ```no_run
+//! use idempotent_runtime::consume::jetstream::{Consumer, async_nats};
 //! use async_nats::jetstream::{self, consumer::pull};
-//! use idempotent_runtime::consume::jetstream::Consumer;
 //! use idempotent_runtime::{idempotent, Error, MemoryStore};
 //!
 //! #[idempotent(key = id, store = store, fingerprint = body)]

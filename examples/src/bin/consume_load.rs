@@ -1,0 +1,290 @@
+//! What the idempotency step costs a message consumer: messages per second through the same
+//! consumer helper with and without it, side by side in each run.
+//!
+//! For each run, broker (RabbitMQ, NATS JetStream) and mode, a fresh queue (stream) is filled with
+//! `--messages` messages with unique ids (not timed), then one consumer with `--concurrency`
+//! deliveries in flight drains it, and the time until the last message is acknowledged is taken:
+//!
+//! - `plain`: the consumer helper with a handler that does not touch a store (a counter);
+//! - `redis`, `postgres`: the same handler run through `#[idempotent]` keyed by the message id, on
+//!   the Redis store and on the PostgreSQL store (a claim and a record per message: two round trips).
+//!
+//! The modes alternate within each run, so the ratios compare measurements taken a few seconds
+//! apart. It prints a Markdown table of medians over the runs.
+//!
+//! ```text
+//! cargo run --release -p idempotent-examples --bin consume_load -- --runs 5 --messages 4000 --concurrency 16
+//! ```
+//!
+//! Servers come from `AMQP_URL`, `NATS_URL`, `REDIS_URL` and `POSTGRES_URL` (the test suite's
+//! defaults). The PostgreSQL table is `idempotent_bench_consume`, dropped and created per run.
+
+#![allow(clippy::cast_precision_loss, reason = "message counts far below 2^52")]
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idempotent_runtime::consume::amqp::lapin::options::{
+    BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use idempotent_runtime::consume::amqp::lapin::types::FieldTable;
+use idempotent_runtime::consume::amqp::lapin::{self, BasicProperties};
+use idempotent_runtime::consume::jetstream::async_nats::{self, jetstream};
+use idempotent_runtime::consume::{Disposition, amqp, jetstream as js_consume};
+use idempotent_runtime::stores::sql::{PostgresStore, sqlx};
+use idempotent_runtime::{Error, RedisStore, Store, idempotent};
+
+const USAGE: &str = "usage: consume_load [--runs 5] [--messages 4000] [--concurrency 16]";
+
+#[idempotent(key = id, store = store, scope = "consume-load", retention = "10m")]
+async fn handle<S: Store>(store: &S, id: &str, handled: &AtomicUsize) -> Result<usize, Error> {
+    Ok(handled.fetch_add(1, Ordering::Relaxed))
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+enum Broker {
+    Amqp,
+    JetStream,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+enum Mode {
+    Plain,
+    Redis,
+    Postgres,
+}
+
+/// A mode's handler, as the consumers take it.
+type Handler<M> = Box<dyn Fn(M) -> Pin<Box<dyn Future<Output = Result<usize, Error>> + Send>> + Send + Sync>;
+
+/// The settlement observer.
+type Observer = Box<dyn Fn(&idempotent_runtime::consume::Settled) + Send + Sync>;
+
+struct Setup {
+    amqp: String,
+    nats: String,
+    redis: Arc<RedisStore>,
+    postgres: Arc<PostgresStore>,
+    messages: usize,
+    concurrency: usize,
+}
+
+fn env(var: &str, default: &str) -> String {
+    std::env::var(var).unwrap_or_else(|_| default.to_owned())
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let (mut runs, mut messages, mut concurrency) = (5usize, 4000usize, 16usize);
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let value: usize = args.next().and_then(|v| v.parse().ok()).ok_or(USAGE)?;
+        match flag.as_str() {
+            "--runs" => runs = value,
+            "--messages" => messages = value,
+            "--concurrency" => concurrency = value,
+            _ => return Err(USAGE.into()),
+        }
+    }
+    let redis = RedisStore::connect(&env("REDIS_URL", "redis://127.0.0.1:6379"))
+        .await?
+        .with_prefix(format!("idempotent-consume-load:{}:", std::process::id()))?;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(u32::try_from(concurrency).unwrap_or(16))
+        .connect(&env("POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test"))
+        .await?;
+    let postgres = PostgresStore::with_table(pool.clone(), "idempotent_bench_consume")?;
+    let setup = Setup {
+        amqp: env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f"),
+        nats: env("NATS_URL", "nats://127.0.0.1:4222"),
+        redis: Arc::new(redis),
+        postgres: Arc::new(postgres),
+        messages,
+        concurrency,
+    };
+
+    let mut rates: BTreeMap<(Broker, Mode), Vec<f64>> = BTreeMap::new();
+    let mut ratios: BTreeMap<(Broker, Mode), Vec<f64>> = BTreeMap::new();
+    for run in 1..=runs {
+        sqlx::query("DROP TABLE IF EXISTS idempotent_bench_consume").execute(&pool).await?;
+        setup.postgres.create_table().await?;
+        for broker in [Broker::Amqp, Broker::JetStream] {
+            let mut plain = f64::NAN;
+            for mode in [Mode::Plain, Mode::Redis, Mode::Postgres] {
+                let rate = setup.measure(broker, mode, run).await?;
+                eprintln!("run {run}: {broker:?} {mode:?}: {rate:.0} messages/s");
+                if mode == Mode::Plain {
+                    plain = rate;
+                } else {
+                    ratios.entry((broker, mode)).or_default().push(rate / plain);
+                }
+                rates.entry((broker, mode)).or_default().push(rate);
+            }
+        }
+    }
+    sqlx::query("DROP TABLE IF EXISTS idempotent_bench_consume").execute(&pool).await?;
+
+    println!(
+        "\n{messages} messages per measurement, {concurrency} in flight, median of {runs} runs \
+         (ratio: measured against `plain` within each run, then the median)\n"
+    );
+    println!("| broker | consumer | messages/s | vs plain |");
+    println!("|---|---|---:|---:|");
+    for ((broker, mode), values) in &rates {
+        let ratio = ratios.get(&(*broker, *mode)).map_or("1".to_owned(), |r| format!("{:.2}", median(r.clone())));
+        let broker = match broker {
+            Broker::Amqp => "RabbitMQ",
+            Broker::JetStream => "JetStream",
+        };
+        let mode = match mode {
+            Mode::Plain => "plain (no idempotency step)",
+            Mode::Redis => "idempotent, Redis store",
+            Mode::Postgres => "idempotent, PostgreSQL store",
+        };
+        println!("| {broker} | {mode} | {:.0} | {ratio} |", median(values.clone()));
+    }
+    Ok(())
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    if values.len() % 2 == 1 { values[mid] } else { f64::midpoint(values[mid - 1], values[mid]) }
+}
+
+impl Setup {
+    /// Fills a fresh queue, drains it in the given mode, returns messages per second.
+    async fn measure(&self, broker: Broker, mode: Mode, run: usize) -> Result<f64, Box<dyn std::error::Error>> {
+        let name = format!("idempotent-consume-load-{}-{run}-{mode:?}", std::process::id());
+        match broker {
+            Broker::Amqp => self.amqp(&name, mode).await,
+            Broker::JetStream => self.jetstream(&name.replace('-', "_"), mode).await,
+        }
+    }
+
+    fn ids(&self, name: &str) -> impl Iterator<Item = String> {
+        (0..self.messages).map(move |i| format!("{name}-{i}"))
+    }
+
+    async fn amqp(&self, queue: &str, mode: Mode) -> Result<f64, Box<dyn std::error::Error>> {
+        let connection = lapin::Connection::connect(&self.amqp, lapin::ConnectionProperties::default()).await?;
+        let channel = connection.create_channel().await?;
+        channel.confirm_select(ConfirmSelectOptions::default()).await?;
+        channel.queue_declare(queue.into(), QueueDeclareOptions::default(), FieldTable::default()).await?;
+        let mut confirms = Vec::with_capacity(self.messages);
+        for id in self.ids(queue) {
+            let properties = BasicProperties::default().with_message_id(id.as_str().into());
+            confirms.push(
+                channel
+                    .basic_publish("".into(), queue.into(), BasicPublishOptions::default(), b"{}", properties)
+                    .await?,
+            );
+        }
+        for confirm in confirms {
+            confirm.await?;
+        }
+        let consumer = amqp::Consumer::new(connection.create_channel().await?, queue).concurrency(self.concurrency);
+        let rate =
+            self.drain(mode, |handler, observer, stop| consumer.on_settled(observer).run_until(handler, stop)).await?;
+        channel.queue_delete(queue.into(), QueueDeleteOptions::default()).await?;
+        let _ = connection.close(200, "done".into()).await;
+        Ok(rate)
+    }
+
+    async fn jetstream(&self, name: &str, mode: Mode) -> Result<f64, Box<dyn std::error::Error>> {
+        let js = jetstream::new(async_nats::connect(&self.nats).await?);
+        let subject = format!("bench.{name}");
+        let config =
+            jetstream::stream::Config { name: name.to_owned(), subjects: vec![subject.clone()], ..Default::default() };
+        let stream = js.create_stream(config).await?;
+        let mut acks = Vec::with_capacity(self.messages);
+        for id in self.ids(name) {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("Nats-Msg-Id", id.as_str());
+            acks.push(js.publish_with_headers(subject.clone(), headers, "{}".into()).await?);
+        }
+        for ack in acks {
+            ack.await?;
+        }
+        let config = jetstream::consumer::pull::Config { durable_name: Some("bench".into()), ..Default::default() };
+        let pull = stream.create_consumer(config).await?;
+        let consumer = js_consume::Consumer::new(js.clone(), pull).concurrency(self.concurrency);
+        let rate =
+            self.drain(mode, |handler, observer, stop| consumer.on_settled(observer).run_until(handler, stop)).await?;
+        js.delete_stream(name).await?;
+        Ok(rate)
+    }
+
+    /// Runs `consume` (a consumer's `on_settled(..).run_until(..)`) with the mode's handler until
+    /// every message is acked; returns messages per second.
+    async fn drain<M, C, Fut, E>(&self, mode: Mode, consume: C) -> Result<f64, Box<dyn std::error::Error>>
+    where
+        M: IdOf,
+        C: FnOnce(Handler<M>, Observer, Pin<Box<dyn Future<Output = ()> + Send>>) -> Fut,
+        Fut: Future<Output = Result<(), E>>,
+        E: std::fmt::Display,
+    {
+        let handled = Arc::new(AtomicUsize::new(0));
+        let acked = Arc::new(AtomicUsize::new(0));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let stop = Mutex::new(Some(stop));
+        let total = self.messages;
+        let observer: Observer = {
+            let acked = Arc::clone(&acked);
+            Box::new(move |s: &idempotent_runtime::consume::Settled| {
+                assert_eq!(s.disposition, Disposition::Ack, "{s:?}");
+                if acked.fetch_add(1, Ordering::SeqCst) + 1 == total {
+                    stop.lock().unwrap().take().map(|stop| stop.send(()));
+                }
+            })
+        };
+        let handler: Handler<M> = {
+            let (handled, redis, postgres) = (Arc::clone(&handled), Arc::clone(&self.redis), Arc::clone(&self.postgres));
+            Box::new(move |message: M| {
+                let (handled, id) = (Arc::clone(&handled), message.id_of());
+                match mode {
+                    Mode::Plain => Box::pin(async move { Ok(handled.fetch_add(1, Ordering::Relaxed)) }),
+                    Mode::Redis => {
+                        let store = Arc::clone(&redis);
+                        Box::pin(async move { handle(&*store, &id, &handled).await })
+                    }
+                    Mode::Postgres => {
+                        let store = Arc::clone(&postgres);
+                        Box::pin(async move { handle(&*store, &id, &handled).await })
+                    }
+                }
+            })
+        };
+        let started = Instant::now();
+        let stopped = Box::pin(async move {
+            let _ = stopped.await;
+        });
+        tokio::time::timeout(Duration::from_secs(300), consume(handler, observer, stopped))
+            .await?
+            .map_err(|e| e.to_string())?;
+        let elapsed = started.elapsed();
+        assert_eq!(handled.load(Ordering::SeqCst), total, "every message handled once");
+        Ok(total as f64 / elapsed.as_secs_f64())
+    }
+}
+
+/// The id of a consumer's message type.
+trait IdOf {
+    fn id_of(&self) -> String;
+}
+
+impl IdOf for amqp::Message {
+    fn id_of(&self) -> String {
+        self.id().to_owned()
+    }
+}
+
+impl IdOf for js_consume::Message {
+    fn id_of(&self) -> String {
+        self.id().to_owned()
+    }
+}

@@ -131,6 +131,7 @@ impl Fleet {
     /// # Panics
     ///
     /// When a worker dies otherwise than by a scheduled SIGKILL, or nothing settles within `within`.
+    #[must_use]
     pub fn run_until_settled(mut self, settled: usize, within: Duration) -> Tally {
         let deadline = Instant::now() + within;
         while self.tally.acked + self.tally.dead_lettered.len() < settled {
@@ -145,11 +146,13 @@ impl Fleet {
                     self.tally.kills += 1;
                     self.spawn(slot);
                 }
-                Err(_) => panic!(
-                    "only {} of {settled} deliveries settled within {within:?}: {:?}",
-                    self.tally.acked + self.tally.dead_lettered.len(),
-                    self.tally
-                ),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout | std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    panic!(
+                        "only {} of {settled} deliveries settled within {within:?}: {:?}",
+                        self.tally.acked + self.tally.dead_lettered.len(),
+                        self.tally
+                    )
+                }
             }
         }
         // Stop: close every worker's standard input; each settles what it holds and exits.

@@ -243,7 +243,8 @@ impl Setup {
             })
         };
         let handler: Handler<M> = {
-            let (handled, redis, postgres) = (Arc::clone(&handled), Arc::clone(&self.redis), Arc::clone(&self.postgres));
+            let (handled, redis, postgres) =
+                (Arc::clone(&handled), Arc::clone(&self.redis), Arc::clone(&self.postgres));
             Box::new(move |message: M| {
                 let (handled, id) = (Arc::clone(&handled), message.id_of());
                 match mode {

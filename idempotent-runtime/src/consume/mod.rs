@@ -119,10 +119,12 @@ pub(crate) fn disposition<T, E: HandlerError>(
         return (on_failure(error), Some(format!("the handler failed: {error}")));
     };
     let disposition = match idempotency {
-        Error::InProgress { .. } | Error::Store { .. } => Disposition::Retry,
-        // A mistake in the program's configuration: the message waits in the queue for the fix
-        // instead of filling the dead-letter path.
-        Error::InvalidOption { .. } | Error::ScopeCollision { .. } => Disposition::Retry,
+        // Claimed elsewhere or the store is down: later may succeed. A mistake in the program's
+        // configuration (a bad lease, a scope collision): the message waits in the queue for the
+        // fix instead of filling the dead-letter path.
+        Error::InProgress { .. } | Error::Store { .. } | Error::InvalidOption { .. } | Error::ScopeCollision { .. } => {
+            Disposition::Retry
+        }
         // The body ran (and will not run again under this key): acknowledging is what keeps it once.
         Error::Unrecordable { .. } | Error::LeaseLost { .. } => Disposition::Ack,
         // A reused id with another request, a bad id, a record of another type: retrying cannot help.

@@ -158,14 +158,14 @@ impl<E: HandlerError> Consumer<E> {
     }
 
     /// How many deliveries are handled at once; also the channel's prefetch (default
-    /// [`DEFAULT_CONCURRENCY`](super::DEFAULT_CONCURRENCY), at least 1).
+    /// [`DEFAULT_CONCURRENCY`], at least 1).
     pub fn concurrency(mut self, concurrency: usize) -> Self {
         self.concurrency = concurrency.clamp(1, usize::from(u16::MAX));
         self
     }
 
     /// How long a delivery to be retried is held before it is requeued (default
-    /// [`DEFAULT_RETRY_DELAY`](super::DEFAULT_RETRY_DELAY)).
+    /// [`DEFAULT_RETRY_DELAY`]).
     pub fn retry_delay(mut self, delay: Duration) -> Self {
         self.retry_delay = delay;
         self

@@ -171,13 +171,13 @@ impl<E: HandlerError> Consumer<E> {
     }
 
     /// How many messages are handled at once; also the pull batch (default
-    /// [`DEFAULT_CONCURRENCY`](super::DEFAULT_CONCURRENCY), at least 1).
+    /// [`DEFAULT_CONCURRENCY`], at least 1).
     pub fn concurrency(mut self, concurrency: usize) -> Self {
         self.concurrency = concurrency.max(1);
         self
     }
 
-    /// The delay of the `-NAK` for a retry (default [`DEFAULT_RETRY_DELAY`](super::DEFAULT_RETRY_DELAY)).
+    /// The delay of the `-NAK` for a retry (default [`DEFAULT_RETRY_DELAY`]).
     pub fn retry_delay(mut self, delay: Duration) -> Self {
         self.retry_delay = delay;
         self

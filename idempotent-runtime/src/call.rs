@@ -9,7 +9,9 @@ use std::time::Duration;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::time::Instant;
+use tracing::Instrument as _;
 
+use crate::observe::{CallObserver, Observed, Outcome};
 use crate::outcome::{self, ErrorPolicy, ReleaseErrors, Replayed};
 use crate::scope::Site;
 use crate::{Claim, ClaimRequest, Detached, Error, Fingerprint, IdempotencyKey, Key, Store, StoreError, Token};
@@ -75,6 +77,7 @@ pub struct Call {
     wait: Option<Duration>,
     on_cancel: OnCancel,
     site: Option<&'static Site>,
+    trace_key: bool,
 }
 
 impl Call {
@@ -87,6 +90,7 @@ impl Call {
             wait: None,
             on_cancel: OnCancel::Keep,
             site: None,
+            trace_key: false,
         }
     }
 
@@ -134,6 +138,13 @@ impl Call {
         self
     }
 
+    /// Records the raw key in the call's `tracing` span (field `key`). Off by default: keys can be
+    /// secrets, so the span and the library's events carry only the scope (see [`crate::observe`]).
+    pub fn trace_key(mut self, trace_key: bool) -> Self {
+        self.trace_key = trace_key;
+        self
+    }
+
     /// Where the calling function is defined, for the attribute's scope check.
     #[doc(hidden)]
     pub fn site(mut self, site: &'static Site) -> Self {
@@ -166,6 +177,9 @@ impl Call {
     ///
     /// A body that panics releases the key, like an unrecorded `Err`. Background steps go through
     /// [`Store::detach`].
+    ///
+    /// The call runs in its own `tracing` span and is counted in the metrics (see
+    /// [`crate::observe`]).
     pub async fn run_with<S, T, E, P, F>(self, store: &S, policy: P, body: F) -> Result<T, E>
     where
         S: Store + ?Sized,
@@ -174,11 +188,24 @@ impl Call {
         P: ErrorPolicy<E>,
         F: Future<Output = Result<T, E>>,
     {
-        let (key, fingerprint) = self.prepared?;
+        let observer = CallObserver::start(self.prepared.as_ref().ok().map(|(key, _)| key), self.trace_key);
+        let span = observer.span().clone();
+        self.run_observed(&Observed::new(store), policy, body, &observer).instrument(span).await
+    }
+
+    async fn run_observed<S, T, E, P, F>(self, store: &S, policy: P, body: F, observer: &CallObserver) -> Result<T, E>
+    where
+        S: Store + ?Sized,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+        P: ErrorPolicy<E>,
+        F: Future<Output = Result<T, E>>,
+    {
+        let (key, fingerprint) = self.prepared.map_err(|e| observer.error(e))?;
         if let Some(site) = self.site {
-            site.check(key.scope())?;
+            site.check(key.scope()).map_err(|e| observer.error(e))?;
         }
-        check_durations(&key, self.lease, self.retention)?;
+        check_durations(&key, self.lease, self.retention).map_err(|e| observer.error(e))?;
         let token = Token::new();
         let request = ClaimRequest { key: &key, token: &token, fingerprint: fingerprint.as_ref(), lease: self.lease };
         let mut guard = Guard {
@@ -195,16 +222,18 @@ impl Call {
             // The lease is counted from before the request, so our estimate of its end is never late.
             let sent = Instant::now();
             guard.phase = Phase::Claiming;
-            let claim = store.claim(&request).await.map_err(|source| store_error(&key, "claim", source))?;
+            let claim =
+                store.claim(&request).await.map_err(|source| observer.error(store_error(&key, "claim", source)))?;
             guard.phase = Phase::Idle;
             match claim {
                 Claim::Claimed => break sent + self.lease,
                 Claim::Completed(record) => {
-                    check_fingerprint(&key, fingerprint.as_ref(), record.fingerprint.as_ref())?;
-                    return replay(&key, &record.outcome, &policy);
+                    check_fingerprint(&key, fingerprint.as_ref(), record.fingerprint.as_ref())
+                        .map_err(|e| observer.error(e))?;
+                    return replay(&key, &record.outcome, &policy, observer);
                 }
                 Claim::InProgress { fingerprint: running, lease_remaining } => {
-                    check_fingerprint(&key, fingerprint.as_ref(), running.as_ref())?;
+                    check_fingerprint(&key, fingerprint.as_ref(), running.as_ref()).map_err(|e| observer.error(e))?;
                     let now = Instant::now();
                     match deadline {
                         Some(deadline) if now < deadline => {
@@ -212,8 +241,9 @@ impl Call {
                             backoff = (backoff * 2).min(MAX_BACKOFF);
                         }
                         _ => {
-                            tracing::debug!(target: "idempotent", key = %key, "in progress");
-                            return Err(Error::InProgress { key: key.to_string(), retry_after: lease_remaining }.into());
+                            tracing::debug!(target: "idempotent", "in progress");
+                            let error = Error::InProgress { key: key.to_string(), retry_after: lease_remaining };
+                            return Err(observer.error(error).into());
                         }
                     }
                 }
@@ -225,7 +255,7 @@ impl Call {
         let result =
             with_heartbeat(&mut guard.body_polling, body, heartbeat(store, &key, &token, self.lease, &lease_end)).await;
         let lease_end = lease_end.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
-        record(&mut guard, self.retention, lease_end, &policy, result).await
+        record(&mut guard, self.retention, lease_end, &policy, result, observer).await
     }
 }
 
@@ -259,7 +289,7 @@ fn check_durations(key: &Key, lease: Duration, retention: Duration) -> Result<()
 fn check_fingerprint(key: &Key, ours: Option<&Fingerprint>, theirs: Option<&Fingerprint>) -> Result<(), Error> {
     match (ours, theirs) {
         (Some(ours), Some(theirs)) if ours != theirs => {
-            tracing::warn!(target: "idempotent", key = %key, "fingerprint mismatch: key reused with a different request");
+            tracing::warn!(target: "idempotent", "fingerprint mismatch: key reused with a different request");
             Err(Error::FingerprintMismatch { key: key.to_string() })
         }
         _ => Ok(()),
@@ -270,14 +300,18 @@ fn replay<T: DeserializeOwned, E: From<Error>>(
     key: &Key,
     outcome: &[u8],
     policy: &impl ErrorPolicy<E>,
+    observer: &CallObserver,
 ) -> Result<T, E> {
     match outcome::decode(outcome, policy) {
         Ok(Replayed::Value(result)) => {
-            tracing::debug!(target: "idempotent", key = %key, ok = result.is_ok(), "replayed");
+            tracing::debug!(target: "idempotent", ok = result.is_ok(), "replayed");
+            observer.outcome(Outcome::Replayed);
             result
         }
-        Ok(Replayed::Unrecordable(reason)) => Err(Error::Unrecordable { key: key.to_string(), reason }.into()),
-        Err(reason) => Err(Error::Decode { key: key.to_string(), reason }.into()),
+        Ok(Replayed::Unrecordable(reason)) => {
+            Err(observer.error(Error::Unrecordable { key: key.to_string(), reason }).into())
+        }
+        Err(reason) => Err(observer.error(Error::Decode { key: key.to_string(), reason }).into()),
     }
 }
 
@@ -320,7 +354,7 @@ async fn heartbeat<S: Store + ?Sized>(
             }
             Err(StoreError::NotOwner) => {
                 tracing::error!(
-                    target: "idempotent", key = %key,
+                    target: "idempotent",
                     "the claim was lost while the body ran (its lease ended without a renewal and another caller \
                      may have taken it over); this result will not be recorded"
                 );
@@ -328,7 +362,7 @@ async fn heartbeat<S: Store + ?Sized>(
             }
             Err(e) => {
                 // Try again soon: two more periods remain before the lease ends.
-                tracing::warn!(target: "idempotent", key = %key, error = %e, "renewing the lease failed; retrying");
+                tracing::warn!(target: "idempotent", error = %e, "renewing the lease failed; retrying");
                 next = Instant::now() + (period / 4).max(MIN_LEASE);
             }
         }
@@ -342,6 +376,7 @@ async fn record<S, T, E>(
     lease_end: Instant,
     policy: &impl ErrorPolicy<E>,
     result: Result<T, E>,
+    observer: &CallObserver,
 ) -> Result<T, E>
 where
     S: Store + ?Sized,
@@ -355,11 +390,12 @@ where
     };
     let outcome = match encoded {
         None => {
+            observer.outcome(Outcome::Released);
             guard.phase = Phase::Releasing;
             match store.release(key, token).await {
-                Ok(()) => tracing::debug!(target: "idempotent", key = %key, "released after an error"),
+                Ok(()) => tracing::debug!(target: "idempotent", "released after an error"),
                 Err(e) => tracing::warn!(
-                    target: "idempotent", key = %key, error = %e,
+                    target: "idempotent", error = %e,
                     "could not release the claim after an error; it frees itself when its lease ends"
                 ),
             }
@@ -368,10 +404,10 @@ where
         }
         Some(Ok(bytes)) if bytes.len() <= store.max_record_bytes() => bytes,
         Some(Ok(bytes)) => unrecordable(
-            key,
+            observer,
             &format!("its encoding is {} bytes, over the store's limit of {}", bytes.len(), store.max_record_bytes()),
         ),
-        Some(Err(e)) => unrecordable(key, &format!("it failed to serialise: {e}")),
+        Some(Err(e)) => unrecordable(observer, &format!("it failed to serialise: {e}")),
     };
     guard.phase = Phase::Recording { outcome, retention, lease_end };
     let Phase::Recording { outcome, .. } = &guard.phase else { unreachable!("set above") };
@@ -379,16 +415,18 @@ where
     guard.phase = Phase::Done;
     match completed {
         Completed::Recorded { attempts } => {
-            tracing::debug!(target: "idempotent", key = %key, ok = result.is_ok(), attempts, "executed and recorded");
+            observer.outcome(Outcome::Executed);
+            tracing::debug!(target: "idempotent", ok = result.is_ok(), attempts, "executed and recorded");
             result
         }
         Completed::LeaseLost => {
-            tracing::error!(target: "idempotent", key = %key, "executed, but the claim was lost before the result was recorded");
-            Err(Error::LeaseLost { key: key.to_string() }.into())
+            tracing::error!(target: "idempotent", "executed, but the claim was lost before the result was recorded");
+            Err(observer.error(Error::LeaseLost { key: key.to_string() }).into())
         }
         Completed::Failed(e) => {
+            observer.outcome(Outcome::StoreError);
             tracing::error!(
-                target: "idempotent", key = %key, error = %e,
+                target: "idempotent", error = %e,
                 "the body ran but its result could not be recorded within the lease; duplicates after the lease will run again"
             );
             result
@@ -425,7 +463,7 @@ pub(crate) async fn complete_within_lease<S: Store + ?Sized>(
             Ok(()) => return Completed::Recorded { attempts },
             Err(StoreError::NotOwner) => return Completed::LeaseLost,
             Err(e) if Instant::now() + backoff < lease_end => {
-                tracing::warn!(target: "idempotent", key = %key, error = %e, attempts, "recording the result failed; retrying within the lease");
+                tracing::warn!(target: "idempotent", error = %e, attempts, "recording the result failed; retrying within the lease");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(MAX_COMPLETE_BACKOFF);
             }
@@ -434,8 +472,9 @@ pub(crate) async fn complete_within_lease<S: Store + ?Sized>(
     }
 }
 
-fn unrecordable(key: &Key, reason: &str) -> Vec<u8> {
-    tracing::error!(target: "idempotent", key = %key, reason, "result not recorded; replays will get Error::Unrecordable");
+fn unrecordable(observer: &CallObserver, reason: &str) -> Vec<u8> {
+    observer.outcome(Outcome::Unrecordable);
+    tracing::error!(target: "idempotent", reason, "result not recorded; replays will get Error::Unrecordable");
     outcome::encode_unrecordable(reason)
 }
 
@@ -473,24 +512,24 @@ impl<S: Store + ?Sized> Drop for Guard<'_, S> {
             Phase::Idle | Phase::Done => return,
             Phase::Claiming | Phase::Releasing => Detached::Release { key, token },
             Phase::Running if self.body_polling || std::thread::panicking() => {
-                tracing::warn!(target: "idempotent", key = %self.key, "the body panicked; releasing the key");
+                tracing::warn!(target: "idempotent", "the body panicked; releasing the key");
                 Detached::Release { key, token }
             }
             Phase::Running => match self.on_cancel {
                 OnCancel::Keep => {
                     tracing::warn!(
-                        target: "idempotent", key = %self.key,
+                        target: "idempotent",
                         "cancelled while the body ran; the key stays claimed until its lease ends (on_cancel = keep)"
                     );
                     return;
                 }
                 OnCancel::Release => {
-                    tracing::debug!(target: "idempotent", key = %self.key, "cancelled while the body ran; releasing (on_cancel = release)");
+                    tracing::debug!(target: "idempotent", "cancelled while the body ran; releasing (on_cancel = release)");
                     Detached::Release { key, token }
                 }
             },
             Phase::Recording { outcome, retention, lease_end } => {
-                tracing::debug!(target: "idempotent", key = %self.key, "dropped while recording; finishing the record in the background");
+                tracing::debug!(target: "idempotent", "dropped while recording; finishing the record in the background");
                 Detached::Complete { key, token, outcome, retention, lease_end }
             }
         };

@@ -86,23 +86,25 @@ impl Detached {
 pub fn spawn_detached<S: Store + 'static>(store: S, step: Detached) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         tracing::warn!(
-            target: "idempotent", key = %step.key(),
+            target: "idempotent", scope = step.key().scope(),
             "no Tokio runtime to finish a detached step on; the claim ends with its lease"
         );
         return;
     };
-    runtime.spawn(async move {
+    // In the span of the call that left the step (keys stay out of logs: they can be secrets).
+    let task = async move {
         let key = step.key().clone();
         let what = match &step {
             Detached::Release { .. } => "release",
             Detached::Complete { .. } => "completion",
         };
         match step.finish(&store).await {
-            Ok(()) => tracing::debug!(target: "idempotent", key = %key, what, "detached step done"),
+            Ok(()) => tracing::debug!(target: "idempotent", scope = key.scope(), what, "detached step done"),
             Err(e) => tracing::warn!(
-                target: "idempotent", key = %key, what, error = %e,
+                target: "idempotent", scope = key.scope(), what, error = %e,
                 "detached step failed; the claim ends with its lease"
             ),
         }
-    });
+    };
+    runtime.spawn(tracing::Instrument::in_current_span(task));
 }

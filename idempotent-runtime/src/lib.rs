@@ -72,6 +72,7 @@ mod headers;
 #[cfg(feature = "axum")]
 pub mod http;
 mod key;
+pub mod observe;
 mod outcome;
 mod scope;
 mod store;

@@ -220,7 +220,7 @@ impl Store for MemoryStore {
             }
         };
         if let Err(e) = result {
-            tracing::debug!(target: "idempotent", key = %step.key(), error = %e, "detached step refused");
+            tracing::debug!(target: "idempotent", scope = step.key().scope(), error = %e, "detached step refused");
         }
     }
 

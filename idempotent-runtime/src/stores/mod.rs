@@ -1,6 +1,8 @@
 //! The stores: one file each, and [`AnyStore`], any of them chosen at run time.
 
 pub mod any;
+#[cfg(feature = "cache")]
+pub mod cache;
 pub mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;

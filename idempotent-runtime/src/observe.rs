@@ -1,0 +1,387 @@
+//! What a call reports about itself: a `tracing` span per call and, with the feature `metrics`,
+//! a counter of calls and a histogram of store-step latencies on the [`metrics`] facade.
+//!
+//! # The span
+//!
+//! Every call (the attribute, the HTTP layer, a hand-written [`Call`](crate::Call)) runs inside one
+//! `info`-level span named `idempotent` (target `idempotent`), so it shows up as one unit in a trace,
+//! next to (and inside) a `#[tracing::instrument]` span of the function. Its fields:
+//!
+//! | field | value |
+//! |---|---|
+//! | `scope` | the key's scope, e.g. `"payments"` |
+//! | `key` | the raw key, **only** if the call opted in with [`Call::trace_key`](crate::Call::trace_key); absent otherwise, because keys can be secrets |
+//! | `outcome` | one of [`Outcome`]'s names, recorded when the call ends |
+//! | `elapsed_us` | the whole call's duration in microseconds, recorded when it ends |
+//!
+//! The library's events (`executed`, `replayed`, store failures, ...) are emitted inside the span
+//! and never carry the key themselves.
+//!
+//! # Metrics (feature `metrics`)
+//!
+//! Install any `metrics` recorder (Prometheus, OpenTelemetry, ...); without one nothing is
+//! recorded and the cost is a few atomic loads.
+//!
+//! | metric | kind | labels |
+//! |---|---|---|
+//! | `idempotent_calls_total` | counter | `scope`, `outcome` ([`Outcome::as_str`]) |
+//! | `idempotent_store_step_seconds` | histogram | `store` (the store's type name, e.g. `RedisStore`), `step` (`claim`, `complete`, `release`, `extend`) |
+//! | `idempotent_cache_lookups_total` | counter | `result` (`hit`, `miss`): [`CachedStore`](crate::stores::cache::CachedStore) only |
+//!
+//! A step's latency is recorded whether the step succeeded or failed.
+//!
+//! ```
+//! # #[cfg(feature = "metrics")] {
+//! use idempotent_runtime::{Call, Error, MemoryStore};
+//! use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+//!
+//! let recorder = DebuggingRecorder::new();
+//! let snapshotter = recorder.snapshotter();
+//! metrics::with_local_recorder(&recorder, || {
+//!     let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+//!     runtime.block_on(async {
+//!         let store = MemoryStore::new();
+//!         for _ in 0..2 {
+//!             Call::new("payments", "req-1").run(&store, async { Ok::<_, Error>(1) }).await.unwrap();
+//!         }
+//!     });
+//! });
+//! let calls: Vec<_> = snapshotter
+//!     .snapshot()
+//!     .into_vec()
+//!     .into_iter()
+//!     .filter(|(key, ..)| key.key().name() == "idempotent_calls_total")
+//!     .map(|(key, _, _, value)| (key.key().labels().map(|l| l.value().to_owned()).collect::<Vec<_>>(), value))
+//!     .collect();
+//! assert!(calls.contains(&(vec!["payments".into(), "executed".into()], DebugValue::Counter(1))));
+//! assert!(calls.contains(&(vec!["payments".into(), "replayed".into()], DebugValue::Counter(1))));
+//! # }
+//! ```
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::Duration;
+
+use tracing::Span;
+use tracing::field::Empty;
+
+use crate::{Claim, ClaimRequest, Detached, Key, Store, StoreError, Token};
+
+/// How a call ended, as the span's `outcome` field and the `outcome` label of
+/// `idempotent_calls_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// The body ran and its result (an `Ok`, or an `Err` the error policy records) was recorded.
+    Executed,
+    /// A recorded result was returned; the body did not run.
+    Replayed,
+    /// Another call with the key was running (after waiting, if `wait` was set); the body did not run.
+    InProgress,
+    /// The key was used with a different request; the body did not run.
+    FingerprintMismatch,
+    /// The body returned an `Err` that is not recorded, so the key was released for a retry.
+    Released,
+    /// The body ran, but its lease had ended and another caller took the key over: not recorded.
+    LeaseLost,
+    /// The store failed: at the claim (the body did not run), or while recording for the whole
+    /// lease (the body ran, its result was returned but not recorded).
+    StoreError,
+    /// The body ran but its result was too large or not serialisable, so replays get
+    /// [`Error::Unrecordable`](crate::Error::Unrecordable); also such a replay.
+    Unrecordable,
+    /// The caller's future was dropped, or the body panicked, before the call finished (what then
+    /// happens to the claim is the cancellation policy's: see [`OnCancel`](crate::OnCancel)).
+    Cancelled,
+    /// The key, the fingerprint, a duration or the scope was invalid, or a recorded result could
+    /// not be decoded; the body did not run.
+    Invalid,
+}
+
+impl Outcome {
+    const ALL: [Outcome; 10] = [
+        Outcome::Executed,
+        Outcome::Replayed,
+        Outcome::InProgress,
+        Outcome::FingerprintMismatch,
+        Outcome::Released,
+        Outcome::LeaseLost,
+        Outcome::StoreError,
+        Outcome::Unrecordable,
+        Outcome::Cancelled,
+        Outcome::Invalid,
+    ];
+
+    /// The name used in spans and metrics: `executed`, `replayed`, `in_progress`,
+    /// `fingerprint_mismatch`, `released`, `lease_lost`, `store_error`, `unrecordable`,
+    /// `cancelled`, `invalid`.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Executed => "executed",
+            Outcome::Replayed => "replayed",
+            Outcome::InProgress => "in_progress",
+            Outcome::FingerprintMismatch => "fingerprint_mismatch",
+            Outcome::Released => "released",
+            Outcome::LeaseLost => "lease_lost",
+            Outcome::StoreError => "store_error",
+            Outcome::Unrecordable => "unrecordable",
+            Outcome::Cancelled => "cancelled",
+            Outcome::Invalid => "invalid",
+        }
+    }
+
+    /// The outcome for an idempotency error that ends a call.
+    pub(crate) fn of_error(error: &crate::Error) -> Self {
+        match error {
+            crate::Error::InProgress { .. } => Outcome::InProgress,
+            crate::Error::FingerprintMismatch { .. } => Outcome::FingerprintMismatch,
+            crate::Error::LeaseLost { .. } => Outcome::LeaseLost,
+            crate::Error::Store { .. } => Outcome::StoreError,
+            crate::Error::Unrecordable { .. } => Outcome::Unrecordable,
+            _ => Outcome::Invalid,
+        }
+    }
+}
+
+impl std::fmt::Display for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+const UNSET: u8 = u8::MAX;
+
+/// Watches one call: owns its span, learns its outcome from the protocol's hooks, and reports
+/// when dropped (so a cancelled call is reported too).
+pub(crate) struct CallObserver {
+    span: Span,
+    scope: Option<String>,
+    started: Option<tokio::time::Instant>,
+    outcome: AtomicU8,
+}
+
+impl CallObserver {
+    /// Starts watching a call in `scope` (`None` when the key was invalid before a scope was known).
+    pub(crate) fn start(key: Option<&Key>, trace_key: bool) -> Self {
+        let scope = key.map(Key::scope);
+        let span = tracing::info_span!(target: "idempotent", "idempotent", scope, key = Empty, outcome = Empty, elapsed_us = Empty);
+        if trace_key && let Some(key) = key {
+            span.record("key", key.key());
+        }
+        // Timing costs a clock read: only when someone listens.
+        let listening = !span.is_disabled() || cfg!(feature = "metrics");
+        CallObserver {
+            span,
+            scope: if cfg!(feature = "metrics") { scope.map(str::to_owned) } else { None },
+            started: listening.then(tokio::time::Instant::now),
+            outcome: AtomicU8::new(UNSET),
+        }
+    }
+
+    /// The call's span, to run the call in.
+    pub(crate) fn span(&self) -> &Span {
+        &self.span
+    }
+
+    /// Notes how the call ended; the first note wins.
+    pub(crate) fn outcome(&self, outcome: Outcome) {
+        let index = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
+        #[allow(clippy::cast_possible_truncation)] // ten outcomes
+        let _ = self.outcome.compare_exchange(UNSET, index as u8, Ordering::Relaxed, Ordering::Relaxed);
+    }
+
+    /// Notes the outcome of an error that ends the call, and passes it on.
+    pub(crate) fn error(&self, error: crate::Error) -> crate::Error {
+        self.outcome(Outcome::of_error(&error));
+        error
+    }
+}
+
+impl Drop for CallObserver {
+    fn drop(&mut self) {
+        let outcome = Outcome::ALL.get(usize::from(self.outcome.load(Ordering::Relaxed))).copied();
+        let outcome = outcome.unwrap_or(Outcome::Cancelled);
+        self.span.record("outcome", outcome.as_str());
+        if let Some(started) = self.started {
+            let elapsed = started.elapsed();
+            self.span.record("elapsed_us", u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX));
+        }
+        #[cfg(feature = "metrics")]
+        {
+            describe();
+            let scope = self.scope.take().unwrap_or_default();
+            metrics::counter!("idempotent_calls_total", "scope" => scope, "outcome" => outcome.as_str()).increment(1);
+        }
+    }
+}
+
+/// Registers the metrics' descriptions with the recorder, once per process.
+#[cfg(feature = "metrics")]
+fn describe() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        metrics::describe_counter!("idempotent_calls_total", "Idempotent calls, by scope and outcome.");
+        metrics::describe_histogram!(
+            "idempotent_store_step_seconds",
+            metrics::Unit::Seconds,
+            "Latency of each idempotency store step (claim, complete, release, extend), by store."
+        );
+        metrics::describe_counter!(
+            "idempotent_cache_lookups_total",
+            "Lookups in a CachedStore's local replay cache, by result (hit, miss)."
+        );
+    });
+}
+
+/// Times `step` of the store named `store` into `idempotent_store_step_seconds` (feature
+/// `metrics`; otherwise it is `step` itself).
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) async fn timed<F: Future>(store: &'static str, step: &'static str, future: F) -> F::Output {
+    #[cfg(feature = "metrics")]
+    {
+        let started = std::time::Instant::now();
+        let output = future.await;
+        metrics::histogram!("idempotent_store_step_seconds", "store" => store, "step" => step)
+            .record(started.elapsed().as_secs_f64());
+        output
+    }
+    #[cfg(not(feature = "metrics"))]
+    {
+        future.await
+    }
+}
+
+/// A store seen through the observer: each step is timed (feature `metrics`). The protocol talks
+/// to the store only through this wrapper, so no step goes unmeasured.
+pub(crate) struct Observed<'a, S: ?Sized> {
+    store: &'a S,
+    name: &'static str,
+}
+
+impl<'a, S: Store + ?Sized> Observed<'a, S> {
+    pub(crate) fn new(store: &'a S) -> Self {
+        Observed { store, name: if cfg!(feature = "metrics") { store_label::<S>() } else { "" } }
+    }
+}
+
+impl<S: Store + ?Sized> Store for Observed<'_, S> {
+    fn claim(&self, request: &ClaimRequest<'_>) -> impl Future<Output = Result<Claim, StoreError>> + Send {
+        timed(self.name, "claim", self.store.claim(request))
+    }
+
+    fn complete(
+        &self,
+        key: &Key,
+        token: &Token,
+        outcome: &[u8],
+        retention: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        timed(self.name, "complete", self.store.complete(key, token, outcome, retention))
+    }
+
+    fn release(&self, key: &Key, token: &Token) -> impl Future<Output = Result<(), StoreError>> + Send {
+        timed(self.name, "release", self.store.release(key, token))
+    }
+
+    fn extend(&self, key: &Key, token: &Token, lease: Duration) -> impl Future<Output = Result<(), StoreError>> + Send {
+        timed(self.name, "extend", self.store.extend(key, token, lease))
+    }
+
+    fn detach(&self, step: Detached) {
+        self.store.detach(step);
+    }
+
+    fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send {
+        self.store.purge_expired()
+    }
+
+    fn max_record_bytes(&self) -> usize {
+        self.store.max_record_bytes()
+    }
+}
+
+/// The `store` label of a store type: its type name without module paths or pointer wrappers
+/// (`&`, `Arc`, `Box`, `LazyLock`), e.g. `RedisStore` or `CachedStore<RedisStore>`. Computed
+/// once per type.
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub(crate) fn store_label<S: ?Sized>() -> &'static str {
+    use std::collections::HashMap;
+    use std::sync::{LazyLock, RwLock};
+    static LABELS: LazyLock<RwLock<HashMap<&'static str, &'static str>>> = LazyLock::new(RwLock::default);
+    let name = std::any::type_name::<S>();
+    if let Some(label) = LABELS.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(name) {
+        return label;
+    }
+    let label: &'static str = Box::leak(short_type_name(name).into_boxed_str());
+    LABELS.write().unwrap_or_else(std::sync::PoisonError::into_inner).insert(name, label);
+    label
+}
+
+fn short_type_name(name: &str) -> String {
+    // Drop module paths: keep what follows the last `::` of each path.
+    let mut short = String::with_capacity(name.len());
+    let mut segment = String::new();
+    for ch in name.chars() {
+        if ch.is_alphanumeric() || ch == '_' || ch == ':' {
+            segment.push(ch);
+        } else {
+            short.push_str(segment.rsplit("::").next().unwrap_or_default());
+            segment.clear();
+            short.push(ch);
+        }
+    }
+    short.push_str(segment.rsplit("::").next().unwrap_or_default());
+    // Peel pointer wrappers off the outside.
+    let mut s = short.as_str().trim();
+    loop {
+        if let Some(rest) = s.strip_prefix('&') {
+            s = rest.trim_start().strip_prefix("mut ").unwrap_or(rest).trim_start();
+            continue;
+        }
+        let wrapped = ["Arc<", "Box<", "LazyLock<", "Rc<"].iter().find_map(|w| s.strip_prefix(w));
+        match wrapped.and_then(|inner| inner.strip_suffix('>')) {
+            Some(inner) => {
+                // `LazyLock<S, F>`: keep `S`.
+                s = top_level_first(inner);
+            }
+            None => return s.to_owned(),
+        }
+    }
+}
+
+/// The first of a comma-separated list of generic arguments.
+fn top_level_first(list: &str) -> &str {
+    let mut depth = 0usize;
+    for (at, ch) in list.char_indices() {
+        match ch {
+            '<' | '(' | '[' => depth += 1,
+            '>' | ')' | ']' => depth = depth.saturating_sub(1),
+            ',' if depth == 0 => return list[..at].trim(),
+            _ => {}
+        }
+    }
+    list.trim()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::short_type_name;
+
+    #[test]
+    fn store_labels_are_short_type_names() {
+        assert_eq!(short_type_name("idempotent_runtime::stores::memory::MemoryStore"), "MemoryStore");
+        assert_eq!(short_type_name("&idempotent_runtime::stores::redis::RedisStore"), "RedisStore");
+        assert_eq!(
+            short_type_name("&alloc::sync::Arc<idempotent_runtime::stores::memory::MemoryStore>"),
+            "MemoryStore"
+        );
+        assert_eq!(short_type_name("std::sync::LazyLock<a::MemoryStore, fn() -> a::MemoryStore>"), "MemoryStore");
+        assert_eq!(
+            short_type_name(
+                "idempotent_runtime::stores::cache::CachedStore<idempotent_runtime::stores::redis::RedisStore>"
+            ),
+            "CachedStore<RedisStore>"
+        );
+    }
+}

@@ -1,0 +1,376 @@
+//! A local replay cache in front of any store (feature `cache`): completed records are replayed
+//! from this process's memory, with no round trip to the store.
+//!
+//! ```
+//! use idempotent_runtime::stores::cache::CachedStore;
+//! use idempotent_runtime::{idempotent, Error, MemoryStore};
+//!
+//! #[idempotent(key = id, store = store)]
+//! async fn charge(store: &CachedStore<MemoryStore>, id: &str) -> Result<u64, Error> {
+//!     Ok(100)
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let store = CachedStore::new(MemoryStore::new()).max_entries(100_000).max_bytes(64 << 20);
+//! charge(&store, "req-1").await.unwrap(); // claim + complete in the store; the record is cached
+//! charge(&store, "req-1").await.unwrap(); // replayed from the cache
+//! assert_eq!(store.stats().hits, 1);
+//! # }
+//! ```
+//!
+//! # What is cached, and for how long
+//!
+//! - **Records this process completed**, from the moment the store confirms the completion until
+//!   their retention ends. The retention is counted from *before* the completion was sent, so the
+//!   cached copy never outlives the store's record.
+//! - **Completed records the store returned to a claim** (written by another process, or before
+//!   this one started), for at most [`learned_ttl`](CachedStore::learned_ttl) (default 10 s): the
+//!   store does not say how much of their retention is left, so such a record can be replayed from
+//!   the cache up to that long after its retention ended in the store. Set it to zero to cache
+//!   only this process's own records.
+//! - **Never a claim in progress**: a running claim always goes to the store, so mutual exclusion
+//!   is exactly the store's.
+//!
+//! A hit returns the record as the store would (`Claim::Completed`), and the protocol checks the
+//! request's fingerprint against the record's on every replay, cached or not: a reused key with
+//! another request is refused either way.
+//!
+//! The cache is bounded by entries and by bytes ([`max_entries`](CachedStore::max_entries),
+//! [`max_bytes`](CachedStore::max_bytes)); past either bound, the least useful entries are evicted
+//! (by [`moka`]'s TinyLFU policy) and simply read from the store again.
+//!
+//! # Deleting a record by hand
+//!
+//! An operator who deletes a record in the store (to let a request run again) changes nothing for
+//! the processes that cached it: each keeps replaying its copy until the copy expires (the
+//! record's retention end, or `learned_ttl` for a record it found in the store). Only processes
+//! without a copy run the request again. To make a manual delete take effect at once, call
+//! [`invalidate`](CachedStore::invalidate) (or [`invalidate_all`](CachedStore::invalidate_all)) in
+//! every process, or restart them.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use moka::Expiry;
+use moka::sync::Cache;
+
+use crate::{Claim, ClaimRequest, Detached, Fingerprint, Key, Record, Store, StoreError, Token};
+
+/// The default bound on cached records: 10,000.
+pub const DEFAULT_MAX_ENTRIES: u64 = 10_000;
+/// The default bound on the bytes the cached records take (keys, fingerprints and outcomes): 64 MiB.
+pub const DEFAULT_MAX_BYTES: u64 = 64 << 20;
+/// How long a completed record found in the store is cached by default: 10 s.
+pub const DEFAULT_LEARNED_TTL: Duration = Duration::from_secs(10);
+
+/// The bytes an entry is charged beyond its key and outcome (bookkeeping, fingerprint).
+const ENTRY_OVERHEAD: usize = 128;
+
+/// A store with a local cache of completed records in front: replays without a round trip.
+///
+/// It implements [`Store`] by forwarding every step to the wrapped store, except a claim on a key
+/// whose completed record is in the cache, which returns that record at once. See the
+/// [module docs](self) for what is cached, for how long, and what a manual delete means.
+/// Cloning gives another handle to the same cache.
+pub struct CachedStore<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    records: Cache<Box<str>, Arc<Cached>>,
+    /// This process's live claims: what `complete` needs to cache the record it writes.
+    claims: Cache<Box<str>, Arc<Pending>>,
+    learned_ttl: Duration,
+    max_entries: u64,
+    max_bytes: u64,
+    hits: AtomicU64,
+    misses: AtomicU64,
+}
+
+struct Cached {
+    fingerprint: Option<Fingerprint>,
+    outcome: Vec<u8>,
+    expires: Instant,
+}
+
+struct Pending {
+    token: Token,
+    fingerprint: Option<Fingerprint>,
+    expires: Instant,
+}
+
+/// Counters of a [`CachedStore`]'s lookups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CacheStats {
+    /// Claims answered from the cache.
+    pub hits: u64,
+    /// Claims sent to the store.
+    pub misses: u64,
+    /// Records cached now (approximately: evictions are applied in batches).
+    pub entries: u64,
+}
+
+struct UntilExpiry;
+
+impl UntilExpiry {
+    fn left(expires: Instant, now: Instant) -> Option<Duration> {
+        Some(expires.saturating_duration_since(now))
+    }
+}
+
+impl Expiry<Box<str>, Arc<Cached>> for UntilExpiry {
+    fn expire_after_create(&self, _: &Box<str>, value: &Arc<Cached>, created_at: Instant) -> Option<Duration> {
+        Self::left(value.expires, created_at)
+    }
+
+    fn expire_after_update(
+        &self,
+        _: &Box<str>,
+        value: &Arc<Cached>,
+        updated_at: Instant,
+        _: Option<Duration>,
+    ) -> Option<Duration> {
+        Self::left(value.expires, updated_at)
+    }
+}
+
+impl Expiry<Box<str>, Arc<Pending>> for UntilExpiry {
+    fn expire_after_create(&self, _: &Box<str>, value: &Arc<Pending>, created_at: Instant) -> Option<Duration> {
+        Self::left(value.expires, created_at)
+    }
+
+    fn expire_after_update(
+        &self,
+        _: &Box<str>,
+        value: &Arc<Pending>,
+        updated_at: Instant,
+        _: Option<Duration>,
+    ) -> Option<Duration> {
+        Self::left(value.expires, updated_at)
+    }
+}
+
+impl Shared {
+    fn new(max_entries: u64, max_bytes: u64, learned_ttl: Duration) -> Self {
+        let max_entries = max_entries.max(1);
+        let max_bytes = max_bytes.max(1);
+        // One weighted capacity enforces both bounds: every entry weighs at least
+        // `max_bytes / max_entries`, so no more than `max_entries` fit, and at least its size in
+        // bytes, so they never take more than `max_bytes`.
+        let floor = max_bytes / max_entries;
+        let records = Cache::builder()
+            .max_capacity(max_bytes)
+            .weigher(move |key: &Box<str>, value: &Arc<Cached>| {
+                let bytes = (key.len() + value.outcome.len() + ENTRY_OVERHEAD) as u64;
+                u32::try_from(bytes.max(floor)).unwrap_or(u32::MAX)
+            })
+            .expire_after(UntilExpiry)
+            .build();
+        let claims = Cache::builder().max_capacity(max_entries).expire_after(UntilExpiry).build();
+        Shared {
+            records,
+            claims,
+            learned_ttl,
+            max_entries,
+            max_bytes,
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+        }
+    }
+}
+
+impl<S> CachedStore<S> {
+    /// `inner` with a cache of at most [`DEFAULT_MAX_ENTRIES`] records and [`DEFAULT_MAX_BYTES`]
+    /// bytes, caching records found in the store for [`DEFAULT_LEARNED_TTL`].
+    pub fn new(inner: S) -> Self {
+        CachedStore {
+            inner,
+            shared: Arc::new(Shared::new(DEFAULT_MAX_ENTRIES, DEFAULT_MAX_BYTES, DEFAULT_LEARNED_TTL)),
+        }
+    }
+
+    /// Caches at most `entries` records (default [`DEFAULT_MAX_ENTRIES`]). Starts an empty cache:
+    /// set the limits when building the store.
+    #[must_use]
+    pub fn max_entries(self, entries: u64) -> Self {
+        let shared = Shared::new(entries, self.shared.max_bytes, self.shared.learned_ttl);
+        CachedStore { inner: self.inner, shared: Arc::new(shared) }
+    }
+
+    /// Caches records taking at most `bytes` in all (keys and outcomes, plus a small overhead per
+    /// entry; default [`DEFAULT_MAX_BYTES`]). Starts an empty cache.
+    #[must_use]
+    pub fn max_bytes(self, bytes: u64) -> Self {
+        let shared = Shared::new(self.shared.max_entries, bytes, self.shared.learned_ttl);
+        CachedStore { inner: self.inner, shared: Arc::new(shared) }
+    }
+
+    /// How long a completed record returned by the store (not completed by this process) is
+    /// cached (default [`DEFAULT_LEARNED_TTL`]; zero: never). It may be replayed from the cache
+    /// up to this long after its retention ended in the store. Starts an empty cache.
+    #[must_use]
+    pub fn learned_ttl(self, ttl: Duration) -> Self {
+        let shared = Shared::new(self.shared.max_entries, self.shared.max_bytes, ttl);
+        CachedStore { inner: self.inner, shared: Arc::new(shared) }
+    }
+
+    /// The wrapped store.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    /// Forgets the cached record of `key` in this process, so the next claim asks the store (after
+    /// a manual delete in the store, for instance).
+    pub fn invalidate(&self, key: &Key) {
+        self.shared.records.invalidate(key.as_str());
+    }
+
+    /// Forgets every cached record in this process.
+    pub fn invalidate_all(&self) {
+        self.shared.records.invalidate_all();
+    }
+
+    /// Hits, misses and the number of cached records.
+    #[must_use]
+    pub fn stats(&self) -> CacheStats {
+        self.shared.records.run_pending_tasks();
+        CacheStats {
+            hits: self.shared.hits.load(Ordering::Relaxed),
+            misses: self.shared.misses.load(Ordering::Relaxed),
+            entries: self.shared.records.entry_count(),
+        }
+    }
+
+    fn cached(&self, key: &Key, now: Instant) -> Option<Arc<Cached>> {
+        let cached = self.shared.records.get(key.as_str())?;
+        if cached.expires > now {
+            return Some(cached);
+        }
+        self.shared.records.invalidate(key.as_str());
+        None
+    }
+
+    fn cache(&self, key: &Key, cached: Cached) {
+        if cached.expires > Instant::now() {
+            self.shared.records.insert(key.as_str().into(), Arc::new(cached));
+        }
+    }
+}
+
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+fn count(result: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idempotent_cache_lookups_total", "result" => result).increment(1);
+}
+
+impl<S: Clone> Clone for CachedStore<S> {
+    fn clone(&self) -> Self {
+        CachedStore { inner: self.inner.clone(), shared: Arc::clone(&self.shared) }
+    }
+}
+
+impl<S: std::fmt::Debug> std::fmt::Debug for CachedStore<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CachedStore")
+            .field("inner", &self.inner)
+            .field("max_entries", &self.shared.max_entries)
+            .field("max_bytes", &self.shared.max_bytes)
+            .field("learned_ttl", &self.shared.learned_ttl)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: Store> Store for CachedStore<S> {
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        let now = Instant::now();
+        if let Some(cached) = self.cached(request.key, now) {
+            self.shared.hits.fetch_add(1, Ordering::Relaxed);
+            count("hit");
+            return Ok(Claim::Completed(Record {
+                fingerprint: cached.fingerprint.clone(),
+                outcome: cached.outcome.clone(),
+            }));
+        }
+        self.shared.misses.fetch_add(1, Ordering::Relaxed);
+        count("miss");
+        let claim = self.inner.claim(request).await?;
+        match &claim {
+            Claim::Claimed => {
+                let pending = Pending {
+                    token: request.token.clone(),
+                    fingerprint: request.fingerprint.cloned(),
+                    expires: now + request.lease,
+                };
+                self.shared.claims.insert(request.key.as_str().into(), Arc::new(pending));
+            }
+            Claim::Completed(record) if !self.shared.learned_ttl.is_zero() => {
+                let cached = Cached {
+                    fingerprint: record.fingerprint.clone(),
+                    outcome: record.outcome.clone(),
+                    expires: now + self.shared.learned_ttl,
+                };
+                self.cache(request.key, cached);
+            }
+            Claim::Completed(_) | Claim::InProgress { .. } => {}
+        }
+        Ok(claim)
+    }
+
+    async fn complete(&self, key: &Key, token: &Token, outcome: &[u8], retention: Duration) -> Result<(), StoreError> {
+        // Counted from before the request: the cached copy never outlives the store's record.
+        let sent = Instant::now();
+        let result = self.inner.complete(key, token, outcome, retention).await;
+        let pending = self.shared.claims.remove(key.as_str());
+        if result.is_ok()
+            && let Some(pending) = pending.filter(|p| p.token == *token)
+        {
+            let cached = Cached {
+                fingerprint: pending.fingerprint.clone(),
+                outcome: outcome.to_vec(),
+                expires: sent + retention,
+            };
+            self.cache(key, cached);
+        }
+        result
+    }
+
+    async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
+        self.shared.claims.invalidate(key.as_str());
+        self.inner.release(key, token).await
+    }
+
+    async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
+        let sent = Instant::now();
+        let result = self.inner.extend(key, token, lease).await;
+        if result.is_ok()
+            && let Some(pending) = self.shared.claims.get(key.as_str()).filter(|p| p.token == *token)
+        {
+            let renewed =
+                Pending { token: token.clone(), fingerprint: pending.fingerprint.clone(), expires: sent + lease };
+            self.shared.claims.insert(key.as_str().into(), Arc::new(renewed));
+        }
+        result
+    }
+
+    fn detach(&self, step: Detached) {
+        let key = match &step {
+            Detached::Release { key, .. } | Detached::Complete { key, .. } => key,
+        };
+        self.shared.claims.invalidate(key.as_str());
+        self.inner.detach(step);
+    }
+
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        self.shared.records.run_pending_tasks();
+        self.shared.claims.run_pending_tasks();
+        self.inner.purge_expired().await
+    }
+
+    fn max_record_bytes(&self) -> usize {
+        self.inner.max_record_bytes()
+    }
+}

@@ -156,6 +156,7 @@ const UNSET: u8 = u8::MAX;
 /// when dropped (so a cancelled call is reported too).
 pub(crate) struct CallObserver {
     span: Span,
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     scope: Option<String>,
     started: Option<tokio::time::Instant>,
     outcome: AtomicU8,

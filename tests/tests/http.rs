@@ -1,8 +1,8 @@
 #![cfg(feature = "http")]
 //! HTTP `Idempotency-Key` support, over real sockets: an axum server on 127.0.0.1 (random port)
 //! and a hyper client. Both ways in are tested: `IdempotencyLayer` on routes, and `#[idempotent]`
-//! on a handler with the `IdempotencyKeyHeader` extractor. The store is the memory store; the
-//! layer only talks to the `Store` trait.
+//! on a handler with the `IdempotencyKeyHeader` extractor. The store is the memory store (the
+//! layer only talks to the `Store` trait), and Redis for the client-disconnect scenario.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -19,8 +19,8 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use idempotent_runtime::http::{HttpError, IdempotencyKeyHeader, IdempotencyLayer, JsonResponse};
-use idempotent_runtime::{MAX_KEY_BYTES, MemoryStore, idempotent};
+use idempotent_runtime::http::{HttpError, IdempotencyKeyHeader, IdempotencyLayer, JsonResponse, RunToCompletionLayer};
+use idempotent_runtime::{MAX_KEY_BYTES, MemoryStore, RedisStore, Store, idempotent};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -67,11 +67,27 @@ impl Reply {
 struct Http {
     client: Client<HttpConnector, Full<Bytes>>,
     base: String,
+    addr: SocketAddr,
 }
 
 impl Http {
     fn new(addr: SocketAddr) -> Self {
-        Http { client: Client::builder(TokioExecutor::new()).build_http(), base: format!("http://{addr}") }
+        Http { client: Client::builder(TokioExecutor::new()).build_http(), base: format!("http://{addr}"), addr }
+    }
+
+    /// Sends a `POST` over a raw connection and closes it after `after`, before the response.
+    async fn post_and_disconnect(&self, path: &str, headers: &[(&str, &str)], body: &str, after: Duration) {
+        use tokio::io::AsyncWriteExt as _;
+        let mut stream = tokio::net::TcpStream::connect(self.addr).await.expect("connect to the server");
+        let mut request = format!("POST {path} HTTP/1.1\r\nhost: {}\r\ncontent-length: {}\r\n", self.addr, body.len());
+        for (name, value) in headers {
+            request.push_str(&format!("{name}: {value}\r\n"));
+        }
+        request.push_str("\r\n");
+        request.push_str(body);
+        stream.write_all(request.as_bytes()).await.expect("send the request");
+        tokio::time::sleep(after).await;
+        drop(stream);
     }
 
     async fn post(&self, path: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> Reply {
@@ -231,7 +247,9 @@ async fn http_layer_duplicate_while_running_is_409() {
     tokio::time::sleep(Duration::from_millis(150)).await;
     let duplicate = http.post("/charges", &[("idempotency-key", &k), ("x-delay-ms", "600")], "{}").await;
     duplicate.assert_problem(409, "urn:idempotent:in-progress");
-    assert_eq!(duplicate.header("retry-after"), Some("1"));
+    // The running claim's remaining lease (60 s by default), rounded up.
+    let retry_after: u64 = duplicate.header("retry-after").unwrap().parse().unwrap();
+    assert!((59..=60).contains(&retry_after), "{duplicate:?}");
     let first = slow.await.unwrap();
     assert_eq!(first.status, 201);
     assert_eq!(counters.charges.load(Ordering::SeqCst), 1);
@@ -380,8 +398,8 @@ async fn http_layer_response_body_over_limit_is_500_and_never_runs_again() {
 // ---------------------------------------------------------------- the attribute and the extractor
 
 #[derive(Clone)]
-struct AppState {
-    store: MemoryStore,
+struct AppState<St> {
+    store: St,
     runs: Arc<AtomicUsize>,
 }
 
@@ -425,8 +443,8 @@ fn user(headers: &HeaderMap) -> &str {
 
 /// A negative amount fails with 503 (an `Err`: released, so a retry runs again).
 #[idempotent(key = key.for_caller(user(&headers)), store = state.store, fingerprint = body)]
-async fn pay(
-    State(state): State<AppState>,
+async fn pay<St: Store>(
+    State(state): State<AppState<St>>,
     key: IdempotencyKeyHeader,
     headers: HeaderMap,
     Json(body): Json<PayRequest>,
@@ -440,9 +458,14 @@ async fn pay(
 }
 
 async fn attribute_app() -> (Http, Arc<AtomicUsize>) {
-    let state = AppState { store: MemoryStore::new(), runs: Arc::default() };
+    attribute_app_with(MemoryStore::new()).await
+}
+
+/// `/pay` under `#[idempotent]`, on its own task (`RunToCompletionLayer`), as the example does.
+async fn attribute_app_with<St: Store + Clone + 'static>(store: St) -> (Http, Arc<AtomicUsize>) {
+    let state = AppState { store, runs: Arc::default() };
     let runs = Arc::clone(&state.runs);
-    let app = Router::new().route("/pay", post(pay)).with_state(state);
+    let app = Router::new().route("/pay", post(pay::<St>)).route_layer(RunToCompletionLayer).with_state(state);
     (serve(app).await, runs)
 }
 
@@ -472,6 +495,8 @@ async fn http_attribute_replays_and_refuses_a_changed_request_with_422() {
     assert_eq!(first.header("content-type"), Some("application/json"));
     let replay = http.post("/pay", &pay_headers(&k, "alice"), r#"{"amount":100}"#).await;
     assert_eq!((replay.status, &replay.body), (201, &first.body));
+    assert!(!first.replayed(), "{first:?}");
+    assert!(replay.replayed(), "the attribute path marks replays like the layer: {replay:?}");
     assert_eq!(replay.json()["run"], 1);
     let changed = http.post("/pay", &pay_headers(&k, "alice"), r#"{"amount":5}"#).await;
     changed.assert_problem(422, "urn:idempotent:key-reused");
@@ -500,7 +525,8 @@ async fn http_attribute_64_concurrent_requests_run_once_others_409() {
             }
             409 => {
                 reply.assert_problem(409, "urn:idempotent:in-progress");
-                assert_eq!(reply.header("retry-after"), Some("1"));
+                let retry_after: u64 = reply.header("retry-after").unwrap().parse().unwrap();
+                assert!((59..=60).contains(&retry_after), "the remaining lease of 60 s: {retry_after}");
                 conflicts += 1;
             }
             other => panic!("unexpected status {other}: {reply:?}"),
@@ -533,4 +559,280 @@ async fn http_attribute_5xx_error_releases_the_key() {
     let retry = http.post("/pay", &pay_headers(&k, "alice"), r#"{"amount":-1}"#).await;
     assert_eq!(retry.status, 503);
     assert_eq!(runs.load(Ordering::SeqCst), 2, "the released key let the retry run again");
+}
+
+// ---------------------------------------------------------------- methods, paths, JSON, statuses
+
+/// Counts its runs and answers 201 with the run number.
+async fn counted(State(counters): State<Counters>) -> Response {
+    let run = counters.charges.fetch_add(1, Ordering::SeqCst) + 1;
+    (StatusCode::CREATED, format!("run {run}")).into_response()
+}
+
+#[tokio::test]
+async fn http_layer_applies_to_post_and_patch_only_by_default() {
+    let counters = Counters::default();
+    let app = Router::new()
+        .route("/things", axum::routing::any(counted))
+        .route_layer(IdempotencyLayer::new(MemoryStore::new()))
+        .with_state(counters.clone());
+    let http = serve(app).await;
+    for method in ["GET", "HEAD", "PUT", "DELETE", "OPTIONS"] {
+        let k = key();
+        let before = counters.charges.load(Ordering::SeqCst);
+        for _ in 0..2 {
+            let reply = http.send(method, "/things", &[("idempotency-key", &k)], Bytes::new()).await;
+            assert_eq!(reply.status, 201, "{method}: {reply:?}");
+            assert!(!reply.replayed(), "{method} passes through: {reply:?}");
+        }
+        assert_eq!(counters.charges.load(Ordering::SeqCst), before + 2, "{method} ran every time");
+    }
+    // Without a key, a GET is not refused either.
+    assert_eq!(http.send("GET", "/things", &[], Bytes::new()).await.status, 201);
+    for method in ["POST", "PATCH"] {
+        let k = key();
+        let first = http.send(method, "/things", &[("idempotency-key", &k)], Bytes::new()).await;
+        let again = http.send(method, "/things", &[("idempotency-key", &k)], Bytes::new()).await;
+        assert!(!first.replayed() && again.replayed(), "{method}: {again:?}");
+        assert_eq!(first.body, again.body);
+    }
+    assert_eq!(http.send("POST", "/things", &[], Bytes::new()).await.status, 400, "POST still requires a key");
+}
+
+#[tokio::test]
+async fn http_layer_methods_are_configurable() {
+    let counters = Counters::default();
+    let layer = IdempotencyLayer::new(MemoryStore::new()).methods([http::Method::PUT]);
+    let app = Router::new().route("/things", axum::routing::any(counted)).route_layer(layer).with_state(counters);
+    let http = serve(app).await;
+    let k = key();
+    http.send("PUT", "/things", &[("idempotency-key", &k)], Bytes::new()).await;
+    assert!(http.send("PUT", "/things", &[("idempotency-key", &k)], Bytes::new()).await.replayed());
+    let post = http.send("POST", "/things", &[("idempotency-key", &k)], Bytes::new()).await;
+    assert_eq!((post.status, post.replayed()), (201, false), "POST is no longer covered: {post:?}");
+}
+
+#[tokio::test]
+async fn http_layer_fingerprint_covers_the_full_path_under_nested_routers() {
+    let counters = Counters::default();
+    let store = MemoryStore::new();
+    let routes = || {
+        Router::new()
+            .route("/charges", post(charge))
+            .route_layer(IdempotencyLayer::new(store.clone()).scope("nested"))
+            .with_state(counters.clone())
+    };
+    let app = Router::new().nest("/v1", routes()).nest("/v2", routes());
+    let http = serve(app).await;
+    let k = key();
+    assert_eq!(http.post("/v1/charges", &[("idempotency-key", &k)], "same").await.status, 201);
+    // The inner routers both see `/charges`; the client sent two different paths.
+    let other = http.post("/v2/charges", &[("idempotency-key", &k)], "same").await;
+    other.assert_problem(422, "urn:idempotent:key-reused");
+    assert!(http.post("/v1/charges", &[("idempotency-key", &k)], "same").await.replayed());
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn http_layer_json_fingerprint_ignores_whitespace_and_key_order_when_asked() {
+    let json = [("content-type", "application/json")];
+    for aware in [false, true] {
+        let counters = Counters::default();
+        let mut layer = IdempotencyLayer::new(MemoryStore::new());
+        if aware {
+            layer = layer.json_fingerprint();
+        }
+        let app = Router::new().route("/charges", post(charge)).route_layer(layer).with_state(counters.clone());
+        let http = serve(app).await;
+        let k = key();
+        let with = |k: &str| [("idempotency-key", k.to_owned()), (json[0].0, json[0].1.to_owned())];
+        let headers = with(&k);
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+        let first = http.post("/charges", &headers, r#"{"amount":100,"currency":"eur"}"#).await;
+        assert_eq!(first.status, 201);
+        let reordered = http.post("/charges", &headers, "{ \"currency\": \"eur\",\n  \"amount\": 100 }").await;
+        if aware {
+            assert!(reordered.replayed(), "same JSON, other whitespace and key order: {reordered:?}");
+            assert_eq!(reordered.body, first.body);
+        } else {
+            reordered.assert_problem(422, "urn:idempotent:key-reused");
+        }
+        let changed = http.post("/charges", &headers, r#"{"currency":"eur","amount":101}"#).await;
+        changed.assert_problem(422, "urn:idempotent:key-reused");
+        assert_eq!(counters.charges.load(Ordering::SeqCst), 1);
+    }
+}
+
+/// Answers 401 until the request carries `authorization: ok`, then 201.
+async fn guarded(State(counters): State<Counters>, headers: HeaderMap) -> Response {
+    let run = counters.charges.fetch_add(1, Ordering::SeqCst) + 1;
+    match headers.get("authorization").and_then(|v| v.to_str().ok()) {
+        Some("ok") => (StatusCode::CREATED, format!("run {run}")).into_response(),
+        Some(_) => StatusCode::FORBIDDEN.into_response(),
+        None => StatusCode::UNAUTHORIZED.into_response(),
+    }
+}
+
+#[tokio::test]
+async fn http_layer_401_and_403_release_the_key() {
+    let counters = Counters::default();
+    let app = Router::new()
+        .route("/guarded", post(guarded))
+        .route_layer(IdempotencyLayer::new(MemoryStore::new()))
+        .with_state(counters.clone());
+    let http = serve(app).await;
+    let k = key();
+    assert_eq!(http.post("/guarded", &[("idempotency-key", &k)], "").await.status, 401);
+    let forbidden = http.post("/guarded", &[("idempotency-key", &k), ("authorization", "bad")], "").await;
+    assert_eq!((forbidden.status, forbidden.replayed()), (403, false), "the 401 was not replayed");
+    let fixed = http.post("/guarded", &[("idempotency-key", &k), ("authorization", "ok")], "").await;
+    assert_eq!((fixed.status, fixed.replayed()), (201, false), "fixed credentials, same key: it runs");
+    let replay = http.post("/guarded", &[("idempotency-key", &k), ("authorization", "ok")], "").await;
+    assert!(replay.replayed());
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test]
+async fn http_layer_retry_after_is_the_remaining_lease_rounded_up() {
+    let counters = Counters::default();
+    let layer = IdempotencyLayer::new(MemoryStore::new()).lease(Duration::from_millis(4_500));
+    let app = Router::new().route("/charges", post(charge)).route_layer(layer).with_state(counters.clone());
+    let http = serve(app).await;
+    let k = key();
+    let slow = {
+        let (http, k) = (http.clone(), k.clone());
+        tokio::spawn(async move { http.post("/charges", &[("idempotency-key", &k), ("x-delay-ms", "600")], "").await })
+    };
+    wait_for(|| counters.charges.load(Ordering::SeqCst) == 1).await;
+    let duplicate = http.post("/charges", &[("idempotency-key", &k)], "").await;
+    duplicate.assert_problem(409, "urn:idempotent:in-progress");
+    // 4.5 s minus the few milliseconds since the claim, rounded up: 5 (4 only if over 500 ms passed).
+    let retry_after: u64 = duplicate.header("retry-after").unwrap().parse().unwrap();
+    assert!((4..=5).contains(&retry_after), "{duplicate:?}");
+    assert!(duplicate.json()["detail"].as_str().unwrap().contains(&format!("{retry_after} s")));
+    assert_eq!(slow.await.unwrap().status, 201);
+}
+
+/// Panics on its first run, then answers 201.
+async fn panics_once(State(counters): State<Counters>) -> Response {
+    assert!(counters.flaky.fetch_add(1, Ordering::SeqCst) > 0, "the first run panics (this panic is expected)");
+    (StatusCode::CREATED, "ok").into_response()
+}
+
+#[tokio::test]
+async fn http_layer_handler_panic_is_500_and_releases_the_key() {
+    let counters = Counters::default();
+    let app = Router::new()
+        .route("/panics", post(panics_once))
+        .route_layer(IdempotencyLayer::new(MemoryStore::new()))
+        .with_state(counters.clone());
+    let http = serve(app).await;
+    let k = key();
+    let failed = http.post("/panics", &[("idempotency-key", &k)], "").await;
+    failed.assert_problem(500, "urn:idempotent:internal");
+    let retry = http.post("/panics", &[("idempotency-key", &k)], "").await;
+    assert_eq!((retry.status, retry.replayed()), (201, false), "the key was released: {retry:?}");
+    assert_eq!(counters.flaky.load(Ordering::SeqCst), 2);
+}
+
+// ---------------------------------------------------------------- the client disconnects, then retries
+
+/// Polls `done` every 10 ms for up to 10 s.
+async fn wait_for(done: impl Fn() -> bool) {
+    for _ in 0..1000 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("waited 10 s in vain");
+}
+
+/// Retries (every 50 ms, for up to 10 s) while the answer is `409`, and returns the first other.
+async fn retry_while_409(send: impl AsyncFn() -> Reply) -> Reply {
+    for _ in 0..200 {
+        let reply = send().await;
+        if reply.status != 409 {
+            return reply;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("still 409 after 10 s");
+}
+
+/// The scenario of issue 15: the handler charges, then awaits 1 s; the client gives up after
+/// 200 ms and retries at once with the same key. The retry must get 409 (the first request runs
+/// on), then the recorded response; the charge is made once.
+async fn disconnect_then_retry(http: &Http, path: &str, headers: &[(&str, &str)], body: &str, charges: &AtomicUsize) {
+    http.post_and_disconnect(path, headers, body, Duration::from_millis(200)).await;
+    assert_eq!(charges.load(Ordering::SeqCst), 1, "the handler started and charged before the disconnect");
+    let retry = http.post(path, headers, body.to_owned()).await;
+    retry.assert_problem(409, "urn:idempotent:in-progress");
+    let replay = retry_while_409(async || http.post(path, headers, body.to_owned()).await).await;
+    assert_eq!((replay.status, replay.replayed()), (201, true), "the abandoned request's response was recorded: {replay:?}");
+    assert_eq!(charges.load(Ordering::SeqCst), 1, "charged exactly once");
+}
+
+async fn disconnect_layer<St: Store + 'static>(store: St) {
+    let counters = Counters::default();
+    let app = Router::new()
+        .route("/charges", post(charge))
+        .route_layer(IdempotencyLayer::new(store).scope("disconnect"))
+        .with_state(counters.clone());
+    let http = serve(app).await;
+    let k = key();
+    disconnect_then_retry(&http, "/charges", &[("idempotency-key", &k), ("x-delay-ms", "1000")], "{}", &counters.charges)
+        .await;
+}
+
+async fn disconnect_attribute<St: Store + Clone + 'static>(store: St) {
+    let (http, runs) = attribute_app_with(store).await;
+    let k = key();
+    let headers = pay_headers(&k, "alice");
+    disconnect_then_retry(&http, "/pay", &headers, r#"{"amount":7,"delay_ms":1000}"#, &runs).await;
+}
+
+async fn redis_store(test: &str) -> Option<RedisStore> {
+    let url = idempotent_tests::services::redis_url(test)?;
+    let prefix = format!("idempotent-test:{}:", uuid::Uuid::new_v4().simple());
+    Some(RedisStore::connect(&url).await.expect("connect to Redis").with_prefix(prefix).expect("a valid prefix"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_layer_client_disconnect_then_retry_charges_once_memory() {
+    disconnect_layer(MemoryStore::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_layer_client_disconnect_then_retry_charges_once_redis() {
+    let Some(store) = redis_store("http_layer_client_disconnect_then_retry_charges_once_redis").await else { return };
+    disconnect_layer(store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_attribute_client_disconnect_then_retry_charges_once_memory() {
+    disconnect_attribute(MemoryStore::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_attribute_client_disconnect_then_retry_charges_once_redis() {
+    let Some(store) = redis_store("http_attribute_client_disconnect_then_retry_charges_once_redis").await else {
+        return;
+    };
+    disconnect_attribute(store).await;
+}
+
+#[idempotent(key = key, store = state.store)]
+async fn pay_panics(State(state): State<AppState<MemoryStore>>, key: IdempotencyKeyHeader) -> Result<JsonResponse<u32>, HttpError> {
+    assert!(state.runs.fetch_add(1, Ordering::SeqCst) > 0, "the first run panics (this panic is expected)");
+    Ok(JsonResponse::created(1))
+}
+
+#[tokio::test]
+async fn http_attribute_handler_panic_is_500() {
+    let state = AppState { store: MemoryStore::new(), runs: Arc::default() };
+    let app = Router::new().route("/pay", post(pay_panics)).route_layer(RunToCompletionLayer).with_state(state);
+    let http = serve(app).await;
+    let failed = http.post("/pay", &[("idempotency-key", &key())], "").await;
+    failed.assert_problem(500, "urn:idempotent:internal");
 }

@@ -12,12 +12,14 @@ use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::request::Parts;
-use http::{HeaderName, StatusCode, header};
+use axum::extract::OriginalUri;
+use http::{HeaderName, Method, StatusCode, header};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower::{Layer, Service};
 
 use super::key_header::{self, CallerKey};
 use super::problem::{Problem, problem_response};
+use super::spawn::{CatchUnwind, panicked, spawn};
 use super::recorded::{DEFAULT_RECORDED_HEADERS, Recorded};
 use crate::{Call, DEFAULT_LEASE, DEFAULT_RETENTION, Error, Fingerprint, Key, ReleaseErrors, Store};
 
@@ -30,37 +32,45 @@ pub const DEFAULT_MAX_REQUEST_BYTES: usize = 1024 * 1024;
 /// [`DEFAULT_MAX_RECORD_BYTES`](crate::DEFAULT_MAX_RECORD_BYTES).
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 512 * 1024;
 
+/// The methods the layer applies to by default: `POST` and `PATCH`, the non-idempotent methods
+/// the IETF draft is about. Requests with other methods pass through untouched, even with a key.
+pub const DEFAULT_METHODS: [Method; 2] = [Method::POST, Method::PATCH];
+
 type CallerFn = dyn Fn(&Parts) -> String + Send + Sync;
 type StatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
 
 /// Makes the routes it wraps run at most once per `Idempotency-Key`, replaying the recorded
 /// response to retries.
 ///
-/// For each request it reads the `Idempotency-Key` header, buffers the body (up to
-/// [`max_request_bytes`](Self::max_request_bytes)) and fingerprints the method, path, query and body,
-/// then runs the request through [`Call`] against the store: the inner service runs once per key; its
-/// response (status, the [recorded headers](Self::record_header) and the body) is recorded and
-/// replayed to later requests with the same key, with `Idempotent-Replayed: true` added.
+/// For each `POST` or `PATCH` request (see [`methods`](Self::methods)) it reads the
+/// `Idempotency-Key` header, buffers the body (up to [`max_request_bytes`](Self::max_request_bytes))
+/// and fingerprints the method, the path and query as the client sent them (the full path, also
+/// under a nested router: axum's `OriginalUri`) and the body, then runs the request through
+/// [`Call`] against the store: the inner service runs once per key; its response (status, the
+/// [recorded headers](Self::record_header) and the body) is recorded and replayed to later requests
+/// with the same key, with `Idempotent-Replayed: true` added. Requests with other methods pass
+/// through untouched, key or not.
+///
+/// Each request runs on its own Tokio task: a client that disconnects never cancels a request
+/// whose handler has started, so its response is still recorded, and a retry sent meanwhile gets
+/// `409` (or, with [`wait`](Self::wait), the recorded response). A handler that panics gets `500`
+/// and its key is released.
 ///
 /// | request | response |
 /// |---|---|
 /// | no key (when [required](Self::optional)) | `400`, `urn:idempotent:key-missing` |
 /// | malformed key, repeated header, over 255 bytes | `400`, `urn:idempotent:key-malformed` |
 /// | body over the limit | `413`, `urn:idempotent:request-too-large` |
-/// | the first request with this key is still running | `409` with `Retry-After` |
+/// | the first request with this key is still running | `409` with `Retry-After` (the running claim's remaining lease, in whole seconds rounded up, at least 1) |
 /// | the key was used with another method, path, query or body | `422`, `urn:idempotent:key-reused` |
 /// | response body over [`max_response_bytes`](Self::max_response_bytes) | `500`, `urn:idempotent:response-too-large`, to this request and its retries |
 /// | the store is down | `503` with `Retry-After` |
 ///
-/// Which responses are recorded is chosen by [`record_status`](Self::record_status). By default
-/// every status below 500 is recorded except 408, 425 and 429: those and every 5xx mean the server
-/// did not (or could not) finish the request, so the key is released and a retry runs it again.
-/// Errors of the inner service also release the key.
-///
-/// Each request runs in a Tokio task of its own, to its end, even if the client disconnects (a
-/// client that timed out): its response is recorded, and the client's retry with the same key
-/// gets `409` while it runs and the recorded response after. (Were it cancelled with the
-/// connection, the key would be released and the retry would run the request a second time.)
+/// Which responses are recorded is chosen by [`record_status`](Self::record_status); by default
+/// ([`records_by_default`]) every status below 500 except those that mean "not processed": `401`
+/// and `403` (the request was refused before it was processed: a client that fixes its credentials
+/// retries with the same key), `408`, `425` and `429` (come back later). Those and every 5xx release
+/// the key, so a retry runs the request again. Errors of the inner service also release the key.
 ///
 /// The first response passes through with all its headers; replays carry only the recorded
 /// ones. The layer takes `axum::body::Body` requests and responses, as axum routes do; apply it
@@ -94,6 +104,8 @@ struct Config<St> {
     lease: Duration,
     retention: Duration,
     wait: Option<Duration>,
+    methods: Vec<Method>,
+    json_fingerprint: bool,
 }
 
 impl<St> Clone for Config<St> {
@@ -110,6 +122,8 @@ impl<St> Clone for Config<St> {
             lease: self.lease,
             retention: self.retention,
             wait: self.wait,
+            methods: self.methods.clone(),
+            json_fingerprint: self.json_fingerprint,
         }
     }
 }
@@ -132,15 +146,35 @@ impl<St> std::fmt::Debug for IdempotencyLayer<St> {
             .field("lease", &self.config.lease)
             .field("retention", &self.config.retention)
             .field("wait", &self.config.wait)
+            .field("methods", &self.config.methods)
+            .field("json_fingerprint", &self.config.json_fingerprint)
             .finish_non_exhaustive()
     }
 }
 
-/// The default of [`IdempotencyLayer::record_status`]: below 500, except 408, 425 and 429.
+/// The default of [`IdempotencyLayer::record_status`]: every status below 500, except those that
+/// say the request was not processed.
+///
+/// | status | recorded | why |
+/// |---|---|---|
+/// | 1xx to 4xx, except below | yes | the request was processed; its answer is final (a `400` or `422` from the handler may come after it acted) |
+/// | `401`, `403` | no | refused before processing (authentication, authorization), like Stripe, which saves nothing then: a client that fixes its credentials retries with the same key |
+/// | `408`, `425`, `429` | no | they ask the client to come back later |
+/// | 5xx | no | the server failed; a retry may succeed |
+///
+/// A route whose validation errors come before any side effect can release them too:
+/// `record_status(|s| records_by_default(s) && s != StatusCode::UNPROCESSABLE_ENTITY)`.
 #[must_use]
 pub fn records_by_default(status: StatusCode) -> bool {
     !status.is_server_error()
-        && !matches!(status, StatusCode::REQUEST_TIMEOUT | StatusCode::TOO_EARLY | StatusCode::TOO_MANY_REQUESTS)
+        && !matches!(
+            status,
+            StatusCode::UNAUTHORIZED
+                | StatusCode::FORBIDDEN
+                | StatusCode::REQUEST_TIMEOUT
+                | StatusCode::TOO_EARLY
+                | StatusCode::TOO_MANY_REQUESTS
+        )
 }
 
 impl<St: Store + 'static> IdempotencyLayer<St> {
@@ -161,6 +195,8 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
                 lease: DEFAULT_LEASE,
                 retention: DEFAULT_RETENTION,
                 wait: None,
+                methods: DEFAULT_METHODS.to_vec(),
+                json_fingerprint: false,
             },
         }
     }
@@ -267,6 +303,32 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
         self.config.wait = Some(wait);
         self
     }
+
+    /// The methods the layer applies to (default [`DEFAULT_METHODS`]: `POST` and `PATCH`).
+    /// Requests with other methods pass through untouched, even with an `Idempotency-Key`.
+    ///
+    /// ```
+    /// use http::Method;
+    /// use idempotent_runtime::{MemoryStore, http::IdempotencyLayer};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).methods([Method::POST, Method::PATCH, Method::PUT]);
+    /// # let _ = layer;
+    /// ```
+    #[must_use]
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.config.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Fingerprints JSON bodies by their meaning, not their bytes: a request whose body
+    /// (`Content-Type: application/json` or `*/*+json`) differs from the first only in whitespace
+    /// or object key order counts as the same request, so it gets the replay, not `422`. Other
+    /// bodies, and JSON bodies that do not parse, are fingerprinted byte for byte. Off by default.
+    #[must_use]
+    pub fn json_fingerprint(mut self) -> Self {
+        self.config.json_fingerprint = true;
+        self
+    }
 }
 
 impl<S, St> Layer<S> for IdempotencyLayer<St> {
@@ -298,7 +360,7 @@ impl<S: std::fmt::Debug, St> std::fmt::Debug for IdempotencyService<S, St> {
 impl<S, St> Service<Request> for IdempotencyService<S, St>
 where
     S: Service<Request, Response = Response> + Clone + Send + 'static,
-    S::Future: Send,
+    S::Future: Send + 'static,
     S::Error: Send + 'static,
     St: Store + 'static,
 {
@@ -313,19 +375,14 @@ where
     fn call(&mut self, request: Request) -> Self::Future {
         // The clone may not be ready: keep the ready service for this request (tower's usual dance).
         let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        if !self.config.methods.contains(request.method()) {
+            return Box::pin(inner.call(request));
+        }
         let config = Arc::clone(&self.config);
-        // The request runs in a task of its own, to the end, even if the client goes away: hyper
-        // drops a connection's futures when it closes, and a dropped call releases its key, so a
-        // client that timed out and retried would run the request again. Spawned, it finishes,
-        // its response is recorded, and the retry gets it (after a 409 while it still runs).
-        Box::pin(async move {
-            match tokio::spawn(async move { config.handle(inner, request).await }).await {
-                Ok(result) => result,
-                Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
-                Err(error) => panic!("the request's task was cancelled (is the runtime shutting down?): {error}"),
-            }
-        })
+        // On its own task: hyper drops this future when the client disconnects, the task runs on.
+        let task = spawn(async move { config.handle(inner, request).await });
+        Box::pin(async move { task.await.unwrap_or_else(|()| Ok(panicked())) })
     }
 }
 
@@ -333,6 +390,7 @@ where
 enum Failure<E> {
     Idempotency(Error),
     Inner(E),
+    Panicked,
     NotRecorded(Response),
     ResponseUnreadable(String),
 }
@@ -361,7 +419,7 @@ impl<St: Store> Config<St> {
             Ok(bytes) => bytes,
             Err(problem) => return Ok(problem.into_response()),
         };
-        let fingerprint = request_fingerprint(&parts, &bytes);
+        let fingerprint = request_fingerprint(&parts, &bytes, self.json_fingerprint);
         let caller = self.caller.as_ref().map(|identity| identity(&parts));
         let call = match &caller {
             Some(caller) => Call::new(&self.scope, &CallerKey::new(caller, &key)),
@@ -375,7 +433,8 @@ impl<St: Store> Config<St> {
         let request = Request::from_parts(parts, Body::from(bytes));
         let mut first = None;
         let body = async {
-            let response = inner.call(request).await.map_err(Failure::Inner)?;
+            let response = CatchUnwind::new(inner.call(request)).await.map_err(|()| Failure::Panicked)?;
+            let response = response.map_err(Failure::Inner)?;
             if !(self.record_status)(response.status()) {
                 return Err(Failure::NotRecorded(response));
             }
@@ -406,6 +465,7 @@ impl<St: Store> Config<St> {
                 None => recorded.into_replay(),
             }),
             Err(Failure::Inner(error)) => Err(error),
+            Err(Failure::Panicked) => Ok(panicked()),
             Err(Failure::NotRecorded(response)) => Ok(response),
             Err(Failure::Idempotency(error)) => Ok(problem_response(&error)),
             Err(Failure::ResponseUnreadable(reason)) => {
@@ -433,15 +493,27 @@ async fn read_request(parts: &Parts, body: Body, limit: usize) -> Result<Bytes, 
     }
 }
 
-/// SHA-256 over the method, the path with its query, and the body, each length-prefixed.
-fn request_fingerprint(parts: &Parts, body: &[u8]) -> Fingerprint {
-    let target = parts.uri.path_and_query().map_or("/", http::uri::PathAndQuery::as_str);
+/// SHA-256 over the method, the path with its query as the client sent it, and the body (or, with
+/// `json`, a canonical form of a JSON body), each length-prefixed.
+fn request_fingerprint(parts: &Parts, body: &[u8], json: bool) -> Fingerprint {
+    // Under a nested router `parts.uri` lost the outer prefix; axum keeps the original.
+    let uri = parts.extensions.get::<OriginalUri>().map_or(&parts.uri, |original| &original.0);
+    let target = uri.path_and_query().map_or("/", http::uri::PathAndQuery::as_str);
+    let canonical = if json && is_json(parts) { super::canonical_json::canonical(body) } else { None };
+    let body = canonical.as_deref().unwrap_or(body);
     let mut bytes = Vec::with_capacity(32 + target.len() + body.len());
     for field in [parts.method.as_str().as_bytes(), target.as_bytes(), body] {
         bytes.extend_from_slice(&(field.len() as u64).to_be_bytes());
         bytes.extend_from_slice(field);
     }
     Fingerprint::of_bytes(&bytes)
+}
+
+/// `Content-Type: application/json` or `*/*+json`, with or without parameters.
+fn is_json(parts: &Parts) -> bool {
+    let Some(value) = parts.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()) else { return false };
+    let essence = value.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
+    essence == "application/json" || (essence.contains('/') && essence.ends_with("+json"))
 }
 
 const _: fn() = || {

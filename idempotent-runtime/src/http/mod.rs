@@ -48,20 +48,24 @@
 //! ([`IdempotencyKeyHeader::for_caller`]) for the attribute. Two users sending the same key then
 //! never see each other's responses.
 
+mod canonical_json;
 mod extractor;
 mod json;
 mod key_header;
 mod layer;
 mod problem;
 mod recorded;
+mod spawn;
 
 pub use extractor::IdempotencyKeyHeader;
 pub use json::JsonResponse;
 pub use key_header::CallerKey;
 pub use layer::{
-    DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, IdempotencyLayer, IdempotencyService, records_by_default,
+    DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_METHODS, IdempotencyLayer, IdempotencyService,
+    records_by_default,
 };
-pub use problem::{HttpError, Problem, RETRY_AFTER_SECS, problem_response};
+pub use problem::{HttpError, Problem, RETRY_AFTER_SECS, problem_response, retry_after_secs};
 pub use recorded::DEFAULT_RECORDED_HEADERS;
+pub use spawn::{RunToCompletion, RunToCompletionLayer};
 
 pub use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};

@@ -7,11 +7,28 @@ use serde::Serialize;
 use super::key_header::KeyHeaderError;
 use crate::{Error, KeyError, MAX_KEY_BYTES};
 
-/// The `Retry-After` value, in seconds, sent with `409 Conflict` and `503 Service Unavailable`.
-///
-/// A concurrent duplicate usually finishes in far less than its lease, so clients are told to come
-/// back soon rather than after the whole lease; a retry that comes too early gets another 409.
+/// The `Retry-After` value, in seconds, sent with `503 Service Unavailable`, and with `409 Conflict`
+/// when the store does not report how long the running claim's lease lasts.
 pub const RETRY_AFTER_SECS: u64 = 1;
+
+/// The `Retry-After` of a `409`: the running claim's remaining lease in whole seconds, rounded up,
+/// at least 1 ([`RETRY_AFTER_SECS`] when the store does not know it).
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotent_runtime::http::retry_after_secs;
+///
+/// assert_eq!(retry_after_secs(Some(Duration::from_millis(2_001))), 3);
+/// assert_eq!(retry_after_secs(Some(Duration::ZERO)), 1);
+/// assert_eq!(retry_after_secs(None), 1);
+/// ```
+#[must_use]
+pub fn retry_after_secs(lease_remaining: Option<std::time::Duration>) -> u64 {
+    lease_remaining.map_or(RETRY_AFTER_SECS, |left| {
+        let whole = left.as_secs() + u64::from(left.subsec_nanos() > 0);
+        whole.max(1)
+    })
+}
 
 const PROBLEM_JSON: &str = "application/problem+json";
 
@@ -140,7 +157,7 @@ impl Problem {
     /// | error | status |
     /// |---|---|
     /// | [`Error::InvalidKey`] | 400 (500 for an invalid scope: a server bug) |
-    /// | [`Error::InProgress`] | 409 with `Retry-After` |
+    /// | [`Error::InProgress`] | 409 with `Retry-After` ([`retry_after_secs`] of the remaining lease) |
     /// | [`Error::FingerprintMismatch`] | 422 |
     /// | [`Error::Store`] | 503 with `Retry-After` |
     /// | [`Error::Unrecordable`], [`Error::LeaseLost`], [`Error::Decode`], [`Error::Fingerprint`] | 500 |
@@ -159,16 +176,19 @@ impl Problem {
                 "Idempotency-Key header malformed",
                 format!("Invalid Idempotency-Key: {key_error}."),
             ),
-            Error::InProgress { .. } => Problem::new(
-                StatusCode::CONFLICT,
-                "urn:idempotent:in-progress",
-                "Request in progress",
-                format!(
-                    "A request with this Idempotency-Key is still being processed. Retry after \
-                     {RETRY_AFTER_SECS} s to receive its response; do not change the key."
-                ),
-            )
-            .retry_after(RETRY_AFTER_SECS),
+            Error::InProgress { retry_after, .. } => {
+                let seconds = retry_after_secs(*retry_after);
+                Problem::new(
+                    StatusCode::CONFLICT,
+                    "urn:idempotent:in-progress",
+                    "Request in progress",
+                    format!(
+                        "A request with this Idempotency-Key is still being processed. Retry after \
+                         {seconds} s at the latest to receive its response; do not change the key."
+                    ),
+                )
+                .retry_after(seconds)
+            }
             Error::FingerprintMismatch { .. } => Problem::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "urn:idempotent:key-reused",
@@ -201,7 +221,14 @@ impl Problem {
             ),
         };
         if problem.status.is_server_error() {
-            tracing::error!(target: "idempotent", error = %error, status = problem.status.as_u16(), "idempotent HTTP request failed");
+            // The error's text names the key, which may be a secret: log the kind and the cause.
+            let cause = match error {
+                Error::Store { source, operation, .. } => format!("{operation}: {source}"),
+                Error::Unrecordable { reason, .. } | Error::Decode { reason, .. } => reason.clone(),
+                Error::Fingerprint(reason) => reason.clone(),
+                _ => String::new(),
+            };
+            tracing::error!(target: "idempotent", kind = problem.kind, cause, status = problem.status.as_u16(), "idempotent HTTP request failed");
         }
         problem
     }

@@ -5,8 +5,18 @@
 //! - `POST /payments` uses `#[idempotent]` on the handler, with the key from the
 //!   `IdempotencyKeyHeader` extractor and the request body as the fingerprint.
 //!
-//! Both take 2 s (a slow payment provider), so a duplicate sent meanwhile gets `409`. The caller is
-//! read from an `x-user` header, a stand-in for your authentication: keys are scoped per user.
+//! Both take 2 s (a slow payment provider), so a duplicate sent meanwhile gets `409`, with
+//! `Retry-After` from the running request's remaining lease. The caller is read from an `x-user`
+//! header, a stand-in for your authentication: keys are scoped per user.
+//!
+//! Both run each request on its own task, so a client that disconnects mid-request does not
+//! cancel it: the payment completes, its receipt is recorded, and the client's retry gets it.
+//! The layer does this by itself; the `#[idempotent]` route needs `RunToCompletionLayer`, because
+//! hyper drops a handler's future when its connection closes, and a handler dropped after it
+//! charged but before its result was recorded leaves the retry without the receipt.
+//!
+//! `GET /metrics` serves the library's metrics (calls by scope and outcome, store-step latency)
+//! in the Prometheus text format.
 //!
 //! ```text
 //! cargo run -p idempotent-examples --bin http_server        # listens on 127.0.0.1:3000 (or $ADDR)
@@ -23,9 +33,9 @@ use axum::extract::{Json, State};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::{get, post};
 use axum::{Router, serve};
-use idempotent_runtime::http::{HttpError, IdempotencyKeyHeader, IdempotencyLayer, JsonResponse};
+use idempotent_runtime::http::{HttpError, IdempotencyKeyHeader, IdempotencyLayer, JsonResponse, RunToCompletionLayer};
 use idempotent_runtime::idempotent;
 use idempotent_runtime::stores::AnyStore;
 use serde::{Deserialize, Serialize};
@@ -94,8 +104,9 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// `POST /payments`, under `#[idempotent]`: the receipt is recorded and replayed; an `Err` releases
-/// the key so a corrected retry can run.
+/// `POST /payments`, under `#[idempotent]`: the receipt is recorded and replayed (a replay carries
+/// `Idempotent-Replayed: true`, as `JsonResponse` marks what it decodes from a record); an `Err`
+/// releases the key so a corrected retry can run.
 #[idempotent(key = key.for_caller(user(&headers)), store = state.store, fingerprint = body)]
 async fn pay(
     State(state): State<AppState>,
@@ -121,6 +132,9 @@ fn caller(parts: &Parts) -> String {
 
 #[tokio::main]
 async fn main() -> std::io::Result<()> {
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|e| std::io::Error::other(format!("installing the metrics recorder: {e}")))?;
     // The store from IDEMPOTENT_STORE (memory://, sqlite://PATH, redis://, postgres://, mysql://).
     let url = std::env::var("IDEMPOTENT_STORE").unwrap_or_else(|_| "memory://".to_owned());
     let store = AnyStore::from_url(&url).await.map_err(std::io::Error::other)?;
@@ -129,7 +143,12 @@ async fn main() -> std::io::Result<()> {
     let orders = Router::new()
         .route("/orders", post(create_order))
         .route_layer(IdempotencyLayer::new(state.store.clone()).scope("orders").caller(caller));
-    let app = Router::new().route("/payments", post(pay)).merge(orders).with_state(state);
+    let payments = Router::new().route("/payments", post(pay)).route_layer(RunToCompletionLayer);
+    let app = Router::new()
+        .merge(payments)
+        .merge(orders)
+        .with_state(state)
+        .route("/metrics", get(move || std::future::ready(metrics.render())));
 
     let addr = std::env::var("ADDR").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
     let listener = tokio::net::TcpListener::bind(&addr).await?;

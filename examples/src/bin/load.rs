@@ -10,7 +10,9 @@
 //! - `replay`: the same fn called again with the keys `first` completed: one claim that finds the
 //!   record, one round trip.
 //!
-//! So the ideal is `first/s = 0.5 × raw/s` and `replay/s = 1.0 × raw/s`. It prints one CSV row per
+//! So the ideal is `first/s = 0.5 × raw/s` and `replay/s = 1.0 × raw/s`. The store `redis-cached`
+//! is the Redis store behind a `CachedStore` (a local replay cache): its replays are answered from
+//! this process's memory, with no round trip, so they can beat the raw write. It prints one CSV row per
 //! phase (to `--csv`) and a Markdown table of medians over the runs, with the ratios measured side
 //! by side in each run. `--rss-keys N` instead measures the memory store's resident memory with `N`
 //! completed keys, and after they expire and are purged.
@@ -40,12 +42,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use idempotent_runtime::stores::cache::CachedStore;
 use idempotent_runtime::stores::redis::redis::{self, aio::ConnectionManager};
 use idempotent_runtime::stores::sql::{MySqlStore, PostgresStore, SqliteStore, sqlx};
 use idempotent_runtime::{Call, Error, MemoryStore, RedisStore, Store, idempotent};
 
 const USAGE: &str = "\
-usage: load [--store memory|redis|postgres|mysql|sqlite|all] [--concurrency 1,16,64]
+usage: load [--store memory|redis|redis-cached|postgres|mysql|sqlite|all] [--concurrency 1,16,64]
             [--seconds 3] [--runs 3] [--warmup-ms 300] [--csv PATH]
        load --rss-keys 1000000";
 
@@ -279,7 +282,7 @@ fn parse_options() -> Result<Options, String> {
         }
     }
     if options.stores.iter().any(|s| s == "all") {
-        options.stores = ["memory", "redis", "postgres", "mysql", "sqlite"].map(str::to_owned).to_vec();
+        options.stores = ["memory", "redis", "redis-cached", "postgres", "mysql", "sqlite"].map(str::to_owned).to_vec();
     }
     if options.concurrency.contains(&0) || options.runs == 0 || options.seconds <= 0.0 {
         return Err("concurrency, runs and seconds must be positive".into());
@@ -338,12 +341,15 @@ async fn measure(store: &str, concurrency: usize, run: usize, options: &Options)
     match store {
         "memory" => phases(Arc::new(MemoryTarget::new()), "memory", concurrency, run, options).await,
         "redis" => phases(Arc::new(RedisTarget::open().await?), "redis", concurrency, run, options).await,
+        "redis-cached" => {
+            phases(Arc::new(CachedRedisTarget::open().await?), "redis-cached", concurrency, run, options).await
+        }
         "postgres" => {
             phases(Arc::new(PostgresTarget::open(concurrency).await?), "postgres", concurrency, run, options).await
         }
         "mysql" => phases(Arc::new(MySqlTarget::open(concurrency).await?), "mysql", concurrency, run, options).await,
         "sqlite" => phases(Arc::new(SqliteTarget::open().await?), "sqlite", concurrency, run, options).await,
-        other => Err(format!("unknown store {other:?} (expected memory, redis, postgres, mysql or sqlite)")),
+        other => Err(format!("unknown store {other:?} (expected memory, redis, redis-cached, postgres, mysql or sqlite)")),
     }
 }
 
@@ -554,6 +560,34 @@ impl Target for RedisTarget {
             redis::Value::Okay => Ok(()),
             other => Err(format!("SET NX PX of a fresh key returned {other:?}")),
         }
+    }
+}
+
+/// The Redis store behind a local replay cache large enough for every key of a run; the raw
+/// operation is the Redis target's.
+struct CachedRedisTarget {
+    redis: RedisTarget,
+    store: CachedStore<RedisStore>,
+}
+
+impl CachedRedisTarget {
+    async fn open() -> Result<Self, String> {
+        let redis = RedisTarget::open().await?;
+        let store = CachedStore::new(redis.store.clone()).max_entries(8_000_000).max_bytes(2 << 30);
+        Ok(CachedRedisTarget { redis, store })
+    }
+}
+
+impl Target for CachedRedisTarget {
+    type Store = CachedStore<RedisStore>;
+    const SERVER: Option<&'static str> = Some("redis-server");
+
+    fn store(&self) -> &CachedStore<RedisStore> {
+        &self.store
+    }
+
+    fn raw(&self, key: &str) -> impl Future<Output = Result<(), String>> + Send {
+        self.redis.raw(key)
     }
 }
 

@@ -11,8 +11,7 @@ use std::time::Duration;
 use idempotent_runtime::stores::cache::CachedStore;
 use idempotent_runtime::{Call, Error, Key, MemoryStore, Store};
 
-idempotent_tests::conformance_suite!(conformance_cached_memory, async { Some(CachedStore::new(MemoryStore::new())) });
-
+// The conformance suite over the cached memory store is in `memory.rs`.
 #[cfg(feature = "redis")]
 idempotent_tests::conformance_suite!(
     conformance_cached_redis,

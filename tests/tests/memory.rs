@@ -4,6 +4,13 @@ use idempotent_runtime::{MemoryStore, Store};
 
 idempotent_tests::conformance_suite!(conformance_memory, async { Some(MemoryStore::new()) });
 
+// The local replay cache over the memory store. Here rather than in `cache.rs`: its CPU-heavy
+// cases would slow the Redis cases running there in parallel past the client's response timeout.
+#[cfg(feature = "cache")]
+idempotent_tests::conformance_suite!(conformance_cached_memory, async {
+    Some(idempotent_runtime::stores::cache::CachedStore::new(MemoryStore::new()))
+});
+
 #[tokio::test]
 async fn memory_store_forgets_expired_entries_as_new_keys_arrive() {
     use idempotent_runtime::{Call, Error};

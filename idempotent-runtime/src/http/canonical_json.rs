@@ -54,7 +54,8 @@ mod tests {
     #[test]
     fn http_canonical_json_ignores_whitespace_and_key_order_only() {
         let a = canonical(br#"{"amount": 100, "items": [{"b": 1, "a": "x"}], "currency": "eur"}"#).unwrap();
-        let b = canonical(b"{\"currency\":\"eur\",\n  \"items\":[ {\"a\":\"\\u0078\",\"b\":1} ],\"amount\":100}").unwrap();
+        let b =
+            canonical(b"{\"currency\":\"eur\",\n  \"items\":[ {\"a\":\"\\u0078\",\"b\":1} ],\"amount\":100}").unwrap();
         assert_eq!(a, b);
         assert_eq!(a, br#"{"amount":100,"currency":"eur","items":[{"a":"x","b":1}]}"#);
         assert_ne!(canonical(br#"{"amount":100}"#), canonical(br#"{"amount":100.0}"#));

@@ -8,19 +8,19 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
+use axum::extract::OriginalUri;
 use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::request::Parts;
-use axum::extract::OriginalUri;
 use http::{HeaderName, Method, StatusCode, header};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower::{Layer, Service};
 
 use super::key_header::{self, CallerKey};
 use super::problem::{Problem, problem_response};
-use super::spawn::{CatchUnwind, panicked, spawn};
 use super::recorded::{DEFAULT_RECORDED_HEADERS, Recorded};
+use super::spawn::{CatchUnwind, panicked, spawn};
 use crate::{Call, DEFAULT_LEASE, DEFAULT_RETENTION, Error, Fingerprint, Key, ReleaseErrors, Store};
 
 /// The largest request body the layer buffers to fingerprint it by default (1 MiB); larger bodies

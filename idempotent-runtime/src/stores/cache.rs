@@ -49,8 +49,10 @@
 //! [`invalidate`](CachedStore::invalidate) (or [`invalidate_all`](CachedStore::invalidate_all)) in
 //! every process, or restart them.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::hash::BuildHasher as _;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use moka::Expiry;
@@ -82,7 +84,7 @@ pub struct CachedStore<S> {
 struct Shared {
     records: Cache<Box<str>, Arc<Cached>>,
     /// This process's live claims: what `complete` needs to cache the record it writes.
-    claims: Cache<Box<str>, Arc<Pending>>,
+    claims: Claims,
     learned_ttl: Duration,
     max_entries: u64,
     max_bytes: u64,
@@ -138,19 +140,53 @@ impl Expiry<Box<str>, Arc<Cached>> for UntilExpiry {
     }
 }
 
-impl Expiry<Box<str>, Arc<Pending>> for UntilExpiry {
-    fn expire_after_create(&self, _: &Box<str>, value: &Arc<Pending>, created_at: Instant) -> Option<Duration> {
-        Self::left(value.expires, created_at)
+const CLAIM_SHARDS: usize = 16;
+
+/// The fingerprints of this process's live claims, until they complete: 16 locked maps, each
+/// swept of ended leases when it outgrows its share of `max_entries`, and cleared past twice that
+/// (a claim forgotten early only means its record is not cached).
+struct Claims {
+    shards: Box<[Mutex<HashMap<Box<str>, Pending>>]>,
+    hasher: std::hash::RandomState,
+    per_shard: usize,
+}
+
+impl Claims {
+    fn new(max_entries: u64) -> Self {
+        let per_shard = usize::try_from(max_entries).unwrap_or(usize::MAX) / CLAIM_SHARDS + 1;
+        Claims {
+            shards: (0..CLAIM_SHARDS).map(|_| Mutex::default()).collect(),
+            hasher: std::hash::RandomState::new(),
+            per_shard,
+        }
     }
 
-    fn expire_after_update(
-        &self,
-        _: &Box<str>,
-        value: &Arc<Pending>,
-        updated_at: Instant,
-        _: Option<Duration>,
-    ) -> Option<Duration> {
-        Self::left(value.expires, updated_at)
+    fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, HashMap<Box<str>, Pending>> {
+        #[allow(clippy::cast_possible_truncation)] // the low bits pick a shard
+        let index = (self.hasher.hash_one(key) as usize) % CLAIM_SHARDS;
+        self.shards[index].lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn insert(&self, key: &str, pending: Pending) {
+        let mut shard = self.shard(key);
+        if shard.len() >= self.per_shard {
+            let now = Instant::now();
+            shard.retain(|_, p| p.expires > now);
+            if shard.len() >= self.per_shard * 2 {
+                shard.clear();
+            }
+        }
+        shard.insert(key.into(), pending);
+    }
+
+    fn remove(&self, key: &str) -> Option<Pending> {
+        self.shard(key).remove(key)
+    }
+
+    fn renew(&self, key: &str, token: &Token, expires: Instant) {
+        if let Some(pending) = self.shard(key).get_mut(key).filter(|p| p.token == *token) {
+            pending.expires = expires;
+        }
     }
 }
 
@@ -170,7 +206,7 @@ impl Shared {
             })
             .expire_after(UntilExpiry)
             .build();
-        let claims = Cache::builder().max_capacity(max_entries).expire_after(UntilExpiry).build();
+        let claims = Claims::new(max_entries);
         Shared {
             records,
             claims,
@@ -305,7 +341,7 @@ impl<S: Store> Store for CachedStore<S> {
                     fingerprint: request.fingerprint.cloned(),
                     expires: now + request.lease,
                 };
-                self.shared.claims.insert(request.key.as_str().into(), Arc::new(pending));
+                self.shared.claims.insert(request.key.as_str(), pending);
             }
             Claim::Completed(record) if !self.shared.learned_ttl.is_zero() => {
                 let cached = Cached {
@@ -339,19 +375,15 @@ impl<S: Store> Store for CachedStore<S> {
     }
 
     async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
-        self.shared.claims.invalidate(key.as_str());
+        self.shared.claims.remove(key.as_str());
         self.inner.release(key, token).await
     }
 
     async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
         let sent = Instant::now();
         let result = self.inner.extend(key, token, lease).await;
-        if result.is_ok()
-            && let Some(pending) = self.shared.claims.get(key.as_str()).filter(|p| p.token == *token)
-        {
-            let renewed =
-                Pending { token: token.clone(), fingerprint: pending.fingerprint.clone(), expires: sent + lease };
-            self.shared.claims.insert(key.as_str().into(), Arc::new(renewed));
+        if result.is_ok() {
+            self.shared.claims.renew(key.as_str(), token, sent + lease);
         }
         result
     }
@@ -360,13 +392,12 @@ impl<S: Store> Store for CachedStore<S> {
         let key = match &step {
             Detached::Release { key, .. } | Detached::Complete { key, .. } => key,
         };
-        self.shared.claims.invalidate(key.as_str());
+        self.shared.claims.remove(key.as_str());
         self.inner.detach(step);
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         self.shared.records.run_pending_tasks();
-        self.shared.claims.run_pending_tasks();
         self.inner.purge_expired().await
     }
 

@@ -769,7 +769,11 @@ async fn disconnect_then_retry(http: &Http, path: &str, headers: &[(&str, &str)]
     let retry = http.post(path, headers, body.to_owned()).await;
     retry.assert_problem(409, "urn:idempotent:in-progress");
     let replay = retry_while_409(async || http.post(path, headers, body.to_owned()).await).await;
-    assert_eq!((replay.status, replay.replayed()), (201, true), "the abandoned request's response was recorded: {replay:?}");
+    assert_eq!(
+        (replay.status, replay.replayed()),
+        (201, true),
+        "the abandoned request's response was recorded: {replay:?}"
+    );
     assert_eq!(charges.load(Ordering::SeqCst), 1, "charged exactly once");
 }
 
@@ -781,8 +785,14 @@ async fn disconnect_layer<St: Store + 'static>(store: St) {
         .with_state(counters.clone());
     let http = serve(app).await;
     let k = key();
-    disconnect_then_retry(&http, "/charges", &[("idempotency-key", &k), ("x-delay-ms", "1000")], "{}", &counters.charges)
-        .await;
+    disconnect_then_retry(
+        &http,
+        "/charges",
+        &[("idempotency-key", &k), ("x-delay-ms", "1000")],
+        "{}",
+        &counters.charges,
+    )
+    .await;
 }
 
 async fn disconnect_attribute<St: Store + Clone + 'static>(store: St) {
@@ -823,16 +833,24 @@ async fn http_attribute_client_disconnect_then_retry_charges_once_redis() {
 }
 
 #[idempotent(key = key, store = state.store)]
-async fn pay_panics(State(state): State<AppState<MemoryStore>>, key: IdempotencyKeyHeader) -> Result<JsonResponse<u32>, HttpError> {
+async fn pay_panics(
+    State(state): State<AppState<MemoryStore>>,
+    key: IdempotencyKeyHeader,
+) -> Result<JsonResponse<u32>, HttpError> {
     assert!(state.runs.fetch_add(1, Ordering::SeqCst) > 0, "the first run panics (this panic is expected)");
     Ok(JsonResponse::created(1))
 }
 
 #[tokio::test]
-async fn http_attribute_handler_panic_is_500() {
+async fn http_attribute_handler_panic_is_500_and_releases_the_key() {
     let state = AppState { store: MemoryStore::new(), runs: Arc::default() };
+    let state_runs = Arc::clone(&state.runs);
     let app = Router::new().route("/pay", post(pay_panics)).route_layer(RunToCompletionLayer).with_state(state);
     let http = serve(app).await;
-    let failed = http.post("/pay", &[("idempotency-key", &key())], "").await;
+    let k = key();
+    let failed = http.post("/pay", &[("idempotency-key", &k)], "").await;
     failed.assert_problem(500, "urn:idempotent:internal");
+    let retry = http.post("/pay", &[("idempotency-key", &k)], "").await;
+    assert_eq!((retry.status, retry.replayed()), (201, false), "the panic released the key: {retry:?}");
+    assert_eq!(state_runs.load(Ordering::SeqCst), 2);
 }

@@ -32,8 +32,7 @@ fn metrics_of(calls: impl Future<Output = ()>) -> Vec<(String, Vec<(String, Stri
         .into_vec()
         .into_iter()
         .map(|(key, _, _, value)| {
-            let mut labels: Vec<_> =
-                key.key().labels().map(|l| (l.key().to_owned(), l.value().to_owned())).collect();
+            let mut labels: Vec<_> = key.key().labels().map(|l| (l.key().to_owned(), l.value().to_owned())).collect();
             labels.sort();
             (key.key().name().to_owned(), labels, value)
         })
@@ -43,7 +42,9 @@ fn metrics_of(calls: impl Future<Output = ()>) -> Vec<(String, Vec<(String, Stri
 fn calls_counted(metrics: &[(String, Vec<(String, String)>, DebugValue)], scope: &str) -> HashMap<String, u64> {
     metrics
         .iter()
-        .filter(|(name, labels, _)| name == "idempotent_calls_total" && labels.contains(&("scope".into(), scope.into())))
+        .filter(|(name, labels, _)| {
+            name == "idempotent_calls_total" && labels.contains(&("scope".into(), scope.into()))
+        })
         .map(|(_, labels, value)| {
             let outcome = labels.iter().find(|(k, _)| k == "outcome").expect("an outcome label").1.clone();
             let DebugValue::Counter(count) = value else { panic!("not a counter: {value:?}") };
@@ -82,9 +83,8 @@ fn memory_metrics_count_calls_by_scope_and_outcome() {
         // Released: an unrecorded `Err`; recorded errors count as executed, then replayed.
         let declined = || Call::new("observed", "b").run(&store, async { Err::<i64, _>(Refused::Declined) });
         assert!(matches!(declined().await, Err(Refused::Declined)));
-        let recorded = || {
-            Call::new("observed", "c").run_with(&store, RecordErrors, async { Err::<i64, _>(Refused::Declined) })
-        };
+        let recorded =
+            || Call::new("observed", "c").run_with(&store, RecordErrors, async { Err::<i64, _>(Refused::Declined) });
         assert!(matches!(recorded().await, Err(Refused::Declined)));
         assert!(matches!(recorded().await, Err(Refused::Declined)));
 
@@ -134,7 +134,9 @@ fn memory_metrics_count_calls_by_scope_and_outcome() {
     assert_eq!(calls_counted(&metrics, "observed").get("invalid"), None);
     let invalid: u64 = metrics
         .iter()
-        .filter(|(name, labels, _)| name == "idempotent_calls_total" && labels.contains(&("outcome".into(), "invalid".into())))
+        .filter(|(name, labels, _)| {
+            name == "idempotent_calls_total" && labels.contains(&("outcome".into(), "invalid".into()))
+        })
         .map(|(.., value)| if let DebugValue::Counter(n) = value { *n } else { 0 })
         .sum();
     assert_eq!(invalid, 1, "{metrics:#?}");
@@ -281,7 +283,8 @@ fn memory_span_carries_scope_outcome_and_timing_never_the_key() {
         let declined = format!("{SECRET}-declined");
         let _ = Call::new("observed", &declined).run(&store, async { Err::<i64, _>(Refused::Declined) }).await;
         let tiny = MemoryStore::with_max_record_bytes(4);
-        let _ = Call::new("observed", SECRET).run(&tiny, async { Ok::<_, Error>("too long to record".to_owned()) }).await;
+        let _ =
+            Call::new("observed", SECRET).run(&tiny, async { Ok::<_, Error>("too long to record".to_owned()) }).await;
     });
     let mut outcomes: Vec<_> = spans.iter().map(|s| s.fields.get("outcome").cloned().unwrap_or_default()).collect();
     outcomes.sort();

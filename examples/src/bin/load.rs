@@ -349,7 +349,9 @@ async fn measure(store: &str, concurrency: usize, run: usize, options: &Options)
         }
         "mysql" => phases(Arc::new(MySqlTarget::open(concurrency).await?), "mysql", concurrency, run, options).await,
         "sqlite" => phases(Arc::new(SqliteTarget::open().await?), "sqlite", concurrency, run, options).await,
-        other => Err(format!("unknown store {other:?} (expected memory, redis, redis-cached, postgres, mysql or sqlite)")),
+        other => {
+            Err(format!("unknown store {other:?} (expected memory, redis, redis-cached, postgres, mysql or sqlite)"))
+        }
     }
 }
 

@@ -77,11 +77,12 @@ impl Http {
 
     /// Sends a `POST` over a raw connection and closes it after `after`, before the response.
     async fn post_and_disconnect(&self, path: &str, headers: &[(&str, &str)], body: &str, after: Duration) {
+        use std::fmt::Write as _;
         use tokio::io::AsyncWriteExt as _;
         let mut stream = tokio::net::TcpStream::connect(self.addr).await.expect("connect to the server");
         let mut request = format!("POST {path} HTTP/1.1\r\nhost: {}\r\ncontent-length: {}\r\n", self.addr, body.len());
         for (name, value) in headers {
-            request.push_str(&format!("{name}: {value}\r\n"));
+            let _ = write!(request, "{name}: {value}\r\n");
         }
         request.push_str("\r\n");
         request.push_str(body);

@@ -23,7 +23,10 @@ fn block_on<F: Future>(future: F) -> F::Output {
 
 /// Runs `calls` with a recorder for this thread and returns every metric emitted, as
 /// `(name, sorted labels, value)`.
-fn metrics_of(calls: impl Future<Output = ()>) -> Vec<(String, Vec<(String, String)>, DebugValue)> {
+/// A metric as emitted: name, sorted labels, value.
+type Emitted = (String, Vec<(String, String)>, DebugValue);
+
+fn metrics_of(calls: impl Future<Output = ()>) -> Vec<Emitted> {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     metrics::with_local_recorder(&recorder, || block_on(calls));
@@ -39,7 +42,7 @@ fn metrics_of(calls: impl Future<Output = ()>) -> Vec<(String, Vec<(String, Stri
         .collect()
 }
 
-fn calls_counted(metrics: &[(String, Vec<(String, String)>, DebugValue)], scope: &str) -> HashMap<String, u64> {
+fn calls_counted(metrics: &[Emitted], scope: &str) -> HashMap<String, u64> {
     metrics
         .iter()
         .filter(|(name, labels, _)| {

@@ -224,8 +224,9 @@ impl Problem {
             // The error's text names the key, which may be a secret: log the kind and the cause.
             let cause = match error {
                 Error::Store { source, operation, .. } => format!("{operation}: {source}"),
-                Error::Unrecordable { reason, .. } | Error::Decode { reason, .. } => reason.clone(),
-                Error::Fingerprint(reason) => reason.clone(),
+                Error::Unrecordable { reason, .. } | Error::Decode { reason, .. } | Error::Fingerprint(reason) => {
+                    reason.clone()
+                }
                 _ => String::new(),
             };
             tracing::error!(target: "idempotent", kind = problem.kind, cause, status = problem.status.as_u16(), "idempotent HTTP request failed");

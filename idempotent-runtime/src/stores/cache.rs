@@ -38,7 +38,7 @@
 //!
 //! The cache is bounded by entries and by bytes ([`max_entries`](CachedStore::max_entries),
 //! [`max_bytes`](CachedStore::max_bytes)); past either bound, the least useful entries are evicted
-//! (by [`moka`]'s TinyLFU policy) and simply read from the store again.
+//! (by the `TinyLFU` policy of [`moka`]) and simply read from the store again.
 //!
 //! # Deleting a record by hand
 //!
@@ -119,6 +119,7 @@ pub struct CacheStats {
 struct UntilExpiry;
 
 impl UntilExpiry {
+    #[allow(clippy::unnecessary_wraps)] // what `Expiry` returns
     fn left(expires: Instant, now: Instant) -> Option<Duration> {
         Some(expires.saturating_duration_since(now))
     }
@@ -145,8 +146,10 @@ const CLAIM_SHARDS: usize = 16;
 /// The fingerprints of this process's live claims, until they complete: 16 locked maps, each
 /// swept of ended leases when it outgrows its share of `max_entries`, and cleared past twice that
 /// (a claim forgotten early only means its record is not cached).
+type ClaimShard = Mutex<HashMap<Box<str>, Pending>>;
+
 struct Claims {
-    shards: Box<[Mutex<HashMap<Box<str>, Pending>>]>,
+    shards: Box<[ClaimShard]>,
     hasher: std::hash::RandomState,
     per_shard: usize,
 }
@@ -191,6 +194,7 @@ impl Claims {
 }
 
 impl Shared {
+    #[allow(clippy::borrowed_box)] // the weigher's signature is moka's
     fn new(max_entries: u64, max_bytes: u64, learned_ttl: Duration) -> Self {
         let max_entries = max_entries.max(1);
         let max_bytes = max_bytes.max(1);

@@ -855,3 +855,41 @@ async fn http_attribute_handler_panic_is_500_and_releases_the_key() {
     assert_eq!((retry.status, retry.replayed()), (201, false), "the panic released the key: {retry:?}");
     assert_eq!(state_runs.load(Ordering::SeqCst), 2);
 }
+
+// ---------------------------------------------------------------- GET /metrics, as the example serves it
+
+#[cfg(feature = "metrics")]
+#[test]
+fn http_metrics_are_served_in_the_prometheus_text_format() {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    // The recorder is this thread's only: the server, the handlers and the client run on a
+    // current-thread runtime here, so no other test's calls are counted.
+    let body = metrics::with_local_recorder(&recorder, || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let state = AppState { store: MemoryStore::new(), runs: Arc::default() };
+            let app = Router::new()
+                .route("/pay", post(pay::<MemoryStore>))
+                .route_layer(RunToCompletionLayer)
+                .with_state(state)
+                .route("/metrics", axum::routing::get(move || std::future::ready(handle.render())));
+            let http = serve(app).await;
+            let k = key();
+            for _ in 0..2 {
+                assert_eq!(http.post("/pay", &pay_headers(&k, "alice"), r#"{"amount":1}"#).await.status, 201);
+            }
+            let scrape = http.send("GET", "/metrics", &[], Bytes::new()).await;
+            assert_eq!(scrape.status, 200);
+            String::from_utf8(scrape.body.to_vec()).unwrap()
+        })
+    });
+    let line = |outcome: &str| {
+        body.lines().find(|l| l.starts_with("idempotent_calls_total{") && l.contains(&format!("outcome=\"{outcome}\"")))
+    };
+    assert!(line("executed").is_some_and(|l| l.ends_with(" 1")), "{body}");
+    assert!(line("replayed").is_some_and(|l| l.ends_with(" 1")), "{body}");
+    assert!(body.contains("# TYPE idempotent_calls_total counter"), "{body}");
+    assert!(body.contains("idempotent_store_step_seconds_count{store=\"MemoryStore\",step=\"claim\"} 2"), "{body}");
+    assert!(body.contains("idempotent_store_step_seconds_count{store=\"MemoryStore\",step=\"complete\"} 1"), "{body}");
+}

@@ -146,21 +146,19 @@ fn memory_metrics_count_calls_by_scope_and_outcome() {
 }
 
 #[test]
-fn memory_metrics_store_error_and_lease_lost_are_counted() {
+fn memory_metrics_count_a_lost_lease() {
     let metrics = metrics_of(async {
-        // Lease lost: the body outlives its 30 ms lease and a second call takes the key over.
+        // Lease lost: the body blocks its thread past its 30 ms lease (so the heartbeat cannot
+        // renew it), then a second call takes the key over and records first.
         let store = MemoryStore::new();
-        let slow = Call::new("edges", "g").lease(Duration::from_millis(30)).run(&store, async {
-            tokio::time::sleep(Duration::from_millis(120)).await;
+        let stale = Call::new("edges", "g").lease(Duration::from_millis(30)).run(&store, async {
+            std::thread::sleep(Duration::from_millis(60));
+            let takeover = Call::new("edges", "g").run(&store, async { Ok::<_, Error>(2) }).await;
+            assert_eq!(takeover.unwrap(), 2);
             Ok::<_, Error>(1)
         });
-        let takeover = async {
-            tokio::time::sleep(Duration::from_millis(60)).await;
-            Call::new("edges", "g").run(&store, async { Ok::<_, Error>(2) }).await
-        };
-        let (slow, takeover) = tokio::join!(slow, takeover);
-        assert_eq!(takeover.unwrap(), 2);
-        assert!(matches!(slow, Err(Error::LeaseLost { .. })), "{slow:?}");
+        let stale = stale.await;
+        assert!(matches!(stale, Err(Error::LeaseLost { .. })), "{stale:?}");
     });
     let counted = calls_counted(&metrics, "edges");
     assert_eq!(counted.get("lease_lost"), Some(&1), "{metrics:#?}");

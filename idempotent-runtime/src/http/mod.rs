@@ -22,7 +22,7 @@
 //! |---|---|
 //! | key missing on a route that requires one | 400 |
 //! | key malformed (empty, control or non-ASCII characters, repeated header) or over 255 bytes | 400 |
-//! | a request with the same key is still running | 409 with `Retry-After` |
+//! | a request with the same key is still running | 409 with `Retry-After` (the running claim's remaining lease, rounded up to whole seconds, at least 1) |
 //! | the key was used with a different request | 422 |
 //! | the store is unreachable | 503 with `Retry-After` |
 //!
@@ -35,11 +35,27 @@
 //!
 //! # Which responses are recorded
 //!
-//! By default every response below 500 is recorded, except `408`, `425` and `429`. A `5xx` means
-//! the server failed to finish the request, so the key is released and a retry runs it again;
-//! recording it would make a passing outage permanent for that key. The layer's
+//! By default every response below 500 is recorded, except those that mean "not processed":
+//! `401` and `403` (refused before processing: a client that fixes its credentials retries with the
+//! same key), `408`, `425` and `429` (come back later). A `5xx` means the server failed to finish
+//! the request, so the key is released and a retry runs it again; recording it would make a passing
+//! outage permanent for that key. See [`records_by_default`]; the layer's
 //! [`record_status`](IdempotencyLayer::record_status) changes this; under the attribute, an `Err`
 //! releases the key unless `record_err` says otherwise.
+//!
+//! # Methods, paths and bodies
+//!
+//! The layer applies to `POST` and `PATCH` ([`DEFAULT_METHODS`], configurable with
+//! [`IdempotencyLayer::methods`]); other methods pass through untouched. Its fingerprint covers the
+//! path as the client sent it, also under a nested router, and, with
+//! [`IdempotencyLayer::json_fingerprint`], a JSON body by meaning rather than bytes.
+//!
+//! # Disconnects and replays under the attribute
+//!
+//! The layer runs each request on its own task, so a client that disconnects never cancels a
+//! started handler; wrap routes whose handlers use the attribute in [`RunToCompletionLayer`] for the
+//! same. Under the attribute, a replayed [`JsonResponse`] (or [`Replayable`](crate::Replayable)
+//! response) carries `Idempotent-Replayed: true`, as the layer's replays do.
 //!
 //! # Callers
 //!

@@ -80,7 +80,7 @@ pub use layer::{
     DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_METHODS, IdempotencyLayer, IdempotencyService,
     records_by_default,
 };
-pub use problem::{HttpError, Problem, RETRY_AFTER_SECS, problem_response, retry_after_secs};
+pub use problem::{HttpError, MAX_RETRY_AFTER_SECS, Problem, RETRY_AFTER_SECS, problem_response, retry_after_secs};
 pub use recorded::DEFAULT_RECORDED_HEADERS;
 pub use spawn::{RunToCompletion, RunToCompletionLayer};
 

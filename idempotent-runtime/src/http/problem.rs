@@ -11,8 +11,17 @@ use crate::{Error, KeyError, MAX_KEY_BYTES};
 /// when the store does not report how long the running claim's lease lasts.
 pub const RETRY_AFTER_SECS: u64 = 1;
 
+/// The longest `Retry-After` a `409` carries, in seconds.
+///
+/// While a request runs, its lease is renewed every third of its length, so the remaining lease of
+/// a live claim stays close to the whole lease (60 s by default) although the request may finish in
+/// a moment: uncapped, it would tell clients to wait far longer than needed. The cap keeps retries
+/// prompt; a shorter remaining lease (a claim whose owner stopped renewing it) is sent as it is.
+pub const MAX_RETRY_AFTER_SECS: u64 = 5;
+
 /// The `Retry-After` of a `409`: the running claim's remaining lease in whole seconds, rounded up,
-/// at least 1 ([`RETRY_AFTER_SECS`] when the store does not know it).
+/// at least 1 and at most [`MAX_RETRY_AFTER_SECS`] ([`RETRY_AFTER_SECS`] when the store does not
+/// know the lease).
 ///
 /// ```
 /// use std::time::Duration;
@@ -20,13 +29,14 @@ pub const RETRY_AFTER_SECS: u64 = 1;
 ///
 /// assert_eq!(retry_after_secs(Some(Duration::from_millis(2_001))), 3);
 /// assert_eq!(retry_after_secs(Some(Duration::ZERO)), 1);
+/// assert_eq!(retry_after_secs(Some(Duration::from_secs(58))), 5);
 /// assert_eq!(retry_after_secs(None), 1);
 /// ```
 #[must_use]
 pub fn retry_after_secs(lease_remaining: Option<std::time::Duration>) -> u64 {
     lease_remaining.map_or(RETRY_AFTER_SECS, |left| {
         let whole = left.as_secs() + u64::from(left.subsec_nanos() > 0);
-        whole.max(1)
+        whole.clamp(1, MAX_RETRY_AFTER_SECS)
     })
 }
 
@@ -183,8 +193,8 @@ impl Problem {
                     "urn:idempotent:in-progress",
                     "Request in progress",
                     format!(
-                        "A request with this Idempotency-Key is still being processed. Retry after \
-                         {seconds} s at the latest to receive its response; do not change the key."
+                        "A request with this Idempotency-Key is still being processed. Retry in \
+                         {seconds} s with the same key to receive its response; do not change the key."
                     ),
                 )
                 .retry_after(seconds)

@@ -4,8 +4,6 @@ use std::time::Duration;
 
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
-use redis::{RedisResult, Value};
 
 use super::connection::{RedisConnection, sealed};
 use super::{DEFAULT_CONNECTION_TIMEOUT, DEFAULT_RESPONSE_TIMEOUT, RedisStore, backend};
@@ -58,13 +56,4 @@ impl RedisStore<ClusterConnection> {
 }
 
 impl sealed::Sealed for ClusterConnection {}
-
-impl RedisConnection for ClusterConnection {
-    async fn wait_for_replicas(&mut self, redis_key: &[u8], replicas: u32, timeout_ms: u64) -> RedisResult<Value> {
-        // `WAIT` has no key: send it to the master of the record's slot, where the record was written.
-        let route = Route::with_key(redis_key, SlotAddr::Master);
-        let mut wait = redis::cmd("WAIT");
-        wait.arg(replicas).arg(timeout_ms);
-        self.route_command(wait, RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route))).await
-    }
-}
+impl RedisConnection for ClusterConnection {}

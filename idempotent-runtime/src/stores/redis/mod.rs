@@ -67,7 +67,7 @@
 //! call then gets [`Error::LeaseLost`](crate::Error::LeaseLost) instead of recording).
 //!
 //! With `with_replica_acks(n, timeout)`, each completion is followed by `WAIT n timeout` on the
-//! record's master, and is acknowledged only once `n` replicas have the record; otherwise it fails
+//! record's master (sent with it, in one round trip), and is acknowledged only once `n` replicas have the record; otherwise it fails
 //! with [`StoreError::Backend`] and the protocol retries it within the lease (a retry with the
 //! same token is accepted by the record it already wrote). A promoted replica that acknowledged the
 //! record then still has it. `WAIT` does not make Redis strongly consistent (a replica that
@@ -316,8 +316,8 @@ impl<C: RedisConnection> RedisStore<C> {
     /// Acknowledges a completion only once `replicas` replicas of the record's master have it
     /// (`WAIT replicas timeout` after each completion), so that a failover to one of them keeps it.
     ///
-    /// Costs one more round trip per first execution, plus the replication delay; replays are not
-    /// affected. `replicas == 0` turns it off. See the [module docs](self#durability-what-a-failover-can-lose)
+    /// `WAIT` travels with the completion in one pipeline, so it adds no round trip, but the reply
+    /// waits for the replicas; replays are not affected. `replicas == 0` turns it off. See the [module docs](self#durability-what-a-failover-can-lose)
     /// for what this does and does not promise.
     #[must_use]
     pub fn with_replica_acks(mut self, replicas: u32, timeout: Duration) -> Self {
@@ -354,7 +354,11 @@ impl<C: RedisConnection> RedisStore<C> {
     pub async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
         let name = self.key_arg(key);
         let owner = record::Owned { state: record::RUNNING, token: token.as_str() };
-        let reply = self.eval(&EXTEND, &name, |cmd| cmd.arg(&owner).arg(expiry_millis(lease))).await;
+        let reply = self
+            .eval(&EXTEND, &name, |cmd| {
+                cmd.arg(&owner).arg(expiry_millis(lease));
+            })
+            .await;
         owner_reply(&reply.map_err(backend)?)
     }
 
@@ -374,26 +378,49 @@ impl<C: RedisConnection> RedisStore<C> {
     }
 
     /// Runs a script on one key by `EVALSHA`, or by `EVAL` if the server does not know it yet.
-    async fn eval(&self, script: &Lua, key: &KeyArg<'_>, args: impl Fn(&mut Cmd) -> &mut Cmd) -> RedisResult<Value> {
-        let mut cmd = redis::cmd("EVALSHA");
-        args(cmd.arg(script.sha()).arg(1).arg(key));
-        match self.query(&cmd).await {
-            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                let mut cmd = redis::cmd("EVAL");
-                args(cmd.arg(script.source).arg(1).arg(key));
-                self.query(&cmd).await
-            }
+    async fn eval(&self, script: &Lua, key: &KeyArg<'_>, args: impl Fn(&mut Cmd)) -> RedisResult<Value> {
+        match self.query(&script_cmd(script, false, key, &args)).await {
+            Err(e) if is_noscript(&e) => self.query(&script_cmd(script, true, key, &args)).await,
             result => result,
         }
     }
 
-    /// `WAIT`s for the replicas [`with_replica_acks`](Self::with_replica_acks) asks for.
-    async fn wait_for_replicas(&self, key: &KeyArg<'_>) -> Result<(), StoreError> {
-        let Some(acks) = self.replica_acks else { return Ok(()) };
+    /// Like [`eval`](Self::eval), followed in the same round trip and on the same node by `WAIT`
+    /// for the replicas [`with_replica_acks`](Self::with_replica_acks) asks for. Returns the
+    /// script's reply, or an error if fewer replicas acknowledged.
+    async fn eval_and_wait(
+        &self,
+        script: &Lua,
+        key: &KeyArg<'_>,
+        acks: ReplicaAcks,
+        args: impl Fn(&mut Cmd),
+    ) -> Result<Value, StoreError> {
+        // A cluster connection sends a pipeline to the node of its first keyed command: the
+        // record's master, on the connection that wrote it, which is what `WAIT` counts.
+        let pipeline = |eval: bool| {
+            let mut pipeline = redis::pipe();
+            pipeline.add_command(script_cmd(script, eval, key, &args));
+            pipeline.cmd("WAIT").arg(acks.replicas).arg(acks.timeout_ms);
+            pipeline
+        };
         let mut connection = self.connection.clone();
-        let reply = connection.wait_for_replicas(&key.bytes(), acks.replicas, acks.timeout_ms).await.map_err(backend)?;
-        match reply {
-            Value::Int(n) if n >= i64::from(acks.replicas) => Ok(()),
+        let mut send = async |pipeline: redis::Pipeline| -> RedisResult<Vec<Value>> {
+            match pipeline.query_async(&mut connection).await {
+                Err(e) if e.is_connection_refusal() => pipeline.query_async(&mut connection).await,
+                result => result,
+            }
+        };
+        let replies = match send(pipeline(false)).await {
+            Err(e) if is_noscript(&e) => send(pipeline(true)).await,
+            result => result,
+        }
+        .map_err(backend)?;
+        let [reply, waited] = <[Value; 2]>::try_from(replies)
+            .map_err(|r| StoreError::Corrupt(format!("unexpected replies to a script and WAIT: {r:?}")))?;
+        match waited {
+            Value::Int(n) if n >= i64::from(acks.replicas) => Ok(reply),
+            // Not recorded by us (NotOwner): nothing to wait for.
+            Value::Int(_) if reply == Value::Int(0) => Ok(reply),
             Value::Int(acknowledged) => Err(StoreError::backend(
                 "redis",
                 ReplicasMissing { acknowledged, wanted: acks.replicas, timeout_ms: acks.timeout_ms },
@@ -401,6 +428,18 @@ impl<C: RedisConnection> RedisStore<C> {
             other => Err(StoreError::backend("redis", format!("unexpected reply to WAIT: {other:?}"))),
         }
     }
+}
+
+/// `EVALSHA <sha> 1 <key> <args...>`, or `EVAL <script> 1 <key> <args...>`.
+fn script_cmd(script: &Lua, eval: bool, key: &KeyArg<'_>, args: &impl Fn(&mut Cmd)) -> Cmd {
+    let mut cmd = redis::cmd(if eval { "EVAL" } else { "EVALSHA" });
+    cmd.arg(if eval { script.source } else { script.sha() }).arg(1).arg(key);
+    args(&mut cmd);
+    cmd
+}
+
+fn is_noscript(error: &RedisError) -> bool {
+    error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
 }
 
 impl<C> std::fmt::Debug for RedisStore<C> {
@@ -420,6 +459,7 @@ struct KeyArg<'a> {
 }
 
 impl KeyArg<'_> {
+    /// The key's bytes, for error messages.
     fn bytes(&self) -> Vec<u8> {
         [self.prefix.as_bytes(), self.key.as_bytes()].concat()
     }
@@ -475,11 +515,9 @@ fn parse_claim(reply: RedisResult<Value>, key: &KeyArg<'_>) -> Result<Claim, Sto
             "unexpected reply to SET ... GET on Redis key {:?}: {other:?}",
             String::from_utf8_lossy(&key.bytes())
         ))),
-        Err(e) if e.code() == Some("WRONGTYPE") => Err(record::corrupt(
-            &key.bytes(),
-            b"",
-            "holds another type than a string (see `redis-cli TYPE`)",
-        )),
+        Err(e) if e.code() == Some("WRONGTYPE") => {
+            Err(record::corrupt(&key.bytes(), b"", "holds another type than a string (see `redis-cli TYPE`)"))
+        }
         Err(e) => Err(backend(e)),
     }
 }
@@ -495,14 +533,16 @@ fn parse_probe(reply: Value, key: &KeyArg<'_>) -> Result<Option<Claim>, StoreErr
     let Value::Array(items) = &reply else { return Err(unexpected(&reply)) };
     match items.as_slice() {
         [Value::Nil | Value::Boolean(false), _] => Ok(None),
-        [Value::BulkString(value), Value::Int(pttl)] => match record::parse(value.clone(), &key.bytes())?.into_claim() {
-            Claim::InProgress { fingerprint, .. } => {
-                // -1 (no expiry) cannot happen with this store's writes; report it as unknown.
-                let lease_remaining = u64::try_from(*pttl).ok().map(Duration::from_millis);
-                Ok(Some(Claim::InProgress { fingerprint, lease_remaining }))
+        [Value::BulkString(value), Value::Int(pttl)] => {
+            match record::parse(value.clone(), &key.bytes())?.into_claim() {
+                Claim::InProgress { fingerprint, .. } => {
+                    // -1 (no expiry) cannot happen with this store's writes; report it as unknown.
+                    let lease_remaining = u64::try_from(*pttl).ok().map(Duration::from_millis);
+                    Ok(Some(Claim::InProgress { fingerprint, lease_remaining }))
+                }
+                done => Ok(Some(done)),
             }
-            done => Ok(Some(done)),
-        },
+        }
         _ => Err(unexpected(&reply)),
     }
 }
@@ -522,7 +562,7 @@ impl<C: RedisConnection> Store for RedisStore<C> {
         // instant, since it may have finished meanwhile); if the key is gone by now, claim again.
         for _ in 0..3 {
             let Claim::InProgress { .. } = claim else { return Ok(claim) };
-            let probe = self.eval(&PROBE, &key, |cmd| cmd).await.map_err(backend)?;
+            let probe = self.eval(&PROBE, &key, |_| {}).await.map_err(backend)?;
             match parse_probe(probe, &key)? {
                 Some(found) => return Ok(found),
                 None => claim = parse_claim(self.query(&cmd).await, &key)?,
@@ -536,15 +576,27 @@ impl<C: RedisConnection> Store for RedisStore<C> {
         let running = record::Owned { state: record::RUNNING, token: token.as_str() };
         let done = record::Owned { state: record::DONE, token: token.as_str() };
         let retention = expiry_millis(retention);
-        let reply = self.eval(&COMPLETE, &key, |cmd| cmd.arg(&running).arg(&done).arg(outcome).arg(retention)).await;
-        owner_reply(&reply.map_err(backend)?)?;
-        self.wait_for_replicas(&key).await
+        let args = |cmd: &mut Cmd| {
+            cmd.arg(&running).arg(&done).arg(outcome).arg(retention);
+        };
+        let reply = match self.replica_acks {
+            None => self.eval(&COMPLETE, &key, args).await.map_err(backend)?,
+            Some(acks) => self.eval_and_wait(&COMPLETE, &key, acks, args).await?,
+        };
+        owner_reply(&reply)
     }
 
     async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
         let key = self.key_arg(key);
         let running = record::Owned { state: record::RUNNING, token: token.as_str() };
-        owner_reply(&self.eval(&RELEASE, &key, |cmd| cmd.arg(&running)).await.map_err(backend)?)
+        owner_reply(
+            &self
+                .eval(&RELEASE, &key, |cmd| {
+                    cmd.arg(&running);
+                })
+                .await
+                .map_err(backend)?,
+        )
     }
 
     fn release_detached(&self, key: &Key, token: &Token) {

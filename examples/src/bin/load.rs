@@ -47,7 +47,7 @@ use idempotent_runtime::stores::sql::{MySqlStore, PostgresStore, SqliteStore, sq
 use idempotent_runtime::{Call, Error, MemoryStore, RedisStore, Store, idempotent};
 
 const USAGE: &str = "\
-usage: load [--store memory|redis|redis-wait|redis-cluster|redis-cluster-wait|postgres|mysql|sqlite|all]
+usage: load [--store memory|redis|redis-cluster|redis-cluster-wait|postgres|mysql|sqlite|all]
             [--concurrency 1,16,64]
             [--seconds 3] [--slices 1] [--runs 3] [--warmup-ms 300] [--csv PATH]
        load --rss-keys 1000000";
@@ -381,8 +381,7 @@ fn main() {
 async fn measure(store: &str, concurrency: usize, run: usize, options: &Options) -> Result<Vec<Row>, String> {
     match store {
         "memory" => phases(Arc::new(MemoryTarget::new()), "memory", concurrency, run, options).await,
-        "redis" => phases(Arc::new(RedisTarget::open(0).await?), "redis", concurrency, run, options).await,
-        "redis-wait" => phases(Arc::new(RedisTarget::open(1).await?), "redis-wait", concurrency, run, options).await,
+        "redis" => phases(Arc::new(RedisTarget::open().await?), "redis", concurrency, run, options).await,
         "redis-cluster" => {
             phases(Arc::new(RedisClusterTarget::open(0).await?), "redis-cluster", concurrency, run, options).await
         }
@@ -396,8 +395,8 @@ async fn measure(store: &str, concurrency: usize, run: usize, options: &Options)
         "mysql" => phases(Arc::new(MySqlTarget::open(concurrency).await?), "mysql", concurrency, run, options).await,
         "sqlite" => phases(Arc::new(SqliteTarget::open().await?), "sqlite", concurrency, run, options).await,
         other => Err(format!(
-            "unknown store {other:?} (expected memory, redis, redis-wait, redis-cluster, redis-cluster-wait, postgres, \
-             mysql or sqlite)"
+            "unknown store {other:?} (expected memory, redis, redis-cluster, redis-cluster-wait, postgres, mysql \
+             or sqlite)"
         )),
     }
 }
@@ -590,20 +589,16 @@ impl Target for MemoryTarget {
 // ---- Redis ----
 
 /// The Redis store; its raw operation is `SET key 1 NX PX 600000` on the same connection.
-/// With `replicas > 0` the store waits for that many replicas per completion (`WAIT`).
 struct RedisTarget {
     store: RedisStore,
     connection: ConnectionManager,
 }
 
 impl RedisTarget {
-    async fn open(replicas: u32) -> Result<Self, String> {
+    async fn open() -> Result<Self, String> {
         let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
         let store = RedisStore::connect(&url).await.map_err(|e| format!("{url}: {e}"))?;
-        let store = store
-            .with_prefix("idempotent-bench:")
-            .map_err(|e| e.to_string())?
-            .with_replica_acks(replicas, Duration::from_secs(1));
+        let store = store.with_prefix("idempotent-bench:").map_err(|e| e.to_string())?;
         let connection = store.connection();
         Ok(RedisTarget { store, connection })
     }
@@ -654,7 +649,9 @@ fn info_cpu_usec(info: &str) -> f64 {
 }
 
 /// Redis Cluster, from `REDIS_CLUSTER_URLS` (comma-separated node URLs); raw `SET NX PX` through
-/// the same cluster connection. Server CPU counts every `redis-server` process of the machine.
+/// the same cluster connection. With `replicas > 0` (`redis-cluster-wait`) each completion waits
+/// for that many replicas (`WAIT`). The `/proc` server column counts every `redis-server` process
+/// of the machine; the `INFO cpu` column every node of the cluster.
 struct RedisClusterTarget {
     store: RedisClusterStore,
     connection: redis::cluster_async::ClusterConnection,

@@ -106,7 +106,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, RedisError, RedisResult, RedisWrite, ToRedisArgs, Value};
 
 use crate::store::DEFAULT_MAX_RECORD_BYTES;
-use crate::{Claim, ClaimRequest, Key, Store, StoreError, Token};
+use crate::{Claim, ClaimRequest, Detached, Key, Store, StoreError, Token};
 
 #[cfg(feature = "redis-cluster")]
 pub use cluster::RedisClusterStore;
@@ -349,19 +349,6 @@ impl<C: RedisConnection> RedisStore<C> {
         self.connection.clone()
     }
 
-    /// The lease heartbeat: if `key` is still claimed by `token` and its lease has not ended, make
-    /// the lease end `lease` from now (Redis's clock). Otherwise [`StoreError::NotOwner`].
-    pub async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
-        let name = self.key_arg(key);
-        let owner = record::Owned { state: record::RUNNING, token: token.as_str() };
-        let reply = self
-            .eval(&EXTEND, &name, |cmd| {
-                cmd.arg(&owner).arg(expiry_millis(lease));
-            })
-            .await;
-        owner_reply(&reply.map_err(backend)?)
-    }
-
     fn key_arg<'a>(&'a self, key: &'a Key) -> KeyArg<'a> {
         KeyArg { prefix: &self.prefix, key: key.as_str() }
     }
@@ -599,22 +586,19 @@ impl<C: RedisConnection> Store for RedisStore<C> {
         )
     }
 
-    fn release_detached(&self, key: &Key, token: &Token) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            tracing::debug!(target: "idempotent", key = %key, "no Tokio runtime to release on; the lease will expire");
-            return;
-        };
-        let store = self.clone();
-        let token = token.clone();
-        let key = key.clone();
-        runtime.spawn(async move {
-            if let Err(e) = store.release(&key, &token).await {
-                tracing::debug!(
-                    target: "idempotent", key = %key, error = %e,
-                    "detached release failed; the claim frees itself when its lease ends"
-                );
-            }
-        });
+    async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
+        let key = self.key_arg(key);
+        let owner = record::Owned { state: record::RUNNING, token: token.as_str() };
+        let reply = self
+            .eval(&EXTEND, &key, |cmd| {
+                cmd.arg(&owner).arg(expiry_millis(lease));
+            })
+            .await;
+        owner_reply(&reply.map_err(backend)?)
+    }
+
+    fn detach(&self, step: Detached) {
+        crate::stores::spawn_detached(self.clone(), step);
     }
 
     fn max_record_bytes(&self) -> usize {

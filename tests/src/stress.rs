@@ -29,7 +29,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Once};
 use std::time::{Duration, Instant};
 
-use idempotent_runtime::{Call, Claim, ClaimRequest, Detached, Error, Key, RecordErrorsIf, Store, StoreError, Token};
+use idempotent_runtime::{
+    Call, Claim, ClaimRequest, Detached, Error, Key, OnCancel, RecordErrorsIf, Store, StoreError, Token,
+};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Semaphore, oneshot};
 
@@ -598,7 +600,9 @@ fn plan_for(config: &StressConfig, rng: &mut Rng) -> Plan {
 }
 
 fn call_for<S>(shared: &Shared<S>, key: u64, wait: bool) -> Call {
+    // A cancelled caller releases its claim (the harness's cancellations are retried at once).
     let call = Call::new(&shared.scope, &key)
+        .on_cancel(OnCancel::Release)
         .fingerprint(&("stress", key))
         .lease(shared.config.lease)
         .retention(shared.config.retention);

@@ -511,26 +511,27 @@ fn parse_claim(reply: RedisResult<Value>, key: &KeyArg<'_>) -> Result<Claim, Sto
 
 /// The probe's reply: the record with its remaining lease, or `None` if the key is gone.
 fn parse_probe(reply: Value, key: &KeyArg<'_>) -> Result<Option<Claim>, StoreError> {
-    let unexpected = |reply: &Value| {
+    let unexpected = |reply: &dyn std::fmt::Debug| {
         StoreError::Corrupt(format!(
             "unexpected reply from the Redis probe of key {:?}: {reply:?}",
             String::from_utf8_lossy(&key.bytes())
         ))
     };
-    let Value::Array(items) = &reply else { return Err(unexpected(&reply)) };
-    match items.as_slice() {
-        [Value::Nil | Value::Boolean(false), _] => Ok(None),
-        [Value::BulkString(value), Value::Int(pttl)] => {
-            match record::parse(value.clone(), &key.bytes())?.into_claim() {
+    let Value::Array(items) = reply else { return Err(unexpected(&reply)) };
+    let mut items = items.into_iter();
+    match (items.next(), items.next(), items.next()) {
+        (Some(Value::Nil | Value::Boolean(false)), Some(_), None) => Ok(None),
+        (Some(Value::BulkString(value)), Some(Value::Int(pttl)), None) => {
+            match record::parse(value, &key.bytes())?.into_claim() {
                 Claim::InProgress { fingerprint, .. } => {
                     // -1 (no expiry) cannot happen with this store's writes; report it as unknown.
-                    let lease_remaining = u64::try_from(*pttl).ok().map(Duration::from_millis);
+                    let lease_remaining = u64::try_from(pttl).ok().map(Duration::from_millis);
                     Ok(Some(Claim::InProgress { fingerprint, lease_remaining }))
                 }
                 done => Ok(Some(done)),
             }
         }
-        _ => Err(unexpected(&reply)),
+        other => Err(unexpected(&other)),
     }
 }
 

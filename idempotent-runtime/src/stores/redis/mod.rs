@@ -109,7 +109,7 @@ use crate::store::DEFAULT_MAX_RECORD_BYTES;
 use crate::{Claim, ClaimRequest, Detached, Key, Store, StoreError, Token};
 
 #[cfg(feature = "redis-cluster")]
-pub use cluster::RedisClusterStore;
+pub use cluster::{DEFAULT_CLUSTER_RETRIES, RedisClusterStore};
 pub use connection::RedisConnection;
 /// The `redis` crate this store is built on, to build a [`ConnectionManager`] of the same version.
 pub use redis;

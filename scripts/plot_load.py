@@ -15,7 +15,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-STORES = ["memory", "redis", "postgres", "mysql", "sqlite"]
+STORES = ["memory", "redis", "redis-cluster", "redis-cluster-wait", "postgres", "mysql", "sqlite"]
 COLOURS = {"first": "#3b6ea8", "replay": "#e08a2c"}
 
 

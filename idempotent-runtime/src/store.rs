@@ -132,7 +132,15 @@ impl Token {
     /// A fresh random token (a v4 UUID, as 32 hex digits).
     #[must_use]
     pub fn new() -> Self {
-        Token(uuid::Uuid::new_v4().simple().to_string())
+        // 122 random bits from the thread's CSPRNG (uuid's `fast-rng`), as hex without going
+        // through `fmt`: this runs once per call, replays included.
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut text = String::with_capacity(32);
+        for byte in uuid::Uuid::new_v4().into_bytes() {
+            text.push(char::from(HEX[usize::from(byte >> 4)]));
+            text.push(char::from(HEX[usize::from(byte & 0x0f)]));
+        }
+        Token(text)
     }
 
     /// Takes a token read back from a store.
@@ -201,4 +209,21 @@ forward_store! {
     [S: Store + ?Sized] Arc<S>;
     // A `static STORE: LazyLock<MemoryStore>` works as `store = STORE`.
     [S: Store, F: FnOnce() -> S + Send] LazyLock<S, F>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Token;
+
+    #[test]
+    fn memory_tokens_are_32_hex_digits_of_a_v4_uuid_and_distinct() {
+        let tokens: std::collections::HashSet<String> = (0..1000).map(|_| Token::new().as_str().to_owned()).collect();
+        assert_eq!(tokens.len(), 1000);
+        for token in &tokens {
+            assert_eq!(token.len(), 32);
+            assert!(token.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)), "{token}");
+            let uuid = uuid::Uuid::parse_str(token).expect("a token is a UUID in simple form");
+            assert_eq!(uuid.get_version_num(), 4, "{token}");
+        }
+    }
 }

@@ -23,13 +23,15 @@
 //! The sizes come from the environment so the same test runs short in CI and long on demand:
 //! `IDEMPOTENT_STRESS_KEYS`, `IDEMPOTENT_STRESS_CALLERS` and `IDEMPOTENT_STRESS_SEED`.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Once};
 use std::time::{Duration, Instant};
 
-use idempotent_runtime::{Call, Claim, ClaimRequest, Detached, Error, Key, RecordErrorsIf, Store, StoreError, Token};
+use idempotent_runtime::{
+    Call, Claim, ClaimRequest, Detached, Error, Key, OnCancel, RecordErrorsIf, Store, StoreError, Token,
+};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Semaphore, oneshot};
 
@@ -135,6 +137,8 @@ impl From<Error> for StressError {
 pub struct Ledger {
     /// Per key: the ids of the runs that committed.
     commits: Mutex<HashMap<u64, Vec<u64>>>,
+    /// Per key: when each run committed.
+    commit_times: Mutex<HashMap<u64, Vec<Instant>>>,
     /// Per key: how many bodies are running now.
     running: Mutex<HashMap<u64, u32>>,
     overlaps: AtomicU64,
@@ -156,6 +160,11 @@ impl Ledger {
 
     fn commit(&self, key: u64, run: u64) {
         self.commits.lock().unwrap().entry(key).or_default().push(run);
+        self.commit_times.lock().unwrap().entry(key).or_default().push(Instant::now());
+    }
+
+    fn commits_after(&self, key: u64, moment: Instant) -> u64 {
+        self.commit_times.lock().unwrap().get(&key).map_or(0, |t| t.iter().filter(|&&c| c > moment).count() as u64)
     }
 
     fn commits(&self, key: u64) -> Vec<u64> {
@@ -170,7 +179,7 @@ pub struct Counted<S> {
     inner: S,
     /// Operations and failures, by kind.
     pub ops: OpCounts,
-    completed: Mutex<HashSet<String>>,
+    completed: Mutex<HashMap<String, Instant>>,
 }
 
 /// Store operations seen by [`Counted`].
@@ -200,7 +209,7 @@ pub struct OpCounts {
 impl<S: Store> Counted<S> {
     /// Wraps `inner`.
     pub fn new(inner: S) -> Self {
-        Counted { inner, ops: OpCounts::default(), completed: Mutex::new(HashSet::new()) }
+        Counted { inner, ops: OpCounts::default(), completed: Mutex::new(HashMap::new()) }
     }
 
     /// The wrapped store.
@@ -209,7 +218,12 @@ impl<S: Store> Counted<S> {
     }
 
     fn was_completed(&self, key: &Key) -> bool {
-        self.completed.lock().unwrap().contains(key.as_str())
+        self.completed.lock().unwrap().contains_key(key.as_str())
+    }
+
+    /// When the store first acknowledged a completion of `key`.
+    fn acknowledged_at(&self, key: &Key) -> Option<Instant> {
+        self.completed.lock().unwrap().get(key.as_str()).copied()
     }
 
     fn count<T>(&self, result: &Result<T, StoreError>) {
@@ -239,7 +253,7 @@ impl<S: Store> Store for Counted<S> {
         self.count(&result);
         match &result {
             Ok(()) => {
-                self.completed.lock().unwrap().insert(key.as_str().to_owned());
+                self.completed.lock().unwrap().entry(key.as_str().to_owned()).or_insert_with(Instant::now);
             }
             Err(StoreError::NotOwner) => {}
             Err(_) => {
@@ -328,6 +342,10 @@ pub struct StressReport {
     pub double_executions: u64,
     /// Keys the store acknowledged as completed that did not replay.
     pub lost_records: u64,
+    /// Body runs that committed after the store had acknowledged a completion of their key
+    /// (double executions among calls that saw their record acknowledged; part of
+    /// `double_executions`).
+    pub runs_after_acknowledged: u64,
     /// Keys still in progress at the end.
     pub stuck_keys: u64,
     /// Callers that got something other than the recorded result or a typed error.
@@ -378,8 +396,9 @@ impl fmt::Display for StressReport {
         )?;
         write!(
             f,
-            "  double executions {}, lost records {}, stuck keys {}, wrong results {}, overlapping bodies {}, failed completion attempts {}",
+            "  double executions {} ({} after an acknowledged record), lost records {}, stuck keys {}, wrong results {}, overlapping bodies {}, failed completion attempts {}",
             self.double_executions,
+            self.runs_after_acknowledged,
             self.lost_records,
             self.stuck_keys,
             self.wrong_results,
@@ -581,7 +600,9 @@ fn plan_for(config: &StressConfig, rng: &mut Rng) -> Plan {
 }
 
 fn call_for<S>(shared: &Shared<S>, key: u64, wait: bool) -> Call {
+    // A cancelled caller releases its claim (the harness's cancellations are retried at once).
     let call = Call::new(&shared.scope, &key)
+        .on_cancel(OnCancel::Release)
         .fingerprint(&("stress", key))
         .lease(shared.config.lease)
         .retention(shared.config.retention);
@@ -777,6 +798,9 @@ async fn check<S: Store + 'static>(shared: &Arc<Shared<S>>, seen_per_key: &[Vec<
             break;
         }
         let commits = shared.ledger.commits(key);
+        if let Some(acknowledged) = shared.store.acknowledged_at(&Key::new(&shared.scope, &key).expect("key")) {
+            report.runs_after_acknowledged += shared.ledger.commits_after(key, acknowledged);
+        }
         report.double_executions += commits.len().saturating_sub(1) as u64;
         if commits.len() > 1 {
             report.problem(format!("key {key} committed {} times: runs {commits:?}", commits.len()));

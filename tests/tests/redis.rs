@@ -1,5 +1,5 @@
 #![cfg(feature = "redis")]
-//! The Redis store against a real server: its step semantics, the key layout an operator sees,
+//! The Redis store against a real server: its step semantics, the record format an operator sees,
 //! prefix isolation, heavy contention through the attribute, and the conformance suite.
 //!
 //! Every test works under its own random prefix and deletes its keys at the end.
@@ -96,11 +96,12 @@ async fn redis_claim_complete_and_replay() {
 
     let replay = claim(&store, &key, &Token::new(), None, LEASE).await;
     assert_eq!(replay, Claim::Completed(Record { fingerprint: Some(fp.clone()), outcome: outcome.to_vec() }));
-    // Once completed, only its owner's repeated completion succeeds (changing nothing); nobody
-    // can release it.
+    // Once completed, a repeated completion by the same token succeeds and changes nothing (its
+    // first reply may have been lost); nobody else can complete it, and nobody can release it.
     store.complete(&key, &owner, b"{}", LEASE).await.unwrap();
     assert!(matches!(store.complete(&key, &other, b"{}", LEASE).await, Err(StoreError::NotOwner)));
     assert!(matches!(store.release(&key, &owner).await, Err(StoreError::NotOwner)));
+    assert!(matches!(store.extend(&key, &owner, LEASE).await, Err(StoreError::NotOwner)));
     assert_eq!(claim(&store, &key, &Token::new(), None, LEASE).await, replay);
     cleanup(&mut raw, store.prefix()).await;
 }
@@ -150,8 +151,8 @@ async fn redis_expired_lease_is_taken_over_and_fences_the_old_owner() {
 }
 
 #[tokio::test]
-async fn redis_key_layout_is_one_readable_hash() {
-    let Some(url) = idempotent_tests::services::redis_url("redis_key_layout_is_one_readable_hash") else {
+async fn redis_key_layout_is_one_readable_string() {
+    let Some(url) = idempotent_tests::services::redis_url("redis_key_layout_is_one_readable_string") else {
         return;
     };
     let (store, mut raw) = setup(&url).await;
@@ -163,40 +164,63 @@ async fn redis_key_layout_is_one_readable_hash() {
 
     assert_eq!(claim(&store, &key, &token, Some(&fp), Duration::from_secs(10)).await, Claim::Claimed);
     let kind: String = redis::cmd("TYPE").arg(&name).query_async(&mut raw).await.unwrap();
-    assert_eq!(kind, "hash");
-    let fields: HashMap<String, String> = raw.hgetall(&name).await.unwrap();
-    let expected: HashMap<String, String> = [("state", "running"), ("token", token.as_str()), ("fp", fp.as_str())]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .collect();
-    assert_eq!(fields, expected);
+    assert_eq!(kind, "string");
+    let value: String = raw.get(&name).await.unwrap();
+    assert_eq!(value, format!("idempotent/1 running {} {}\n", token.as_str(), fp.as_str()));
     let pttl: i64 = raw.pttl(&name).await.unwrap();
     assert!(pttl > 9_000 && pttl <= 10_000, "the lease is the key's expiry, got PTTL {pttl}");
 
-    // Completion swaps the lease for the retention, keeps the token (a repeated completion by the
-    // same caller succeeds), and stores the outcome bytes exactly (they need not be UTF-8).
+    // Completion swaps the lease for the retention, keeps the token and the fingerprint, and
+    // stores the outcome bytes exactly (they need not be UTF-8).
     let outcome: &[u8] = b"{\"Ok\":\"\xff\x00\"}";
     store.complete(&key, &token, outcome, Duration::from_secs(3600)).await.unwrap();
-    let fields: HashMap<String, Vec<u8>> = raw.hgetall(&name).await.unwrap();
-    assert_eq!(fields.len(), 4, "{fields:?}");
-    assert_eq!(fields["token"], token.as_str().as_bytes());
-    assert_eq!(fields["state"], b"done");
-    assert_eq!(fields["fp"], fp.as_str().as_bytes());
-    assert_eq!(fields["outcome"], outcome);
+    let value: Vec<u8> = raw.get(&name).await.unwrap();
+    let mut expected = format!("idempotent/1 done {} {}\n", token.as_str(), fp.as_str()).into_bytes();
+    expected.extend_from_slice(outcome);
+    assert_eq!(value, expected);
     let pttl: i64 = raw.pttl(&name).await.unwrap();
     assert!(pttl > 3_590_000 && pttl <= 3_600_000, "the retention is the key's expiry, got PTTL {pttl}");
 
-    // Without a fingerprint there is no `fp` field, and the record reads back without one.
+    // Without a fingerprint the header says `-`, and the record reads back without one.
     let bare = Key::new("payments", &"req-43").unwrap();
     let token = Token::new();
     assert_eq!(claim(&store, &bare, &token, None, LEASE).await, Claim::Claimed);
-    let has_fp: bool = raw.hexists(store.redis_key(&bare), "fp").await.unwrap();
-    assert!(!has_fp);
     store.complete(&bare, &token, b"{\"Ok\":null}", LEASE).await.unwrap();
+    let value: String = raw.get(store.redis_key(&bare)).await.unwrap();
+    assert_eq!(value, format!("idempotent/1 done {} -\n{{\"Ok\":null}}", token.as_str()));
     let replay = claim(&store, &bare, &Token::new(), None, LEASE).await;
     assert_eq!(replay, Claim::Completed(Record { fingerprint: None, outcome: b"{\"Ok\":null}".to_vec() }));
 
     assert_eq!(keys_under(&mut raw, store.prefix()).await, vec![name, store.redis_key(&bare)]);
+    cleanup(&mut raw, store.prefix()).await;
+}
+
+/// The heartbeat: only the owner of a live claim moves its expiry.
+#[tokio::test]
+async fn redis_extend_moves_the_lease_of_the_owner_only() {
+    let Some(url) = idempotent_tests::services::redis_url("redis_extend_moves_the_lease_of_the_owner_only") else {
+        return;
+    };
+    let (store, mut raw) = setup(&url).await;
+    let key = Key::new("pay", &"extend").unwrap();
+    let name = store.redis_key(&key);
+    let owner = Token::new();
+    assert_eq!(claim(&store, &key, &owner, None, Duration::from_secs(5)).await, Claim::Claimed);
+    store.extend(&key, &owner, Duration::from_secs(500)).await.unwrap();
+    let pttl: i64 = raw.pttl(&name).await.unwrap();
+    assert!(pttl > 490_000 && pttl <= 500_000, "extend sets the lease from now, got PTTL {pttl}");
+    assert!(matches!(store.extend(&key, &Token::new(), LEASE).await, Err(StoreError::NotOwner)));
+    let value: String = raw.get(&name).await.unwrap();
+    assert!(value.starts_with("idempotent/1 running "), "a refused extend changes nothing: {value:?}");
+    let missing = Key::new("pay", &"extend-missing").unwrap();
+    assert!(matches!(store.extend(&missing, &owner, LEASE).await, Err(StoreError::NotOwner)));
+    // A lease that ran out cannot be extended: Redis dropped the key.
+    let lapsed = Key::new("pay", &"extend-lapsed").unwrap();
+    assert_eq!(claim(&store, &lapsed, &owner, None, Duration::from_millis(30)).await, Claim::Claimed);
+    tokio::time::sleep(Duration::from_millis(80)).await;
+    assert!(matches!(store.extend(&lapsed, &owner, LEASE).await, Err(StoreError::NotOwner)));
+    let exists: bool = raw.exists(store.redis_key(&lapsed)).await.unwrap();
+    assert!(!exists, "a refused extend must not bring the key back");
     cleanup(&mut raw, store.prefix()).await;
 }
 

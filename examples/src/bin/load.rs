@@ -1,7 +1,8 @@
 //! A load program: what `#[idempotent]` costs on each store, next to the store's own cheapest write.
 //!
 //! For each store and concurrency it runs, several times, three timed phases of `--seconds` each,
-//! after an untimed warm-up:
+//! after an untimed warm-up (with `--slices N`, each phase runs as N slices, alternating raw, first
+//! and replay, so that load from other processes falls on the three alike):
 //!
 //! - `raw`: the store's minimal write with a fresh key, straight through the client crate
 //!   (Redis: `SET key value NX PX`; SQL: `INSERT ... ON CONFLICT DO NOTHING`; memory: one insert
@@ -43,13 +44,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idempotent_runtime::stores::cache::CachedStore;
+use idempotent_runtime::stores::redis::RedisClusterStore;
 use idempotent_runtime::stores::redis::redis::{self, aio::ConnectionManager};
 use idempotent_runtime::stores::sql::{MySqlStore, PostgresStore, SqliteStore, sqlx};
 use idempotent_runtime::{Call, Error, MemoryStore, RedisStore, Store, idempotent};
 
 const USAGE: &str = "\
-usage: load [--store memory|redis|redis-cached|postgres|mysql|sqlite|all] [--concurrency 1,16,64]
-            [--seconds 3] [--runs 3] [--warmup-ms 300] [--csv PATH]
+usage: load [--store memory|redis|redis-cached|redis-cluster|redis-cluster-wait|postgres|mysql|sqlite|all]
+            [--concurrency 1,16,64]
+            [--seconds 3] [--slices 1] [--runs 3] [--warmup-ms 300] [--csv PATH]
        load --rss-keys 1000000";
 
 /// The function under test: trivial, so what is measured is the idempotency layer.
@@ -87,6 +90,13 @@ trait Target: Send + Sync + 'static {
 
     /// The store's own minimal write of a fresh `key`: one round trip.
     fn raw(&self, key: &str) -> impl Future<Output = Result<(), String>> + Send;
+
+    /// CPU microseconds the server used so far, by its own count (Redis: `used_cpu_user` +
+    /// `used_cpu_sys` of `INFO cpu`, summed over every node), if it keeps one. Unlike the `/proc`
+    /// column this counts only the server under test, at microsecond resolution.
+    fn server_usec(&self) -> impl Future<Output = Option<f64>> + Send {
+        std::future::ready(None)
+    }
 }
 
 /// What one phase measured.
@@ -100,9 +110,33 @@ struct Sample {
     completed: Vec<u64>,
     /// CPU seconds this process and the store's server processes used during the phase.
     cpu: Cpu,
+    /// CPU microseconds the server under test used during the phase, by its own count.
+    server_usec: f64,
 }
 
 impl Sample {
+    fn empty() -> Self {
+        Sample {
+            ops: 0,
+            errors: 0,
+            elapsed: Duration::ZERO,
+            latencies: Vec::new(),
+            completed: Vec::new(),
+            cpu: Cpu::default(),
+            server_usec: 0.0,
+        }
+    }
+
+    /// Adds another slice of the same phase.
+    fn absorb(&mut self, other: Sample) {
+        self.ops += other.ops;
+        self.errors += other.errors;
+        self.elapsed += other.elapsed;
+        self.latencies.extend(other.latencies);
+        self.cpu = Cpu { client: self.cpu.client + other.cpu.client, server: self.cpu.server + other.cpu.server };
+        self.server_usec += other.server_usec;
+    }
+
     fn rate(&self) -> f64 {
         self.ops as f64 / self.elapsed.as_secs_f64()
     }
@@ -128,6 +162,7 @@ async fn drive<T: Target>(
     completed: &[u64],
 ) -> Sample {
     let stop = Arc::new(AtomicBool::new(false));
+    let usec_before = target.server_usec().await;
     let cpu_before = Cpu::now(T::SERVER);
     let start = Instant::now();
     let tasks: Vec<_> = (0..concurrency)
@@ -186,6 +221,7 @@ async fn drive<T: Target>(
         latencies: Vec::new(),
         completed: Vec::new(),
         cpu: Cpu::default(),
+        server_usec: f64::NAN,
     };
     for task in tasks {
         let (ok, errors, keys, latencies) = task.await.expect("a load task panicked");
@@ -196,6 +232,9 @@ async fn drive<T: Target>(
     }
     sample.elapsed = start.elapsed();
     sample.cpu = Cpu::now(T::SERVER).since(cpu_before);
+    if let (Some(before), Some(after)) = (usec_before, target.server_usec().await) {
+        sample.server_usec = after - before;
+    }
     sample.latencies.sort_unstable();
     sample
 }
@@ -215,15 +254,16 @@ struct Row {
     /// CPU time per successful operation of this process, and of the store's server, in µs.
     client_cpu_us: f64,
     server_cpu_us: f64,
+    /// Server CPU per successful operation by the server's own count (Redis `INFO cpu`), µs.
+    server_cmd_us: f64,
 }
 
-const CSV_HEADER: &str =
-    "store,concurrency,run,phase,ops,errors,seconds,ops_per_s,p50_us,p99_us,client_cpu_us_per_op,server_cpu_us_per_op";
+const CSV_HEADER: &str = "store,concurrency,run,phase,ops,errors,seconds,ops_per_s,p50_us,p99_us,client_cpu_us_per_op,server_cpu_us_per_op,server_info_cpu_us_per_op";
 
 impl Row {
     fn csv(&self) -> String {
         format!(
-            "{},{},{},{},{},{},{:.3},{:.1},{:.2},{:.2},{:.2},{:.2}",
+            "{},{},{},{},{},{},{:.3},{:.1},{:.2},{:.2},{:.2},{:.2},{:.2}",
             self.store,
             self.concurrency,
             self.run,
@@ -235,7 +275,8 @@ impl Row {
             self.p50_us,
             self.p99_us,
             self.client_cpu_us,
-            self.server_cpu_us
+            self.server_cpu_us,
+            self.server_cmd_us
         )
     }
 }
@@ -246,6 +287,7 @@ struct Options {
     seconds: f64,
     runs: usize,
     warmup: Duration,
+    slices: usize,
     csv: Option<String>,
     rss_keys: Option<u64>,
 }
@@ -257,6 +299,7 @@ fn parse_options() -> Result<Options, String> {
         seconds: 3.0,
         runs: 3,
         warmup: Duration::from_millis(300),
+        slices: 1,
         csv: None,
         rss_keys: None,
     };
@@ -275,6 +318,7 @@ fn parse_options() -> Result<Options, String> {
             }
             "--seconds" => options.seconds = value.parse().map_err(|e| bad(&e))?,
             "--runs" => options.runs = value.parse().map_err(|e| bad(&e))?,
+            "--slices" => options.slices = value.parse().map_err(|e| bad(&e))?,
             "--warmup-ms" => options.warmup = Duration::from_millis(value.parse().map_err(|e| bad(&e))?),
             "--csv" => options.csv = Some(value),
             "--rss-keys" => options.rss_keys = Some(value.parse().map_err(|e| bad(&e))?),
@@ -284,8 +328,8 @@ fn parse_options() -> Result<Options, String> {
     if options.stores.iter().any(|s| s == "all") {
         options.stores = ["memory", "redis", "redis-cached", "postgres", "mysql", "sqlite"].map(str::to_owned).to_vec();
     }
-    if options.concurrency.contains(&0) || options.runs == 0 || options.seconds <= 0.0 {
-        return Err("concurrency, runs and seconds must be positive".into());
+    if options.concurrency.contains(&0) || options.runs == 0 || options.slices == 0 || options.seconds <= 0.0 {
+        return Err("concurrency, runs, slices and seconds must be positive".into());
     }
     Ok(options)
 }
@@ -344,14 +388,22 @@ async fn measure(store: &str, concurrency: usize, run: usize, options: &Options)
         "redis-cached" => {
             phases(Arc::new(CachedRedisTarget::open().await?), "redis-cached", concurrency, run, options).await
         }
+        "redis-cluster" => {
+            phases(Arc::new(RedisClusterTarget::open(0).await?), "redis-cluster", concurrency, run, options).await
+        }
+        "redis-cluster-wait" => {
+            let target = RedisClusterTarget::open(1).await?;
+            phases(Arc::new(target), "redis-cluster-wait", concurrency, run, options).await
+        }
         "postgres" => {
             phases(Arc::new(PostgresTarget::open(concurrency).await?), "postgres", concurrency, run, options).await
         }
         "mysql" => phases(Arc::new(MySqlTarget::open(concurrency).await?), "mysql", concurrency, run, options).await,
         "sqlite" => phases(Arc::new(SqliteTarget::open().await?), "sqlite", concurrency, run, options).await,
-        other => {
-            Err(format!("unknown store {other:?} (expected memory, redis, redis-cached, postgres, mysql or sqlite)"))
-        }
+        other => Err(format!(
+            "unknown store {other:?} (expected memory, redis, redis-cached, redis-cluster, redis-cluster-wait, \
+             postgres, mysql or sqlite)"
+        )),
     }
 }
 
@@ -375,10 +427,21 @@ async fn phases<T: Target>(
             warm.errors, warm_first.errors
         ));
     }
-    let duration = Duration::from_secs_f64(options.seconds);
-    let raw = drive(&target, Phase::Raw, concurrency, duration, &tag, &[]).await;
-    let first = drive(&target, Phase::First, concurrency, duration, &tag, &[]).await;
-    let replay = drive(&target, Phase::Replay, concurrency, duration, &tag, &first.completed).await;
+    // Each phase runs in `--slices` slices, alternating raw, first, replay, so that a burst of
+    // load from other processes falls on all three phases alike.
+    let slice = Duration::from_secs_f64(options.seconds / options.slices as f64);
+    let (mut raw, mut first, mut replay) = (Sample::empty(), Sample::empty(), Sample::empty());
+    for i in 0..options.slices {
+        let tag = format!("{tag}s{i}");
+        raw.absorb(drive(&target, Phase::Raw, concurrency, slice, &tag, &[]).await);
+        let fresh = drive(&target, Phase::First, concurrency, slice, &tag, &[]).await;
+        let completed = fresh.completed.clone();
+        first.absorb(fresh);
+        replay.absorb(drive(&target, Phase::Replay, concurrency, slice, &tag, &completed).await);
+    }
+    for sample in [&mut raw, &mut first, &mut replay] {
+        sample.latencies.sort_unstable();
+    }
     let rows: Vec<Row> = [(Phase::Raw, raw), (Phase::First, first), (Phase::Replay, replay)]
         .into_iter()
         .map(|(phase, s)| Row {
@@ -394,6 +457,7 @@ async fn phases<T: Target>(
             p99_us: s.percentile_us(0.99),
             client_cpu_us: s.cpu.client * 1e6 / s.ops as f64,
             server_cpu_us: s.cpu.server * 1e6 / s.ops as f64,
+            server_cmd_us: s.server_usec / s.ops as f64,
         })
         .collect();
     eprintln!(
@@ -463,8 +527,9 @@ fn summary(rows: &[Row]) -> String {
     let _ = writeln!(
         out,
         "\nCPU time per operation, µs (median over runs; server: every process of the store's server)\n\n\
-         | store | conc. | raw client | raw server | first client | first server | replay client | replay server |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|"
+         and server CPU by the server's own count (info: Redis `INFO cpu`, only the server under test)\n\n\
+         | store | conc. | raw client | raw server | raw info | first client | first server | first info | replay client | replay server | replay info |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     let mut groups: Vec<(&str, usize)> = rows.iter().map(|r| (r.store, r.concurrency)).collect();
     groups.dedup();
@@ -479,7 +544,13 @@ fn summary(rows: &[Row]) -> String {
         };
         let _ = write!(out, "| {store} | {concurrency} |");
         for phase in [Phase::Raw, Phase::First, Phase::Replay] {
-            let _ = write!(out, " {:.1} | {:.1} |", cpu(phase, |r| r.client_cpu_us), cpu(phase, |r| r.server_cpu_us));
+            let _ = write!(
+                out,
+                " {:.1} | {:.1} | {:.2} |",
+                cpu(phase, |r| r.client_cpu_us),
+                cpu(phase, |r| r.server_cpu_us),
+                cpu(phase, |r| r.server_cmd_us)
+            );
         }
         let _ = writeln!(out);
     }
@@ -548,20 +619,89 @@ impl Target for RedisTarget {
     }
 
     async fn raw(&self, key: &str) -> Result<(), String> {
-        let mut connection = self.connection.clone();
-        let set: redis::Value = redis::cmd("SET")
-            .arg(format!("idempotent-bench-raw:{key}"))
-            .arg(1)
-            .arg("NX")
-            .arg("PX")
-            .arg(600_000)
-            .query_async(&mut connection)
-            .await
-            .map_err(|e| e.to_string())?;
-        match set {
-            redis::Value::Okay => Ok(()),
-            other => Err(format!("SET NX PX of a fresh key returned {other:?}")),
+        redis_raw(&mut self.connection.clone(), key).await
+    }
+
+    async fn server_usec(&self) -> Option<f64> {
+        let info: String = redis::cmd("INFO").arg("cpu").query_async(&mut self.connection.clone()).await.ok()?;
+        Some(info_cpu_usec(&info))
+    }
+}
+
+/// `SET idempotent-bench-raw:<key> 1 NX PX 600000`, which must succeed (the key is fresh).
+async fn redis_raw(connection: &mut impl redis::aio::ConnectionLike, key: &str) -> Result<(), String> {
+    let set: redis::Value = redis::cmd("SET")
+        .arg(format!("idempotent-bench-raw:{key}"))
+        .arg(1)
+        .arg("NX")
+        .arg("PX")
+        .arg(600_000)
+        .query_async(connection)
+        .await
+        .map_err(|e| e.to_string())?;
+    match set {
+        redis::Value::Okay => Ok(()),
+        other => Err(format!("SET NX PX of a fresh key returned {other:?}")),
+    }
+}
+
+/// `used_cpu_user + used_cpu_sys` of `INFO cpu` (the main process), in microseconds.
+fn info_cpu_usec(info: &str) -> f64 {
+    info.lines()
+        .filter_map(|line| line.strip_prefix("used_cpu_user:").or_else(|| line.strip_prefix("used_cpu_sys:")))
+        .filter_map(|seconds| seconds.trim().parse::<f64>().ok())
+        .sum::<f64>()
+        * 1e6
+}
+
+/// Redis Cluster, from `REDIS_CLUSTER_URLS` (comma-separated node URLs); raw `SET NX PX` through
+/// the same cluster connection. With `replicas > 0` (`redis-cluster-wait`) each completion waits
+/// for that many replicas (`WAIT`). The `/proc` server column counts every `redis-server` process
+/// of the machine; the `INFO cpu` column every node of the cluster.
+struct RedisClusterTarget {
+    store: RedisClusterStore,
+    connection: redis::cluster_async::ClusterConnection,
+    nodes: Vec<String>,
+}
+
+impl RedisClusterTarget {
+    async fn open(replicas: u32) -> Result<Self, String> {
+        let nodes: Vec<String> = std::env::var("REDIS_CLUSTER_URLS")
+            .map_err(|_| "set REDIS_CLUSTER_URLS to the cluster's node URLs, comma-separated".to_owned())?
+            .split(',')
+            .map(str::to_owned)
+            .collect();
+        let store = RedisClusterStore::connect_cluster(&nodes).await.map_err(|e| format!("{nodes:?}: {e}"))?;
+        let store = store
+            .with_prefix("idempotent-bench:")
+            .map_err(|e| e.to_string())?
+            .with_replica_acks(replicas, Duration::from_secs(1));
+        let connection = store.connection();
+        Ok(RedisClusterTarget { store, connection, nodes })
+    }
+}
+
+impl Target for RedisClusterTarget {
+    type Store = RedisClusterStore;
+    const SERVER: Option<&'static str> = Some("redis-server");
+
+    fn store(&self) -> &RedisClusterStore {
+        &self.store
+    }
+
+    async fn raw(&self, key: &str) -> Result<(), String> {
+        redis_raw(&mut self.connection.clone(), key).await
+    }
+
+    async fn server_usec(&self) -> Option<f64> {
+        let mut total = 0.0;
+        for node in &self.nodes {
+            let mut connection =
+                redis::Client::open(node.as_str()).ok()?.get_multiplexed_async_connection().await.ok()?;
+            let info: String = redis::cmd("INFO").arg("cpu").query_async(&mut connection).await.ok()?;
+            total += info_cpu_usec(&info);
         }
+        Some(total)
     }
 }
 

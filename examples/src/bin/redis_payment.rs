@@ -6,7 +6,7 @@
 //! ```
 //!
 //! Records live under the prefix `example:payments:`; look at one with
-//! `redis-cli HGETALL 'example:payments:deduct_balance:<request id>'`.
+//! `redis-cli GET 'example:payments:deduct_balance:<request id>'` (a header line, then the JSON outcome).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

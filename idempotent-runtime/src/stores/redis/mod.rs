@@ -1,0 +1,665 @@
+//! The Redis store: one string per key, claimed and replayed with one native `SET`.
+//!
+//! # Layout
+//!
+//! Each idempotency key is **one Redis string** named `<prefix><scope>:<key>`, for example
+//! `idempotent:payments:req-42` with the default prefix `idempotent:`. Its value is a header line,
+//! then (once completed) the recorded outcome:
+//!
+//! ```text
+//! idempotent/1 running <owner token> <fingerprint or ->\n
+//! idempotent/1 done <owner token> <fingerprint or ->\n<outcome>
+//! ```
+//!
+//! The owner token is 32 lowercase hex digits, the fingerprint 64 (or `-` when the call has none),
+//! and the outcome is the encoded result, byte for byte (JSON, see the crate docs). A completed
+//! record keeps the token of the call that completed it. `redis-cli GET 'idempotent:payments:req-42'`
+//! shows, for example:
+//!
+//! ```text
+//! "idempotent/1 done 5f0c5a3e6f2d4b8e9a1c7d3b2e4f6a80 -\n{\"Ok\":\"receipt 42\"}"
+//! ```
+//!
+//! The key's expiry is the claim's lease while it runs and the retention once completed, so Redis
+//! itself forgets abandoned claims and old records (`redis-cli PTTL ...`); nothing needs sweeping.
+//! An operator frees a stuck claim with `DEL` (the running call then gets
+//! [`Error::LeaseLost`](crate::Error::LeaseLost) when it finishes). A value that does not parse
+//! (another program's key under the prefix, another format version) is never overwritten: calls on
+//! it fail with [`StoreError::Corrupt`], naming the key.
+//!
+//! The key text is appended to the prefix verbatim and sent as a command argument, never spliced
+//! into script text, so keys holding `*`, `{`, `:` or spaces stay inside the prefix.
+//!
+//! # Commands and round trips
+//!
+//! - **claim and replay**: one native `SET key <running record> NX PX <lease> GET` (Redis ≥ 7.0).
+//!   It writes the running record if the key is free and returns nothing, or leaves a taken key
+//!   alone and returns its value: the completed record to replay, or the running one. A replay is
+//!   therefore exactly one `SET`, the same command as a plain `SET NX PX`. Only when another call
+//!   is running does the claim make a second, read-only, step (a script reading the value and its
+//!   `PTTL` together) to report the running call's remaining lease in [`Claim::InProgress`].
+//! - **complete**, **release**, **extend**: one `EVALSHA` each, of a script that reads the value
+//!   once, compares its start with `idempotent/1 running <token> `, and then makes one write (`SET
+//!   ... PX <retention>`, `DEL`, `PEXPIRE`). So each is atomic and fenced by the owner token. A
+//!   completion finding the record already completed *by the same token* succeeds without writing
+//!   (its earlier attempt's reply was lost); anything else is [`StoreError::NotOwner`]. A lease
+//!   that ran out is Redis's own expiry: the key is gone, and a late step gets `NotOwner`.
+//!
+//! A first execution costs two round trips (claim, complete), a replay one. When a server does not
+//! know a script yet (after a restart, a failover or `SCRIPT FLUSH`), the step is sent once more
+//! as `EVAL` with the script's text, which also caches it.
+//!
+//! # Redis Cluster
+//!
+//! With the `redis-cluster` feature, [`RedisClusterStore`] is the same store over the redis
+//! crate's asynchronous cluster connection (see [`RedisClusterStore::connect_cluster`]). Every
+//! step touches exactly one key, so each record lives on one slot, keys spread over all masters by
+//! their hash slot, and the client follows `MOVED` and `ASK` redirections and topology changes. A
+//! prefix holding a hash tag (`{...}`) would put every record on one slot, and so on one master.
+//!
+//! # Durability: what a failover can lose
+//!
+//! Redis replicates asynchronously. By default ([`RedisStore::with_replica_acks`] not set) a
+//! completion is acknowledged as soon as the master has it. If the master then dies before its
+//! replica received the record and the replica is promoted, the record is gone: the next call with
+//! that key runs the body again, although the first call's completion was acknowledged. A claim
+//! can be lost the same way, letting a duplicate run while the first call still runs (that first
+//! call then gets [`Error::LeaseLost`](crate::Error::LeaseLost) instead of recording).
+//!
+//! With `with_replica_acks(n, timeout)`, each completion is followed by `WAIT n timeout` on the
+//! record's master (sent with it, in one round trip), and is acknowledged only once `n` replicas have the record; otherwise it fails
+//! with [`StoreError::Backend`] and the protocol retries it within the lease (a retry with the
+//! same token is accepted by the record it already wrote). A promoted replica that acknowledged the
+//! record then still has it. `WAIT` does not make Redis strongly consistent (a replica that
+//! acknowledged can still lose the election to one that did not, with more than one replica per
+//! master), and claims are not waited for. BENCHMARKS.md and RELIABILITY.md give the measured
+//! losses of both modes and the cost of `WAIT`.
+//!
+//! # Connections and failures
+//!
+//! [`RedisStore::connect`] builds a [`ConnectionManager`], which multiplexes every call over one
+//! connection and reconnects by itself after the connection is lost: a store outlives a Redis
+//! restart. During an outage, calls fail with [`StoreError::Backend`] (`backend == "redis"`), which
+//! the protocol reports as [`Error::Store`](crate::Error::Store) without running the body. A call
+//! whose body ran but whose completion failed keeps its claim until the lease ends. With the
+//! settings of [`RedisStore::connect`], a call during an outage fails after the manager's
+//! reconnection attempts, about 1 to 2.5 s on a refused connection (measured on loopback). A call
+//! refused before reaching any server (connection refused) is retried once, so the first call after
+//! the server comes back reconnects and succeeds instead of failing on the manager's last failed
+//! attempt.
+//!
+//! [`RedisStore::connect`] configures the manager with a response timeout of
+//! [`DEFAULT_RESPONSE_TIMEOUT`] (a hung server gives a timeout error instead of a call that never
+//! returns), a connection timeout of [`DEFAULT_CONNECTION_TIMEOUT`] and
+//! [`DEFAULT_RECONNECT_RETRIES`] reconnection attempts per failed call. Build your own manager and
+//! pass it to [`RedisStore::new`] to choose otherwise.
+
+#[cfg(feature = "redis-cluster")]
+mod cluster;
+mod connection;
+mod record;
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{Cmd, RedisError, RedisResult, RedisWrite, ToRedisArgs, Value};
+
+use crate::store::DEFAULT_MAX_RECORD_BYTES;
+use crate::{Claim, ClaimRequest, Detached, Key, Store, StoreError, Token};
+
+#[cfg(feature = "redis-cluster")]
+pub use cluster::{DEFAULT_CLUSTER_RETRIES, RedisClusterStore};
+pub use connection::RedisConnection;
+/// The `redis` crate this store is built on, to build a [`ConnectionManager`] of the same version.
+pub use redis;
+
+/// The key prefix used unless [`RedisStore::with_prefix`] sets another.
+pub const DEFAULT_PREFIX: &str = "idempotent:";
+/// The longest prefix [`RedisStore::with_prefix`] accepts, in bytes.
+pub const MAX_PREFIX_BYTES: usize = 256;
+/// How long [`RedisStore::connect`] waits for a reply before failing the call (2 s).
+pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long [`RedisStore::connect`] waits for a TCP connection to open (1 s).
+pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(1);
+/// How many times [`RedisStore::connect`]'s manager retries a lost connection (with exponential
+/// back-off from 100 ms) before the waiting call fails.
+pub const DEFAULT_RECONNECT_RETRIES: usize = 3;
+
+/// Longest expiry passed to Redis (about 31 700 years): longer durations are capped so that
+/// `PX` cannot overflow.
+const MAX_EXPIRY_MILLIS: u64 = 1_000_000_000_000_000;
+
+/// `KEYS[1]`: the record. `ARGV`: `idempotent/1 running <token> `, `idempotent/1 done <token> `,
+/// the outcome, the retention in ms. Returns 1 when recorded (now, or by this token before), 0 if
+/// the token does not own the key.
+const COMPLETE_LUA: &str = r"
+local v = redis.pcall('GET', KEYS[1])
+if type(v) ~= 'string' then return 0 end
+local n = #ARGV[1]
+if string.sub(v, 1, n) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2] .. string.sub(v, n + 1) .. ARGV[3], 'PX', ARGV[4])
+  return 1
+end
+if string.sub(v, 1, #ARGV[2]) == ARGV[2] then return 1 end
+return 0
+";
+
+/// `KEYS[1]`: the record. `ARGV`: `idempotent/1 running <token> `. Returns 1, or 0 if not owner.
+const RELEASE_LUA: &str = r"
+local v = redis.pcall('GET', KEYS[1])
+if type(v) == 'string' and string.sub(v, 1, #ARGV[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+";
+
+/// `KEYS[1]`: the record. `ARGV`: `idempotent/1 running <token> `, the lease in ms. Returns 1, or
+/// 0 if not owner.
+const EXTEND_LUA: &str = r"
+local v = redis.pcall('GET', KEYS[1])
+if type(v) == 'string' and string.sub(v, 1, #ARGV[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+";
+
+/// A script's text and its SHA-1, for `EVALSHA` with a fallback to `EVAL`.
+struct Lua {
+    source: &'static str,
+    sha: OnceLock<String>,
+}
+
+impl Lua {
+    const fn new(source: &'static str) -> Self {
+        Lua { source, sha: OnceLock::new() }
+    }
+
+    fn sha(&self) -> &str {
+        self.sha.get_or_init(|| redis::Script::new(self.source).get_hash().to_owned())
+    }
+}
+
+/// `KEYS[1]`: the record. Returns `{value or false, PTTL}` read at one instant (for a running
+/// claim's remaining lease).
+const PROBE_LUA: &str = r"
+local v = redis.pcall('GET', KEYS[1])
+if type(v) ~= 'string' then v = false end
+return {v, redis.call('PTTL', KEYS[1])}
+";
+
+static PROBE: Lua = Lua::new(PROBE_LUA);
+static COMPLETE: Lua = Lua::new(COMPLETE_LUA);
+static RELEASE: Lua = Lua::new(RELEASE_LUA);
+static EXTEND: Lua = Lua::new(EXTEND_LUA);
+
+/// A store in Redis: records shared by every process that uses the same server and prefix.
+///
+/// See the [module docs](self) for the key layout, the commands, timeouts and behaviour during
+/// outages and failovers. Cloning is cheap and gives another handle to the same connection.
+///
+/// The connection type `C` is a [`ConnectionManager`] (one server) by default; with the
+/// `redis-cluster` feature, [`RedisClusterStore`] is the same store over a cluster connection.
+///
+/// ```no_run
+/// use idempotent_runtime::{idempotent, Error};
+/// use idempotent_runtime::stores::redis::RedisStore;
+///
+/// #[idempotent(key = order, store = store)]
+/// async fn ship(store: &RedisStore, order: u64) -> Result<String, Error> {
+///     Ok(format!("shipped {order}"))
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = RedisStore::connect("redis://127.0.0.1:6379").await?.with_prefix("shop:idem:")?;
+/// assert_eq!(ship(&store, 7).await?, "shipped 7");
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct RedisStore<C = ConnectionManager> {
+    connection: C,
+    prefix: Arc<str>,
+    max_record_bytes: usize,
+    replica_acks: Option<ReplicaAcks>,
+}
+
+/// How many replicas must acknowledge each completion, and for how long to wait for them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ReplicaAcks {
+    replicas: u32,
+    timeout_ms: u64,
+}
+
+/// Why [`RedisStore::with_prefix`] refused a prefix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "invalid Redis key prefix {prefix:?}: {reason}; use non-empty printable text of at most \
+     {MAX_PREFIX_BYTES} bytes, such as \"myapp:idempotent:\""
+)]
+pub struct InvalidPrefix {
+    /// The refused prefix.
+    pub prefix: String,
+    /// What is wrong with it.
+    pub reason: &'static str,
+}
+
+/// A completion that fewer replicas acknowledged than [`RedisStore::with_replica_acks`] asks for.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the record was written on the master, but only {acknowledged} of the {wanted} replicas asked for \
+     acknowledged it within {timeout_ms} ms; a failover now could lose it (check the replicas' \
+     links, or lower the number of replicas waited for)"
+)]
+pub struct ReplicasMissing {
+    /// Replicas that acknowledged.
+    pub acknowledged: i64,
+    /// Replicas asked for.
+    pub wanted: u32,
+    /// How long `WAIT` waited.
+    pub timeout_ms: u64,
+}
+
+impl RedisStore<ConnectionManager> {
+    /// Connects to `url` (such as `redis://127.0.0.1:6379/0` or `rediss://...`) with the timeouts
+    /// described in the [module docs](self).
+    ///
+    /// Fails if the URL is malformed or the server cannot be reached now.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let client = redis::Client::open(url).map_err(backend)?;
+        let config = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(DEFAULT_RESPONSE_TIMEOUT))
+            .set_connection_timeout(Some(DEFAULT_CONNECTION_TIMEOUT))
+            .set_number_of_retries(DEFAULT_RECONNECT_RETRIES);
+        let manager = ConnectionManager::new_with_config(client, config).await.map_err(backend)?;
+        Ok(Self::new(manager))
+    }
+}
+
+impl<C: RedisConnection> RedisStore<C> {
+    /// A store over an existing connection, with the default prefix and record limit.
+    ///
+    /// The connection's own settings (response timeout, reconnection) apply to every call.
+    #[must_use]
+    pub fn new(connection: C) -> Self {
+        RedisStore {
+            connection,
+            prefix: DEFAULT_PREFIX.into(),
+            max_record_bytes: DEFAULT_MAX_RECORD_BYTES,
+            replica_acks: None,
+        }
+    }
+
+    /// Names keys `<prefix><scope>:<key>` (default [`DEFAULT_PREFIX`]).
+    ///
+    /// Stores with different prefixes never see each other's records. The prefix must be
+    /// non-empty, at most [`MAX_PREFIX_BYTES`] long and free of control characters.
+    pub fn with_prefix(mut self, prefix: impl Into<String>) -> Result<Self, InvalidPrefix> {
+        let prefix = prefix.into();
+        if let Some(reason) = prefix_problem(&prefix) {
+            return Err(InvalidPrefix { prefix, reason });
+        }
+        self.prefix = prefix.into();
+        Ok(self)
+    }
+
+    /// Records outcomes of at most `limit` encoded bytes (default [`DEFAULT_MAX_RECORD_BYTES`]).
+    #[must_use]
+    pub fn with_max_record_bytes(mut self, limit: usize) -> Self {
+        self.max_record_bytes = limit;
+        self
+    }
+
+    /// Acknowledges a completion only once `replicas` replicas of the record's master have it
+    /// (`WAIT replicas timeout` after each completion), so that a failover to one of them keeps it.
+    ///
+    /// `WAIT` travels with the completion in one pipeline, so it adds no round trip, but the reply
+    /// waits for the replicas; replays are not affected. `replicas == 0` turns it off. See the [module docs](self#durability-what-a-failover-can-lose)
+    /// for what this does and does not promise.
+    #[must_use]
+    pub fn with_replica_acks(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.replica_acks = (replicas > 0).then(|| ReplicaAcks {
+            replicas,
+            timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX).max(1),
+        });
+        self
+    }
+
+    /// The key prefix.
+    #[must_use]
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The Redis key that holds `key`'s record: `<prefix><scope>:<key>`.
+    #[must_use]
+    pub fn redis_key(&self, key: &Key) -> String {
+        let mut name = String::with_capacity(self.prefix.len() + key.as_str().len());
+        name.push_str(&self.prefix);
+        name.push_str(key.as_str());
+        name
+    }
+
+    /// A clone of the connection, to send commands of your own.
+    #[must_use]
+    pub fn connection(&self) -> C {
+        self.connection.clone()
+    }
+
+    fn key_arg<'a>(&'a self, key: &'a Key) -> KeyArg<'a> {
+        KeyArg { prefix: &self.prefix, key: key.as_str() }
+    }
+
+    /// Sends `cmd`, once more if the connection was refused: then the command never reached a
+    /// server, and the retry makes the connection reconnect (after a restart, the first call would
+    /// otherwise fail on the manager's last, failed, reconnection attempt).
+    async fn query(&self, cmd: &Cmd) -> RedisResult<Value> {
+        let mut connection = self.connection.clone();
+        match cmd.query_async(&mut connection).await {
+            Err(e) if e.is_connection_refusal() => cmd.query_async(&mut connection).await,
+            result => result,
+        }
+    }
+
+    /// Runs a script on one key by `EVALSHA`, or by `EVAL` if the server does not know it yet.
+    async fn eval(&self, script: &Lua, key: &KeyArg<'_>, args: impl Fn(&mut Cmd)) -> RedisResult<Value> {
+        match self.query(&script_cmd(script, false, key, &args)).await {
+            Err(e) if is_noscript(&e) => self.query(&script_cmd(script, true, key, &args)).await,
+            result => result,
+        }
+    }
+
+    /// Like [`eval`](Self::eval), followed in the same round trip and on the same node by `WAIT`
+    /// for the replicas [`with_replica_acks`](Self::with_replica_acks) asks for. Returns the
+    /// script's reply, or an error if fewer replicas acknowledged.
+    async fn eval_and_wait(
+        &self,
+        script: &Lua,
+        key: &KeyArg<'_>,
+        acks: ReplicaAcks,
+        args: impl Fn(&mut Cmd),
+    ) -> Result<Value, StoreError> {
+        // A cluster connection sends a pipeline to the node of its first keyed command: the
+        // record's master, on the connection that wrote it, which is what `WAIT` counts.
+        let pipeline = |eval: bool| {
+            let mut pipeline = redis::pipe();
+            pipeline.add_command(script_cmd(script, eval, key, &args));
+            pipeline.cmd("WAIT").arg(acks.replicas).arg(acks.timeout_ms);
+            pipeline
+        };
+        let mut connection = self.connection.clone();
+        let mut send = async |pipeline: redis::Pipeline| -> RedisResult<Vec<Value>> {
+            match pipeline.query_async(&mut connection).await {
+                Err(e) if e.is_connection_refusal() => pipeline.query_async(&mut connection).await,
+                result => result,
+            }
+        };
+        let replies = match send(pipeline(false)).await {
+            Err(e) if is_noscript(&e) => send(pipeline(true)).await,
+            result => result,
+        }
+        .map_err(backend)?;
+        let [reply, waited] = <[Value; 2]>::try_from(replies)
+            .map_err(|r| StoreError::Corrupt(format!("unexpected replies to a script and WAIT: {r:?}")))?;
+        match waited {
+            Value::Int(n) if n >= i64::from(acks.replicas) => Ok(reply),
+            // Not recorded by us (NotOwner): nothing to wait for.
+            Value::Int(_) if reply == Value::Int(0) => Ok(reply),
+            Value::Int(acknowledged) => Err(StoreError::backend(
+                "redis",
+                ReplicasMissing { acknowledged, wanted: acks.replicas, timeout_ms: acks.timeout_ms },
+            )),
+            other => Err(StoreError::backend("redis", format!("unexpected reply to WAIT: {other:?}"))),
+        }
+    }
+}
+
+/// `EVALSHA <sha> 1 <key> <args...>`, or `EVAL <script> 1 <key> <args...>`.
+fn script_cmd(script: &Lua, eval: bool, key: &KeyArg<'_>, args: &impl Fn(&mut Cmd)) -> Cmd {
+    let mut cmd = redis::cmd(if eval { "EVAL" } else { "EVALSHA" });
+    cmd.arg(if eval { script.source } else { script.sha() }).arg(1).arg(key);
+    args(&mut cmd);
+    cmd
+}
+
+fn is_noscript(error: &RedisError) -> bool {
+    error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript)
+}
+
+impl<C> std::fmt::Debug for RedisStore<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.prefix)
+            .field("max_record_bytes", &self.max_record_bytes)
+            .field("replica_acks", &self.replica_acks)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `<prefix><scope>:<key>` written straight into a command, without building a `String`.
+struct KeyArg<'a> {
+    prefix: &'a str,
+    key: &'a str,
+}
+
+impl KeyArg<'_> {
+    /// The key's bytes, for error messages.
+    fn bytes(&self) -> Vec<u8> {
+        [self.prefix.as_bytes(), self.key.as_bytes()].concat()
+    }
+}
+
+impl ToRedisArgs for KeyArg<'_> {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        use std::io::Write as _;
+        let mut arg = out.writer_for_next_arg();
+        // Writing into a Vec cannot fail.
+        let _ = arg.write_all(self.prefix.as_bytes());
+        let _ = arg.write_all(self.key.as_bytes());
+    }
+}
+
+fn prefix_problem(prefix: &str) -> Option<&'static str> {
+    if prefix.is_empty() {
+        Some("it is empty")
+    } else if prefix.len() > MAX_PREFIX_BYTES {
+        Some("it is too long")
+    } else if prefix.chars().any(char::is_control) {
+        Some("it holds a control character")
+    } else {
+        None
+    }
+}
+
+fn backend(error: RedisError) -> StoreError {
+    StoreError::backend("redis", error)
+}
+
+/// Milliseconds for `PX`/`PEXPIRE`: rounded up (Redis refuses 0) and capped.
+fn expiry_millis(duration: Duration) -> u64 {
+    let millis = duration.as_nanos().div_ceil(1_000_000).max(1);
+    u64::try_from(millis).unwrap_or(u64::MAX).min(MAX_EXPIRY_MILLIS)
+}
+
+/// A fenced script's reply: 1 done, 0 not the owner.
+fn owner_reply(value: &Value) -> Result<(), StoreError> {
+    match value {
+        Value::Int(1) => Ok(()),
+        Value::Int(0) => Err(StoreError::NotOwner),
+        other => Err(StoreError::Corrupt(format!("unexpected reply from the Redis script: {other:?}"))),
+    }
+}
+
+/// The reply of the claiming `SET ... NX PX ... GET`.
+fn parse_claim(reply: RedisResult<Value>, key: &KeyArg<'_>) -> Result<Claim, StoreError> {
+    match reply {
+        Ok(Value::Nil) => Ok(Claim::Claimed),
+        Ok(Value::BulkString(value)) => Ok(record::parse(value, &key.bytes())?.into_claim()),
+        Ok(other) => Err(StoreError::Corrupt(format!(
+            "unexpected reply to SET ... GET on Redis key {:?}: {other:?}",
+            String::from_utf8_lossy(&key.bytes())
+        ))),
+        Err(e) if e.code() == Some("WRONGTYPE") => {
+            Err(record::corrupt(&key.bytes(), b"", "holds another type than a string (see `redis-cli TYPE`)"))
+        }
+        Err(e) => Err(backend(e)),
+    }
+}
+
+/// The probe's reply: the record with its remaining lease, or `None` if the key is gone.
+fn parse_probe(reply: Value, key: &KeyArg<'_>) -> Result<Option<Claim>, StoreError> {
+    let unexpected = |reply: &dyn std::fmt::Debug| {
+        StoreError::Corrupt(format!(
+            "unexpected reply from the Redis probe of key {:?}: {reply:?}",
+            String::from_utf8_lossy(&key.bytes())
+        ))
+    };
+    let Value::Array(items) = reply else { return Err(unexpected(&reply)) };
+    let mut items = items.into_iter();
+    match (items.next(), items.next(), items.next()) {
+        (Some(Value::Nil | Value::Boolean(false)), Some(_), None) => Ok(None),
+        (Some(Value::BulkString(value)), Some(Value::Int(pttl)), None) => {
+            match record::parse(value, &key.bytes())?.into_claim() {
+                Claim::InProgress { fingerprint, .. } => {
+                    // -1 (no expiry) cannot happen with this store's writes; report it as unknown.
+                    let lease_remaining = u64::try_from(pttl).ok().map(Duration::from_millis);
+                    Ok(Some(Claim::InProgress { fingerprint, lease_remaining }))
+                }
+                done => Ok(Some(done)),
+            }
+        }
+        other => Err(unexpected(&other)),
+    }
+}
+
+impl<C: RedisConnection> Store for RedisStore<C> {
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        record::check_fields(request.token, request.fingerprint)?;
+        let key = self.key_arg(request.key);
+        let running = record::Running {
+            token: request.token.as_str(),
+            fingerprint: request.fingerprint.map(crate::Fingerprint::as_str),
+        };
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(&key).arg(&running).arg("NX").arg("PX").arg(expiry_millis(request.lease)).arg("GET");
+        let mut claim = parse_claim(self.query(&cmd).await, &key)?;
+        // Rare path: another call runs. Read its remaining lease (and the value again, in the same
+        // instant, since it may have finished meanwhile); if the key is gone by now, claim again.
+        for _ in 0..3 {
+            let Claim::InProgress { .. } = claim else { return Ok(claim) };
+            let probe = self.eval(&PROBE, &key, |_| {}).await.map_err(backend)?;
+            match parse_probe(probe, &key)? {
+                Some(found) => return Ok(found),
+                None => claim = parse_claim(self.query(&cmd).await, &key)?,
+            }
+        }
+        Ok(claim)
+    }
+
+    async fn complete(&self, key: &Key, token: &Token, outcome: &[u8], retention: Duration) -> Result<(), StoreError> {
+        let key = self.key_arg(key);
+        let running = record::Owned { state: record::RUNNING, token: token.as_str() };
+        let done = record::Owned { state: record::DONE, token: token.as_str() };
+        let retention = expiry_millis(retention);
+        let args = |cmd: &mut Cmd| {
+            cmd.arg(&running).arg(&done).arg(outcome).arg(retention);
+        };
+        let reply = match self.replica_acks {
+            None => self.eval(&COMPLETE, &key, args).await.map_err(backend)?,
+            Some(acks) => self.eval_and_wait(&COMPLETE, &key, acks, args).await?,
+        };
+        owner_reply(&reply)
+    }
+
+    async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
+        let key = self.key_arg(key);
+        let running = record::Owned { state: record::RUNNING, token: token.as_str() };
+        owner_reply(
+            &self
+                .eval(&RELEASE, &key, |cmd| {
+                    cmd.arg(&running);
+                })
+                .await
+                .map_err(backend)?,
+        )
+    }
+
+    async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
+        let key = self.key_arg(key);
+        let owner = record::Owned { state: record::RUNNING, token: token.as_str() };
+        let reply = self
+            .eval(&EXTEND, &key, |cmd| {
+                cmd.arg(&owner).arg(expiry_millis(lease));
+            })
+            .await;
+        owner_reply(&reply.map_err(backend)?)
+    }
+
+    fn detach(&self, step: Detached) {
+        crate::stores::spawn_detached(self.clone(), step);
+    }
+
+    fn max_record_bytes(&self) -> usize {
+        self.max_record_bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redis_expiry_is_rounded_up_and_capped() {
+        assert_eq!(expiry_millis(Duration::ZERO), 1);
+        assert_eq!(expiry_millis(Duration::from_micros(1)), 1);
+        assert_eq!(expiry_millis(Duration::from_micros(1500)), 2);
+        assert_eq!(expiry_millis(Duration::from_mins(1)), 60_000);
+        assert_eq!(expiry_millis(Duration::MAX), MAX_EXPIRY_MILLIS);
+    }
+
+    #[test]
+    fn redis_claim_replies_are_parsed_strictly() {
+        let key = KeyArg { prefix: "idempotent:", key: "s:k" };
+        assert_eq!(parse_claim(Ok(Value::Nil), &key).unwrap(), Claim::Claimed);
+        let done = b"idempotent/1 done 0a -\n{\"Ok\":1}".to_vec();
+        assert_eq!(
+            parse_claim(Ok(Value::BulkString(done)), &key).unwrap(),
+            Claim::Completed(crate::Record { fingerprint: None, outcome: b"{\"Ok\":1}".to_vec() })
+        );
+        let running = format!("idempotent/1 running 0a {}\n", "ab".repeat(32)).into_bytes();
+        assert_eq!(
+            parse_claim(Ok(Value::BulkString(running)), &key).unwrap(),
+            Claim::InProgress {
+                fingerprint: Some(crate::Fingerprint::from_stored("ab".repeat(32))),
+                lease_remaining: None
+            }
+        );
+        for bad in [Value::Int(1), Value::Okay, Value::BulkString(b"1".to_vec())] {
+            let Err(StoreError::Corrupt(message)) = parse_claim(Ok(bad), &key) else { panic!() };
+            assert!(message.contains("idempotent:s:k"), "{message}");
+        }
+    }
+
+    #[test]
+    fn redis_keys_are_written_verbatim_after_the_prefix() {
+        let key = Key::new("odd", &"{tag} *:x").unwrap();
+        let arg = KeyArg { prefix: "p:", key: key.as_str() };
+        assert_eq!(arg.to_redis_args(), vec![b"p:odd:{tag} *:x".to_vec()]);
+        assert_eq!(arg.bytes(), b"p:odd:{tag} *:x");
+    }
+
+    #[test]
+    fn redis_prefixes_are_validated() {
+        assert_eq!(prefix_problem(DEFAULT_PREFIX), None);
+        assert_eq!(prefix_problem("app:{idem}:* ключ "), None);
+        assert_eq!(prefix_problem(""), Some("it is empty"));
+        assert_eq!(prefix_problem("a\nb"), Some("it holds a control character"));
+        assert_eq!(prefix_problem("a\0"), Some("it holds a control character"));
+        assert_eq!(prefix_problem(&"p".repeat(MAX_PREFIX_BYTES + 1)), Some("it is too long"));
+        let e = InvalidPrefix { prefix: "a\nb".into(), reason: "it holds a control character" };
+        assert!(e.to_string().contains("control character"), "{e}");
+    }
+}

@@ -1,0 +1,222 @@
+//! The one string value that holds a record: a header line, then the outcome.
+//!
+//! ```text
+//! idempotent/1 running <token> <fingerprint or ->\n
+//! idempotent/1 done <token> <fingerprint or ->\n<outcome>
+//! ```
+//!
+//! `<token>` is the owner token (lowercase hex, 32 digits from [`Token::new`]), `<fingerprint>` the
+//! request's fingerprint (64 lowercase hex digits) or `-` when the call has none, and `<outcome>`
+//! the encoded outcome, byte for byte (JSON, see the crate docs). A running record ends after the
+//! header's newline. The completed record keeps the token that completed it, so a completion
+//! retried after a lost reply can tell that it already succeeded.
+//!
+//! Parsing is strict: anything else (another magic, another state, a missing field, a running
+//! record with bytes after its header) is reported as [`StoreError::Corrupt`] naming the key.
+
+use redis::{RedisWrite, ToRedisArgs};
+
+use crate::{Claim, Fingerprint, Record, StoreError, Token};
+
+/// The first word of every value this store writes; the `1` is the format's version.
+pub(super) const MAGIC: &str = "idempotent/1";
+/// `MAGIC running `, the start of a running record (the owner token follows).
+pub(super) const RUNNING: &str = "idempotent/1 running ";
+/// `MAGIC done `, the start of a completed record (the completing token follows).
+pub(super) const DONE: &str = "idempotent/1 done ";
+/// The longest token or fingerprint accepted, in hex digits.
+const MAX_HEX: usize = 128;
+
+/// The running record a claim writes: `idempotent/1 running <token> <fp|->\n`.
+///
+/// Written straight into the command's buffer, without an intermediate allocation.
+pub(super) struct Running<'a> {
+    pub token: &'a str,
+    pub fingerprint: Option<&'a str>,
+}
+
+impl ToRedisArgs for Running<'_> {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        use std::io::Write as _;
+        let mut arg = out.writer_for_next_arg();
+        // Writing into a Vec cannot fail.
+        let _ = arg.write_all(RUNNING.as_bytes());
+        let _ = arg.write_all(self.token.as_bytes());
+        let _ = arg.write_all(b" ");
+        let _ = arg.write_all(self.fingerprint.unwrap_or("-").as_bytes());
+        let _ = arg.write_all(b"\n");
+    }
+}
+
+/// `<prefix> <token> `: what a fenced script compares the start of the stored value with.
+pub(super) struct Owned<'a> {
+    pub state: &'static str,
+    pub token: &'a str,
+}
+
+impl ToRedisArgs for Owned<'_> {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        use std::io::Write as _;
+        let mut arg = out.writer_for_next_arg();
+        let _ = arg.write_all(self.state.as_bytes());
+        let _ = arg.write_all(self.token.as_bytes());
+        let _ = arg.write_all(b" ");
+    }
+}
+
+/// `true` for the text this store accepts as a token or fingerprint: 1 to 128 lowercase hex
+/// digits (so that it can never contain the separators of the header).
+pub(super) fn is_hex_field(text: &str) -> bool {
+    !text.is_empty() && text.len() <= MAX_HEX && text.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// Refuses a token or fingerprint that could not be parsed back from the header.
+pub(super) fn check_fields(token: &Token, fingerprint: Option<&Fingerprint>) -> Result<(), StoreError> {
+    if !is_hex_field(token.as_str()) {
+        return Err(StoreError::backend(
+            "redis",
+            format!("owner token {:?} is not 1 to 128 lowercase hex digits; use Token::new()", token.as_str()),
+        ));
+    }
+    if let Some(fp) = fingerprint.filter(|fp| !is_hex_field(fp.as_str())) {
+        return Err(StoreError::backend(
+            "redis",
+            format!("fingerprint {:?} is not 1 to 128 lowercase hex digits; use Fingerprint::of", fp.as_str()),
+        ));
+    }
+    Ok(())
+}
+
+/// A record as read back.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Parsed {
+    Running { fingerprint: Option<Fingerprint> },
+    Done(Record),
+}
+
+impl Parsed {
+    pub(super) fn into_claim(self) -> Claim {
+        match self {
+            // `SET ... GET` returns the value, not its time to live.
+            Parsed::Running { fingerprint } => Claim::InProgress { fingerprint, lease_remaining: None },
+            Parsed::Done(record) => Claim::Completed(record),
+        }
+    }
+}
+
+/// Parses a stored value, reusing its buffer for the outcome.
+pub(super) fn parse(mut value: Vec<u8>, redis_key: &[u8]) -> Result<Parsed, StoreError> {
+    let Some(newline) = value.iter().position(|&b| b == b'\n') else {
+        return Err(corrupt(redis_key, &value, "has no header line"));
+    };
+    let Ok(header) = std::str::from_utf8(&value[..newline]) else {
+        return Err(corrupt(redis_key, &value, "has a header that is not UTF-8"));
+    };
+    let mut fields = header.split(' ');
+    let (Some(MAGIC), Some(state), Some(token), Some(fp), None) =
+        (fields.next(), fields.next(), fields.next(), fields.next(), fields.next())
+    else {
+        return Err(corrupt(redis_key, &value, "does not start with `idempotent/1 <state> <token> <fingerprint>`"));
+    };
+    if !is_hex_field(token) {
+        return Err(corrupt(redis_key, &value, "has a malformed owner token"));
+    }
+    let fingerprint = match fp {
+        "-" => None,
+        fp if is_hex_field(fp) => Some(Fingerprint::from_stored(fp)),
+        _ => return Err(corrupt(redis_key, &value, "has a malformed fingerprint")),
+    };
+    match state {
+        "running" if value.len() == newline + 1 => Ok(Parsed::Running { fingerprint }),
+        "running" => Err(corrupt(redis_key, &value, "is a running record with bytes after its header")),
+        "done" => {
+            value.drain(..=newline);
+            Ok(Parsed::Done(Record { fingerprint, outcome: value }))
+        }
+        _ => Err(corrupt(redis_key, &value, "has an unknown state")),
+    }
+}
+
+/// The error for a value this store did not write (or an incompatible version wrote).
+pub(super) fn corrupt(redis_key: &[u8], value: &[u8], what: &str) -> StoreError {
+    let shown = &value[..value.len().min(80)];
+    StoreError::Corrupt(format!(
+        "Redis key {:?} {what} (value starts {:?}); it was not written by this store or by a \
+         compatible version: inspect it with `redis-cli GET`, then delete it or use another prefix",
+        String::from_utf8_lossy(redis_key),
+        String::from_utf8_lossy(shown),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TOKEN: &str = "0123456789abcdef0123456789abcdef";
+
+    fn written(record: &impl ToRedisArgs) -> Vec<u8> {
+        let mut args = record.to_redis_args();
+        assert_eq!(args.len(), 1);
+        args.remove(0)
+    }
+
+    #[test]
+    fn redis_records_are_written_in_the_documented_format() {
+        let fp = "ab".repeat(32);
+        let running = written(&Running { token: TOKEN, fingerprint: Some(&fp) });
+        assert_eq!(running, format!("idempotent/1 running {TOKEN} {fp}\n").into_bytes());
+        let bare = written(&Running { token: TOKEN, fingerprint: None });
+        assert_eq!(bare, format!("idempotent/1 running {TOKEN} -\n").into_bytes());
+        assert_eq!(written(&Owned { state: DONE, token: TOKEN }), format!("idempotent/1 done {TOKEN} ").into_bytes());
+    }
+
+    #[test]
+    fn redis_records_parse_back() {
+        let fp = "0f".repeat(32);
+        let running = written(&Running { token: TOKEN, fingerprint: Some(&fp) });
+        assert_eq!(parse(running, b"k").unwrap(), Parsed::Running { fingerprint: Some(Fingerprint::from_stored(&fp)) });
+        let done = format!("idempotent/1 done {TOKEN} -\n{{\"Ok\":\"a\nb\"}}").into_bytes();
+        let record = Record { fingerprint: None, outcome: b"{\"Ok\":\"a\nb\"}".to_vec() };
+        assert_eq!(parse(done, b"k").unwrap(), Parsed::Done(record));
+        // The outcome is kept byte for byte, even when it is not UTF-8.
+        let mut binary = format!("idempotent/1 done {TOKEN} {fp}\n").into_bytes();
+        binary.extend_from_slice(b"\xff\x00");
+        let Parsed::Done(record) = parse(binary, b"k").unwrap() else { panic!() };
+        assert_eq!(record.outcome, b"\xff\x00");
+    }
+
+    #[test]
+    fn redis_foreign_values_are_corrupt_and_name_the_key() {
+        let bad: &[&[u8]] = &[
+            b"",
+            b"1",
+            b"not ours",
+            b"idempotent/1 running\n",
+            b"idempotent/2 done 0a -\n{}",
+            b"idempotent/1 finished 0a -\n{}",
+            b"idempotent/1 running 0A -\n",
+            b"idempotent/1 running 0a  -\n",
+            b"idempotent/1 running 0a -\nextra",
+            b"idempotent/1 done 0a xyz\n{}",
+            b"idempotent/1 done 0a - more\n{}",
+            b"idempotent/1 done \xff -\n{}",
+        ];
+        for value in bad {
+            match parse(value.to_vec(), b"app:s:k") {
+                Err(StoreError::Corrupt(message)) => {
+                    assert!(message.contains("\"app:s:k\"") && message.contains("redis-cli GET"), "{message}");
+                }
+                other => panic!("{:?} parsed as {other:?}", String::from_utf8_lossy(value)),
+            }
+        }
+    }
+
+    #[test]
+    fn redis_tokens_and_fingerprints_must_be_hex() {
+        assert!(check_fields(&Token::new(), Some(&Fingerprint::of(&1).unwrap())).is_ok());
+        assert!(check_fields(&Token::from_stored("a b"), None).is_err());
+        assert!(check_fields(&Token::from_stored(""), None).is_err());
+        assert!(check_fields(&Token::new(), Some(&Fingerprint::from_stored("-"))).is_err());
+        assert!(!is_hex_field(&"a".repeat(MAX_HEX + 1)));
+    }
+}

@@ -1,0 +1,180 @@
+#![cfg(feature = "redis-cluster")]
+//! The Redis store on a real Redis Cluster (3 masters, 3 replicas, started by the fixture in
+//! `idempotent_tests::cluster`): the conformance suite, the stress harness with keys spread over
+//! every master, the record format through the cluster connection, and failover: a master killed
+//! with SIGKILL in the middle of a stress run, with and without `WAIT` for a replica.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotent_runtime::stores::redis::RedisClusterStore;
+use idempotent_runtime::stores::redis::redis::{self, AsyncCommands};
+use idempotent_runtime::{Claim, ClaimRequest, Key, Record, Store, Token};
+use idempotent_tests::cluster::{Cluster, NODE_TIMEOUT_MS};
+use idempotent_tests::stress::{self, StressConfig, StressReport};
+
+fn prefix() -> String {
+    format!("idempotent-cluster:{}:", idempotent_tests::fresh::suffix())
+}
+
+/// The store as `connect_cluster` builds it (2 s response timeout, 4 retries): for the failover test.
+async fn store_on(cluster: &Cluster, prefix: &str) -> RedisClusterStore {
+    RedisClusterStore::connect_cluster(&cluster.urls())
+        .await
+        .expect("connect to the test cluster")
+        .with_prefix(prefix)
+        .expect("valid prefix")
+}
+
+/// The same store over a client with patient timeouts (10 s per reply), for the tests that must see
+/// no store error at all while a shared 2-core machine runs the whole suite.
+async fn patient_store_on(cluster: &Cluster, prefix: &str) -> RedisClusterStore {
+    let client = redis::cluster::ClusterClientBuilder::new(cluster.urls())
+        .response_timeout(Duration::from_secs(10))
+        .overall_response_timeout(Some(Duration::from_secs(30)))
+        .build()
+        .expect("a cluster client");
+    let connection = client.get_async_connection().await.expect("connect to the test cluster");
+    RedisClusterStore::new(connection).with_prefix(prefix).expect("valid prefix")
+}
+
+idempotent_tests::conformance_suite!(
+    conformance_redis_cluster,
+    async {
+        let cluster = idempotent_tests::cluster::Cluster::shared("conformance_redis_cluster")?;
+        Some(super::patient_store_on(cluster, &super::prefix()).await)
+    },
+    self_expiring
+);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_stress_spreads_keys_over_every_master() {
+    let Some(cluster) = Cluster::shared("redis_cluster_stress_spreads_keys_over_every_master") else { return };
+    let prefix = prefix();
+    let store = patient_store_on(cluster, &prefix).await;
+    let report = stress::run("redis-cluster", store, StressConfig::from_env(400)).await;
+    println!("{report}");
+    report.assert_clean();
+    let spread = cluster.keys_per_master(&prefix);
+    println!("records per master: {spread:?}");
+    assert_eq!(spread.len(), 3, "three masters serve the slots: {spread:?}");
+    assert!(spread.values().all(|&n| n > 0), "every master must hold some of the records: {spread:?}");
+    cluster.delete_prefix(&prefix);
+}
+
+/// The record format through the cluster connection, and the scripts sent again after the
+/// servers forgot them (`SCRIPT FLUSH` on every node of this test cluster).
+#[tokio::test]
+async fn redis_cluster_records_are_readable_and_scripts_are_reloaded() {
+    let Some(cluster) = Cluster::shared("redis_cluster_records_are_readable_and_scripts_are_reloaded") else {
+        return;
+    };
+    let prefix = prefix();
+    let store = patient_store_on(cluster, &prefix).await;
+    let mut raw = store.connection();
+    let lease = Duration::from_secs(60);
+    for i in 0..20 {
+        let key = Key::new("format", &i).unwrap();
+        let token = Token::new();
+        let request = ClaimRequest { key: &key, token: &token, fingerprint: None, lease };
+        assert_eq!(store.claim(&request).await.unwrap(), Claim::Claimed);
+        if i % 5 == 0 {
+            let () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut raw).await.unwrap();
+        }
+        store.complete(&key, &token, format!("{{\"Ok\":{i}}}").as_bytes(), lease).await.unwrap();
+        let value: String = raw.get(store.redis_key(&key)).await.unwrap();
+        assert_eq!(value, format!("idempotent/1 done {} -\n{{\"Ok\":{i}}}", token.as_str()));
+        let replay = store.claim(&ClaimRequest { key: &key, token: &Token::new(), fingerprint: None, lease }).await;
+        assert_eq!(
+            replay.unwrap(),
+            Claim::Completed(Record { fingerprint: None, outcome: format!("{{\"Ok\":{i}}}").into_bytes() })
+        );
+    }
+    cluster.delete_prefix(&prefix);
+}
+
+/// A stress run on a private cluster during which one master is killed (SIGKILL) and its replica
+/// promoted; returns the report.
+async fn stress_through_a_failover(cluster: &Arc<Cluster>, store: RedisClusterStore, name: &str) -> StressReport {
+    let mut config = StressConfig::from_env(400);
+    config.keys = 400;
+    config.callers = 8;
+    config.keys_in_flight = 16;
+    config.key_interval = Duration::from_millis(10);
+    config.lease = Duration::from_secs(3);
+    config.settle = Duration::from_secs(15);
+    config.call_timeout = Some(Duration::from_secs(10));
+    let victim = cluster.masters()[0];
+    // Kill the master, wait until its replica took over, then start the killed node again (it
+    // rejoins as the new master's replica, so that `WAIT 1` can be met again on its slots).
+    let fault = {
+        let cluster = Arc::clone(cluster);
+        async move {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            tokio::task::spawn_blocking(move || {
+                let started = std::time::Instant::now();
+                cluster.kill(victim);
+                cluster.wait_promoted(victim, Duration::from_secs(30));
+                let promoted = started.elapsed();
+                cluster.restart(victim);
+                cluster.wait_healthy(Duration::from_secs(30));
+                println!(
+                    "  master on port {victim} killed; replica promoted after {} ms; the node is back as a replica after {} ms",
+                    promoted.as_millis(),
+                    started.elapsed().as_millis()
+                );
+            })
+            .await
+            .expect("kill a master");
+            1
+        }
+    };
+    let (report, masters_killed) = stress::run_with_faults(name, store, config, fault).await;
+    println!("{report}\n  ({masters_killed} master killed, node timeout {NODE_TIMEOUT_MS} ms)");
+    report
+}
+
+/// Kills a master mid-run, twice: without `WAIT` (asynchronous replication, the default) and with
+/// `WAIT 1` per completion. No key stays stuck; every double execution is explained by a caller
+/// told `Error::LeaseLost` (its claim was lost in the failover), by a completion that failed (its
+/// result was never acknowledged), or by a run after an acknowledged record; and with `WAIT 1` the
+/// last never happens: no acknowledged record is lost. (Callers that replay the later run of such a key are
+/// counted by the harness as "wrong results": it takes the first commit as the recorded one.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_failover_mid_stress_run() {
+    let Some(cluster) = Cluster::start("redis_cluster_failover_mid_stress_run") else { return };
+    let cluster = Arc::new(cluster);
+    for (mode, acks) in [("async replication", 0), ("WAIT 1", 1)] {
+        let prefix = prefix();
+        let store = store_on(&cluster, &prefix).await.with_replica_acks(acks, Duration::from_millis(500));
+        let report = stress_through_a_failover(&cluster, store, &format!("redis-cluster failover, {mode}")).await;
+        assert_eq!(report.stuck_keys, 0, "{mode}: no key stays stuck:\n{report}");
+        assert!(
+            report.double_executions <= report.lease_lost + report.runs_after_acknowledged + report.failed_completions,
+            "{mode}: a double execution that no caller was told about (LeaseLost), and not after an acknowledged record:\n{report}"
+        );
+        assert!(
+            report.wrong_results == 0 || report.double_executions > 0,
+            "{mode}: wrong results only on keys that ran twice:\n{report}"
+        );
+        assert!(
+            report.store_failures + report.timed_out > 0,
+            "{mode}: the failover must be seen by some calls:\n{report}"
+        );
+        if acks > 0 {
+            assert_eq!(report.lost_records, 0, "{mode}: no acknowledged record may be lost:\n{report}");
+            assert_eq!(
+                report.runs_after_acknowledged, 0,
+                "{mode}: no body may run after its record was acknowledged:\n{report}"
+            );
+        }
+        println!(
+            "FAILOVER {mode}: double executions {} ({} after an acknowledged record, {} callers told LeaseLost), lost acknowledged records {}, store errors seen by callers {}",
+            report.double_executions,
+            report.runs_after_acknowledged,
+            report.lease_lost,
+            report.lost_records,
+            report.store_failures
+        );
+    }
+}

@@ -1,31 +1,43 @@
 //! The stress harness: many keys, many concurrent duplicate callers per key, random delays and
-//! random body failures, against any [`Store`]; then a check of every key and every caller.
+//! bodies that fail, panic or are cancelled at the edges of the protocol, against any real
+//! [`Store`]; then a check of every key and every caller.
 //!
-//! Each caller runs one idempotent call through [`Call`]. Its body waits a random time, then does
-//! one of: succeed, fail with a transient error (released, so a retry runs again), fail with a
-//! final error (recorded and replayed), panic, or hang until its caller drops it (cancellation).
-//! A body's **side effect** is a commit in the [`Ledger`], outside the store: it happens only on
-//! success or on a final error, the two outcomes that are recorded.
+//! Each caller runs one idempotent call through [`Call`] with a [`Plan`] drawn from the seed. A
+//! body's **side effect** is a commit in the [`Ledger`], outside the store. The plans that matter
+//! most commit their side effect *first* and then end badly (a released error, a panic, a
+//! cancellation while the body runs, a cancellation while the result is being recorded), so the
+//! run sees what each edge does to a side effect already made.
 //!
-//! After all callers have finished, every key is called once more without faults, and the run
-//! counts:
+//! Two of the edges are injected by the store wrapper ([`Counted`]) that every call goes through,
+//! around the real store: it drops a chosen caller while its claim request is in flight (after the
+//! store has answered it), and while its completion is in flight (before or after the store has
+//! recorded it). The drop itself is deterministic: the wrapper signals the caller, which drops its
+//! call future, as an application's timeout would.
 //!
-//! - **double executions**: commits beyond the first, per key (must be 0);
-//! - **lost records**: keys whose completion the store acknowledged but that did not replay
-//!   (must be 0);
-//! - **stuck keys**: keys still in progress after every caller finished and the settle time passed
-//!   (must be 0);
-//! - **wrong results**: callers that got a value other than the one recorded, or an error that is
-//!   neither their own body's nor a typed [`Error`] (must be 0);
-//! - **overlapping bodies**: a body started while another body of the same key was running (must
-//!   be 0).
+//! After all callers have finished, every key is called once more without faults (waiting up to
+//! the lease plus [`StressConfig::settle`] for claims that are kept), and the run counts each
+//! commit beyond a key's first, attributed to what the run before it did:
+//!
+//! - **double executions**, one count per promise (each must be 0): after a recorded result;
+//!   while a body cancelled under [`OnCancel::Keep`] still held its claim; after a cancellation
+//!   while recording; after a drop while claiming; after a panic before any side effect.
+//! - **re-runs by design**, one count per documented limit (not failures): after a released error
+//!   that followed a side effect; after an [`OnCancel::Release`] cancellation that followed one;
+//!   after a panic that followed one; after a kept claim's lease ended (a cancelled body's result
+//!   is never recorded).
+//!
+//! and also **lost records** (a completion the store acknowledged that did not replay), **stuck
+//! keys** (still in progress after the lease plus the settle time), **wrong results** (a caller
+//! got a value other than the recorded one, or an error that is neither its own body's nor a typed
+//! [`Error`]) and **overlapping bodies** (two bodies of one key running at once); all must be 0.
 //!
 //! The sizes come from the environment so the same test runs short in CI and long on demand:
-//! `IDEMPOTENT_STRESS_KEYS`, `IDEMPOTENT_STRESS_CALLERS` and `IDEMPOTENT_STRESS_SEED`.
+//! `IDEMPOTENT_STRESS_KEYS`, `IDEMPOTENT_STRESS_CALLERS` and `IDEMPOTENT_STRESS_SEED` (default
+//! [`DEFAULT_SEED`], so CI makes the same choices on every run).
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Once};
 use std::time::{Duration, Instant};
 
@@ -34,6 +46,85 @@ use idempotent_runtime::{
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Semaphore, oneshot};
+
+/// The seed when `IDEMPOTENT_STRESS_SEED` is not set.
+pub const DEFAULT_SEED: u64 = 0x1DE3_5EED_0015_2026;
+
+/// How early a re-run may start before a kept claim's lease end, as computed by the caller, and
+/// still count as after it: stores keep expiry times in milliseconds.
+const LEASE_TOLERANCE: Duration = Duration::from_millis(10);
+
+/// What one caller's body does, drawn from the seed. "Commits" means it makes its side effect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Plan {
+    /// Commits, returns `Ok` (recorded).
+    Succeed,
+    /// Commits, returns a final error (recorded and replayed).
+    Final,
+    /// Fails with a transient error before any side effect (released).
+    Transient,
+    /// Panics before any side effect (released).
+    Panic,
+    /// Is cancelled before any side effect, under [`OnCancel::Keep`].
+    Cancel,
+    /// Commits, then fails with a transient error: released, so a retry runs again (a documented
+    /// limit: record such errors, or make the side effect and the result one transaction).
+    EffectThenTransient,
+    /// Commits, then panics: released, so a retry runs again (a documented limit).
+    EffectThenPanic,
+    /// Commits, then is cancelled under [`OnCancel::Keep`]: no retry may run while the claim's
+    /// lease lasts.
+    EffectThenCancel,
+    /// Commits, then is cancelled under [`OnCancel::Release`]: a retry runs again (by design).
+    EffectThenCancelRelease,
+    /// Commits and returns `Ok`, and the caller is dropped while the result is being recorded: the
+    /// result is recorded in the background, so no retry runs again.
+    CancelWhileRecording,
+    /// The caller is dropped while its claim request is in flight (the body never starts): the
+    /// claim is released in the background.
+    DropWhileClaiming,
+}
+
+impl Plan {
+    /// Every plan, in report order.
+    pub const ALL: [Plan; 11] = [
+        Plan::Succeed,
+        Plan::Final,
+        Plan::Transient,
+        Plan::Panic,
+        Plan::Cancel,
+        Plan::EffectThenTransient,
+        Plan::EffectThenPanic,
+        Plan::EffectThenCancel,
+        Plan::EffectThenCancelRelease,
+        Plan::CancelWhileRecording,
+        Plan::DropWhileClaiming,
+    ];
+
+    fn index(self) -> usize {
+        Plan::ALL.iter().position(|p| *p == self).unwrap_or(0)
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Plan::Succeed => "succeed",
+            Plan::Final => "final error",
+            Plan::Transient => "transient error",
+            Plan::Panic => "panic",
+            Plan::Cancel => "cancel",
+            Plan::EffectThenTransient => "effect+transient error",
+            Plan::EffectThenPanic => "effect+panic",
+            Plan::EffectThenCancel => "effect+cancel (keep)",
+            Plan::EffectThenCancelRelease => "effect+cancel (release)",
+            Plan::CancelWhileRecording => "cancel while recording",
+            Plan::DropWhileClaiming => "drop while claiming",
+        }
+    }
+
+    fn commits(self) -> bool {
+        !matches!(self, Plan::Transient | Plan::Panic | Plan::Cancel | Plan::DropWhileClaiming)
+    }
+}
 
 /// The sizes and rates of one stress run.
 #[derive(Debug, Clone)]
@@ -44,24 +135,19 @@ pub struct StressConfig {
     pub callers: usize,
     /// How many keys are being called at once (each with all its callers).
     pub keys_in_flight: usize,
-    /// The seed of every random choice (failure kinds, delays).
+    /// The seed of every random choice (plans, delays).
     pub seed: u64,
-    /// The claims' lease.
+    /// The claims' lease: short, so claims kept by cancellations free quickly.
     pub lease: Duration,
     /// How long records are kept.
     pub retention: Duration,
-    /// Per mille of bodies that fail with a transient (released) error.
-    pub transient_per_mille: u64,
-    /// Per mille of bodies that fail with a final (recorded) error.
-    pub final_per_mille: u64,
-    /// Per mille of bodies that panic.
-    pub panic_per_mille: u64,
-    /// Per mille of bodies that hang until their caller drops them.
-    pub cancel_per_mille: u64,
+    /// Per mille of callers for each plan other than [`Plan::Succeed`], which takes the rest.
+    pub mix: Vec<(Plan, u64)>,
     /// The longest random delay inside a body, and before a caller starts.
     pub max_delay: Duration,
-    /// How long the final check waits for a key to leave the in-progress state (detached releases
-    /// still on their way, or, after faults, leases that must run out) or for the store to answer.
+    /// How long, beyond one lease, the final check waits for a key to leave the in-progress state
+    /// (background steps on their way, kept claims, leases orphaned by faults) or for the store
+    /// to answer.
     pub settle: Duration,
     /// A pause between starting one key and the next, to spread a run over time (for fault runs).
     pub key_interval: Duration,
@@ -71,28 +157,32 @@ pub struct StressConfig {
 
 impl StressConfig {
     /// `keys` keys (or `IDEMPOTENT_STRESS_KEYS`) × 16 callers (or `IDEMPOTENT_STRESS_CALLERS`),
-    /// seed from `IDEMPOTENT_STRESS_SEED` or the clock, 2% panics, 2% cancellations, 8% transient
-    /// and 3% final errors, delays up to 3 ms.
+    /// seed `IDEMPOTENT_STRESS_SEED` or [`DEFAULT_SEED`], lease 500 ms, delays up to 3 ms, and
+    /// about 28% of callers on an edge plan (see [`StressConfig::mix`]).
     #[must_use]
     pub fn from_env(keys: usize) -> Self {
         let var = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok());
-        let seed = var("IDEMPOTENT_STRESS_SEED").unwrap_or_else(|| {
-            let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-            u64::try_from(nanos.as_nanos() & u128::from(u64::MAX)).unwrap_or(1)
-        });
         StressConfig {
             keys: var("IDEMPOTENT_STRESS_KEYS").map_or(keys, |k| usize::try_from(k).unwrap_or(keys)),
             callers: var("IDEMPOTENT_STRESS_CALLERS").map_or(16, |c| usize::try_from(c).unwrap_or(16)),
             keys_in_flight: 32,
-            seed,
-            lease: Duration::from_secs(30),
+            seed: var("IDEMPOTENT_STRESS_SEED").unwrap_or(DEFAULT_SEED),
+            lease: Duration::from_millis(500),
             retention: Duration::from_secs(600),
-            transient_per_mille: 80,
-            final_per_mille: 30,
-            panic_per_mille: 20,
-            cancel_per_mille: 20,
+            mix: vec![
+                (Plan::Final, 30),
+                (Plan::Transient, 40),
+                (Plan::Panic, 15),
+                (Plan::Cancel, 10),
+                (Plan::EffectThenTransient, 30),
+                (Plan::EffectThenPanic, 20),
+                (Plan::EffectThenCancel, 25),
+                (Plan::EffectThenCancelRelease, 20),
+                (Plan::CancelWhileRecording, 50),
+                (Plan::DropWhileClaiming, 40),
+            ],
             max_delay: Duration::from_millis(3),
-            settle: Duration::from_secs(5),
+            settle: Duration::from_secs(3),
             key_interval: Duration::ZERO,
             call_timeout: None,
         }
@@ -132,54 +222,130 @@ impl From<Error> for StressError {
     }
 }
 
+/// One side effect.
+#[derive(Debug, Clone)]
+struct Commit {
+    run: u64,
+    plan: Plan,
+    /// When its body started.
+    started: Instant,
+    /// When it committed.
+    committed: Instant,
+    /// For [`Plan::EffectThenCancel`]: the earliest the kept claim can end.
+    kept_until: Option<Instant>,
+}
+
+/// Something that happened to a key without a side effect, which a later double execution is
+/// blamed on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mark {
+    DroppedWhileClaiming,
+    PanickedBeforeEffect,
+}
+
+#[derive(Debug, Default)]
+struct KeyLog {
+    commits: Vec<Commit>,
+    /// Each mark with the number of commits before it.
+    marks: Vec<(usize, Mark)>,
+    /// Runs whose result may be recorded (they returned `Ok` or a final error).
+    recordable: Vec<u64>,
+    running: u32,
+}
+
 /// The side effects of the bodies, counted outside any store.
 #[derive(Debug, Default)]
 pub struct Ledger {
-    /// Per key: the ids of the runs that committed.
-    commits: Mutex<HashMap<u64, Vec<u64>>>,
-    /// Per key: when each run committed.
-    commit_times: Mutex<HashMap<u64, Vec<Instant>>>,
-    /// Per key: how many bodies are running now.
-    running: Mutex<HashMap<u64, u32>>,
+    keys: Mutex<HashMap<u64, KeyLog>>,
     overlaps: AtomicU64,
 }
 
 impl Ledger {
+    fn with<T>(&self, key: u64, f: impl FnOnce(&mut KeyLog) -> T) -> T {
+        f(self.keys.lock().unwrap().entry(key).or_default())
+    }
+
     fn enter(&self, key: u64) {
-        let mut running = self.running.lock().unwrap();
-        let count = running.entry(key).or_default();
-        if *count > 0 {
-            self.overlaps.fetch_add(1, Ordering::SeqCst);
-        }
-        *count += 1;
+        self.with(key, |log| {
+            if log.running > 0 {
+                self.overlaps.fetch_add(1, Ordering::SeqCst);
+            }
+            log.running += 1;
+        });
     }
 
     fn leave(&self, key: u64) {
-        *self.running.lock().unwrap().entry(key).or_default() -= 1;
+        self.with(key, |log| log.running -= 1);
     }
 
-    fn commit(&self, key: u64, run: u64) {
-        self.commits.lock().unwrap().entry(key).or_default().push(run);
-        self.commit_times.lock().unwrap().entry(key).or_default().push(Instant::now());
+    fn commit(&self, key: u64, run: u64, plan: Plan, started: Instant) {
+        self.with(key, |log| {
+            log.commits.push(Commit { run, plan, started, committed: Instant::now(), kept_until: None })
+        });
     }
 
-    fn commits_after(&self, key: u64, moment: Instant) -> u64 {
-        self.commit_times.lock().unwrap().get(&key).map_or(0, |t| t.iter().filter(|&&c| c > moment).count() as u64)
+    fn keep_until(&self, key: u64, run: u64, until: Option<Instant>) {
+        self.with(key, |log| {
+            if let Some(commit) = log.commits.iter_mut().find(|c| c.run == run) {
+                commit.kept_until = until;
+            }
+        });
     }
 
-    fn commits(&self, key: u64) -> Vec<u64> {
-        self.commits.lock().unwrap().get(&key).cloned().unwrap_or_default()
+    fn mark(&self, key: u64, mark: Mark) {
+        self.with(key, |log| log.marks.push((log.commits.len(), mark)));
+    }
+
+    fn recordable(&self, key: u64, run: u64) {
+        self.with(key, |log| log.recordable.push(run));
+    }
+
+    fn runs(&self, key: u64) -> Vec<u64> {
+        self.with(key, |log| log.commits.iter().map(|c| c.run).collect())
     }
 }
 
+/// What the wrapper must do to one caller's call: set for the caller's call future only, so the
+/// final check and the background steps are never touched.
+struct Hooks {
+    plan: Plan,
+    /// For [`Plan::CancelWhileRecording`]: let the completion reach the store before dropping
+    /// the caller (its reply is lost), instead of dropping it before.
+    complete_first: bool,
+    cancel: Mutex<Option<oneshot::Sender<()>>>,
+    /// For [`Plan::DropWhileClaiming`]: the dropped claim request had claimed the key.
+    claimed: AtomicBool,
+}
+
+impl Hooks {
+    fn cancel_now(&self) {
+        if let Some(cancel) = self.cancel.lock().unwrap().take() {
+            let _ = cancel.send(());
+        }
+    }
+}
+
+tokio::task_local! {
+    static HOOKS: Arc<Hooks>;
+}
+
+fn hooks() -> Option<Arc<Hooks>> {
+    HOOKS.try_with(Arc::clone).ok()
+}
+
 /// A [`Store`] that forwards every call to the real store and counts what happened; it records
-/// which keys the store acknowledged as completed, to find lost records later.
+/// which keys the store acknowledged as completed (to find lost records) and how long each claim
+/// lasts at least (to judge re-runs after a kept claim), and drops chosen callers while they
+/// claim or record (see [`Plan`]).
 #[derive(Debug)]
 pub struct Counted<S> {
     inner: S,
     /// Operations and failures, by kind.
     pub ops: OpCounts,
+    /// Per key: when the store first acknowledged a completion.
     completed: Mutex<HashMap<String, Instant>>,
+    /// Per key: the owner of the latest claim and the earliest its lease can end.
+    leases: Mutex<HashMap<String, (Token, Instant)>>,
 }
 
 /// Store operations seen by [`Counted`].
@@ -191,7 +357,7 @@ pub struct OpCounts {
     pub completes: AtomicU64,
     /// `release` calls.
     pub releases: AtomicU64,
-    /// Releases handed to `detach` (a panic, a cancellation, a drop while claiming).
+    /// Releases handed to `detach` (a panic, a cancellation under `Release`, a drop while claiming).
     pub detached_releases: AtomicU64,
     /// Completions handed to `detach` (a drop while recording).
     pub detached_completions: AtomicU64,
@@ -202,14 +368,27 @@ pub struct OpCounts {
     /// `complete` calls that failed with a backend error (a body ran; unless a retry records its
     /// result, the store does not hold it).
     pub failed_completions: AtomicU64,
-    /// `complete`/`release` calls refused with `NotOwner`.
+    /// `complete`/`release`/`extend` calls refused with `NotOwner`.
     pub not_owner: AtomicU64,
+    /// Callers dropped while claiming (after the store answered).
+    pub dropped_while_claiming: AtomicU64,
+    /// Of those, the ones whose claim request had claimed the key.
+    pub dropped_holding_claim: AtomicU64,
+    /// Callers dropped while recording.
+    pub dropped_while_recording: AtomicU64,
+    /// Of those, the ones dropped after the store had recorded the result (reply lost).
+    pub dropped_after_recorded: AtomicU64,
 }
 
 impl<S: Store> Counted<S> {
     /// Wraps `inner`.
     pub fn new(inner: S) -> Self {
-        Counted { inner, ops: OpCounts::default(), completed: Mutex::new(HashMap::new()) }
+        Counted {
+            inner,
+            ops: OpCounts::default(),
+            completed: Mutex::new(HashMap::new()),
+            leases: Mutex::new(HashMap::new()),
+        }
     }
 
     /// The wrapped store.
@@ -224,6 +403,12 @@ impl<S: Store> Counted<S> {
     /// When the store first acknowledged a completion of `key`.
     fn acknowledged_at(&self, key: &Key) -> Option<Instant> {
         self.completed.lock().unwrap().get(key.as_str()).copied()
+    }
+
+    /// The earliest the current claim on `key` can end, by the latest claim or renewal that the
+    /// store acknowledged (counted from before its request was sent).
+    fn lease_floor(&self, key: &Key) -> Option<Instant> {
+        self.leases.lock().unwrap().get(key.as_str()).map(|(_, until)| *until)
     }
 
     fn count<T>(&self, result: &Result<T, StoreError>) {
@@ -242,12 +427,38 @@ impl<S: Store> Counted<S> {
 impl<S: Store> Store for Counted<S> {
     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         self.ops.claims.fetch_add(1, Ordering::Relaxed);
+        let sent = Instant::now();
         let result = self.inner.claim(request).await;
         self.count(&result);
+        let claimed = matches!(result, Ok(Claim::Claimed));
+        if claimed {
+            let lease = (request.token.clone(), sent + request.lease);
+            self.leases.lock().unwrap().insert(request.key.as_str().to_owned(), lease);
+        }
+        if let Some(hooks) = hooks()
+            && hooks.plan == Plan::DropWhileClaiming
+        {
+            // The store has answered; the caller is dropped before it sees the answer.
+            self.ops.dropped_while_claiming.fetch_add(1, Ordering::Relaxed);
+            if claimed {
+                self.ops.dropped_holding_claim.fetch_add(1, Ordering::Relaxed);
+                hooks.claimed.store(true, Ordering::SeqCst);
+            }
+            hooks.cancel_now();
+            std::future::pending::<()>().await;
+        }
         result
     }
 
     async fn complete(&self, key: &Key, token: &Token, outcome: &[u8], retention: Duration) -> Result<(), StoreError> {
+        let drop_here = hooks().filter(|h| h.plan == Plan::CancelWhileRecording);
+        if let Some(hooks) = &drop_here
+            && !hooks.complete_first
+        {
+            self.ops.dropped_while_recording.fetch_add(1, Ordering::Relaxed);
+            hooks.cancel_now();
+            std::future::pending::<()>().await;
+        }
         self.ops.completes.fetch_add(1, Ordering::Relaxed);
         let result = self.inner.complete(key, token, outcome, retention).await;
         self.count(&result);
@@ -259,6 +470,12 @@ impl<S: Store> Store for Counted<S> {
             Err(_) => {
                 self.ops.failed_completions.fetch_add(1, Ordering::Relaxed);
             }
+        }
+        if let Some(hooks) = drop_here {
+            self.ops.dropped_while_recording.fetch_add(1, Ordering::Relaxed);
+            self.ops.dropped_after_recorded.fetch_add(u64::from(result.is_ok()), Ordering::Relaxed);
+            hooks.cancel_now();
+            std::future::pending::<()>().await;
         }
         result
     }
@@ -272,8 +489,15 @@ impl<S: Store> Store for Counted<S> {
 
     async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
         self.ops.extends.fetch_add(1, Ordering::Relaxed);
+        let sent = Instant::now();
         let result = self.inner.extend(key, token, lease).await;
         self.count(&result);
+        if result.is_ok()
+            && let Some((owner, until)) = self.leases.lock().unwrap().get_mut(key.as_str())
+            && owner == token
+        {
+            *until = (*until).max(sent + lease);
+        }
         result
     }
 
@@ -295,6 +519,55 @@ impl<S: Store> Store for Counted<S> {
     }
 }
 
+/// Commits beyond a key's first that break a promise, by promise. Each must be 0.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct BrokenPromises {
+    /// A body ran again after a result was recorded (success or final error).
+    pub recorded: u64,
+    /// A body ran again while the claim of a body cancelled under `OnCancel::Keep` (after its
+    /// side effect) was still within its lease.
+    pub cancel_keep: u64,
+    /// A body ran again after its caller was dropped while recording the result.
+    pub cancel_while_recording: u64,
+    /// A body ran again on a key where a caller had been dropped while claiming.
+    pub drop_while_claiming: u64,
+    /// A body ran again on a key where a body had panicked before its side effect.
+    pub panic: u64,
+}
+
+impl BrokenPromises {
+    /// The sum.
+    #[must_use]
+    pub fn total(&self) -> u64 {
+        self.recorded + self.cancel_keep + self.cancel_while_recording + self.drop_while_claiming + self.panic
+    }
+}
+
+/// Commits beyond a key's first that the documentation says happen. Not failures.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RerunsByDesign {
+    /// After a side effect followed by a released (unrecorded) error.
+    pub released_error_after_effect: u64,
+    /// After a side effect followed by a cancellation under `OnCancel::Release`.
+    pub release_cancel_after_effect: u64,
+    /// After a side effect followed by a panic.
+    pub panic_after_effect: u64,
+    /// After a side effect followed by a cancellation under `OnCancel::Keep`, once the kept
+    /// claim's lease had ended (a cancelled body's result is never recorded).
+    pub after_kept_lease: u64,
+}
+
+impl RerunsByDesign {
+    /// The sum.
+    #[must_use]
+    pub fn total(&self) -> u64 {
+        self.released_error_after_effect
+            + self.release_cancel_after_effect
+            + self.panic_after_effect
+            + self.after_kept_lease
+    }
+}
+
 /// What a stress run observed.
 #[derive(Debug, Default, Clone)]
 pub struct StressReport {
@@ -306,24 +579,26 @@ pub struct StressReport {
     pub keys: usize,
     /// Callers per key.
     pub callers: usize,
+    /// The claims' lease.
+    pub lease: Duration,
     /// Calls made by the callers (keys × callers), plus the final check's calls.
     pub calls: u64,
-    /// Store operations (claims + completes + releases).
+    /// Store operations (claims, completes, releases, extends and background steps).
     pub store_ops: u64,
     /// Store operations that failed with a backend error.
     pub store_errors: u64,
+    /// Bodies that ran (to any end), per plan in [`Plan::ALL`] order.
+    pub bodies_by_plan: [u64; 11],
     /// Bodies that ran (to any end).
     pub bodies: u64,
-    /// Bodies that succeeded.
-    pub ok_bodies: u64,
-    /// Injected faults, by kind.
-    pub injected_transient: u64,
-    /// Final (recorded) errors injected.
-    pub injected_final: u64,
-    /// Panics injected.
-    pub injected_panics: u64,
-    /// Cancellations injected.
-    pub injected_cancels: u64,
+    /// Callers dropped while claiming, and of those the ones whose request had claimed the key.
+    pub dropped_while_claiming: (u64, u64),
+    /// Callers dropped while recording, and of those the ones dropped after the store recorded.
+    pub dropped_while_recording: (u64, u64),
+    /// Steps finished in the background: releases and completions.
+    pub background_steps: (u64, u64),
+    /// Lease renewals.
+    pub extends: u64,
     /// Callers that got a replayed result (value or recorded error) without running the body.
     pub replays: u64,
     /// Callers refused with `InProgress`.
@@ -338,15 +613,19 @@ pub struct StressReport {
     pub timed_out_after_body: u64,
     /// `complete` calls that failed with a backend error (retried or not).
     pub failed_completions: u64,
-    /// Commits beyond the first, per key.
+    /// Commits beyond the first that break a promise ([`BrokenPromises::total`]).
     pub double_executions: u64,
+    /// The same, by promise.
+    pub broken: BrokenPromises,
+    /// Commits beyond the first that are documented limits.
+    pub by_design: RerunsByDesign,
     /// Keys the store acknowledged as completed that did not replay.
     pub lost_records: u64,
     /// Body runs that committed after the store had acknowledged a completion of their key
     /// (double executions among calls that saw their record acknowledged; part of
     /// `double_executions`).
     pub runs_after_acknowledged: u64,
-    /// Keys still in progress at the end.
+    /// Keys still in progress (or failing) after the lease plus the settle time.
     pub stuck_keys: u64,
     /// Callers that got something other than the recorded result or a typed error.
     pub wrong_results: u64,
@@ -369,19 +648,34 @@ impl fmt::Display for StressReport {
         let rate = (self.keys * self.callers) as f64 / secs;
         writeln!(
             f,
-            "STRESS {}: {} keys x {} callers = {} calls ({} store ops, {} store errors) in {:.1} s ({rate:.0} calls/s), seed {}",
-            self.store, self.keys, self.callers, self.calls, self.store_ops, self.store_errors, secs, self.seed
+            "STRESS {}: {} keys x {} callers = {} calls ({} store ops, {} store errors) in {:.1} s ({rate:.0} calls/s), lease {} ms, seed {}",
+            self.store,
+            self.keys,
+            self.callers,
+            self.calls,
+            self.store_ops,
+            self.store_errors,
+            secs,
+            self.lease.as_millis(),
+            self.seed
         )?;
+        let plans: Vec<String> = Plan::ALL
+            .iter()
+            .filter(|p| **p != Plan::DropWhileClaiming)
+            .map(|p| format!("{} {}", p.name(), self.bodies_by_plan[p.index()]))
+            .collect();
+        writeln!(f, "  bodies run {}: {}", self.bodies, plans.join(", "))?;
         writeln!(
             f,
-            "  slowest call {} ms; bodies run {} (ok {}); injected: transient {}, final {}, panics {}, cancellations {}",
+            "  dropped while claiming {} ({} holding the claim), while recording {} ({} after the store recorded); background releases {}, completions {}; lease renewals {}; slowest call {} ms",
+            self.dropped_while_claiming.0,
+            self.dropped_while_claiming.1,
+            self.dropped_while_recording.0,
+            self.dropped_while_recording.1,
+            self.background_steps.0,
+            self.background_steps.1,
+            self.extends,
             self.slowest_call.as_millis(),
-            self.bodies,
-            self.ok_bodies,
-            self.injected_transient,
-            self.injected_final,
-            self.injected_panics,
-            self.injected_cancels
         )?;
         writeln!(
             f,
@@ -394,16 +688,32 @@ impl fmt::Display for StressReport {
             self.timed_out_after_body,
             self.completed_by_check
         )?;
-        write!(
+        let b = &self.broken;
+        writeln!(
             f,
-            "  double executions {} ({} after an acknowledged record), lost records {}, stuck keys {}, wrong results {}, overlapping bodies {}, failed completion attempts {}",
+            "  double executions {} ({} after an acknowledged record): after a recorded result {}, cancelled (keep) within the lease {}, cancelled while recording {}, dropped while claiming {}, panics {}",
             self.double_executions,
             self.runs_after_acknowledged,
-            self.lost_records,
-            self.stuck_keys,
-            self.wrong_results,
-            self.overlapping_bodies,
-            self.failed_completions
+            b.recorded,
+            b.cancel_keep,
+            b.cancel_while_recording,
+            b.drop_while_claiming,
+            b.panic
+        )?;
+        let d = &self.by_design;
+        writeln!(
+            f,
+            "  re-runs by design {}: released error after a side effect {}, on_cancel=release after a side effect {}, panic after a side effect {}, kept claim's lease ended {}",
+            d.total(),
+            d.released_error_after_effect,
+            d.release_cancel_after_effect,
+            d.panic_after_effect,
+            d.after_kept_lease
+        )?;
+        write!(
+            f,
+            "  lost records {}, stuck keys {}, wrong results {}, overlapping bodies {}, failed completion attempts {}",
+            self.lost_records, self.stuck_keys, self.wrong_results, self.overlapping_bodies, self.failed_completions
         )?;
         for problem in &self.problems {
             write!(f, "\n  PROBLEM: {problem}")?;
@@ -413,8 +723,8 @@ impl fmt::Display for StressReport {
 }
 
 impl StressReport {
-    /// Panics with the report unless there were no double executions, lost records, stuck keys,
-    /// wrong results or overlapping bodies.
+    /// Panics with the report unless there were no double executions (in any promise), lost
+    /// records, stuck keys, wrong results or overlapping bodies.
     pub fn assert_clean(&self) {
         assert!(
             self.double_executions == 0
@@ -424,6 +734,20 @@ impl StressReport {
                 && self.overlapping_bodies == 0,
             "the stress run broke exactly-once:\n{self}"
         );
+    }
+
+    /// Panics unless every edge was exercised: a body of every plan ran, callers were dropped
+    /// while holding a fresh claim and while recording (before and after the store recorded).
+    /// Without this, a clean report could mean the run never reached the edges.
+    pub fn assert_edges_seen(&self) {
+        for plan in Plan::ALL {
+            if plan != Plan::DropWhileClaiming {
+                assert!(self.bodies_by_plan[plan.index()] > 0, "no body with plan {:?} ran:\n{self}", plan.name());
+            }
+        }
+        assert!(self.dropped_while_claiming.1 > 0, "no caller was dropped holding a fresh claim:\n{self}");
+        assert!(self.dropped_while_recording.0 > self.dropped_while_recording.1, "no drop before recording:\n{self}");
+        assert!(self.dropped_while_recording.1 > 0, "no drop after the store recorded:\n{self}");
     }
 
     fn problem(&mut self, text: String) {
@@ -467,15 +791,6 @@ impl Rng {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Plan {
-    Succeed,
-    Transient,
-    Final,
-    Panic,
-    Cancel,
-}
-
 const PANIC_MESSAGE: &str = "stress: injected panic";
 
 /// Silences the panics this harness injects on purpose; other panics print as usual.
@@ -503,75 +818,71 @@ enum Seen {
     TimedOut { ran: bool },
 }
 
-#[derive(Debug, Default)]
-struct Injected {
-    bodies: AtomicU64,
-    ok: AtomicU64,
-    transient: AtomicU64,
-    final_: AtomicU64,
-    panics: AtomicU64,
-    cancels: AtomicU64,
-}
-
 struct Shared<S> {
     store: Counted<S>,
     /// The longest a caller waited for its call, in microseconds.
     slowest_micros: AtomicU64,
     ledger: Ledger,
-    injected: Injected,
+    /// Bodies run, per plan.
+    bodies: [AtomicU64; 11],
     scope: String,
     config: StressConfig,
+}
+
+impl<S> Shared<S> {
+    fn key(&self, key: u64) -> Key {
+        Key::new(&self.scope, &key).expect("a valid key")
+    }
 }
 
 fn is_final(error: &StressError) -> bool {
     matches!(error, StressError::Final(_))
 }
 
-/// The body: waits, then does what `plan` says. Its side effect is the ledger commit.
-async fn body<S>(
+/// The body: waits, makes its side effect if the plan has one, then ends as the plan says.
+async fn body<S: Store>(
     shared: &Shared<S>,
     key: u64,
     plan: Plan,
     delay: Duration,
-    cancel: Option<oneshot::Sender<()>>,
+    hooks: Option<&Hooks>,
 ) -> Result<Receipt, StressError> {
     let run = NEXT_RUN.fetch_add(1, Ordering::Relaxed);
-    shared.injected.bodies.fetch_add(1, Ordering::Relaxed);
+    let started = Instant::now();
+    shared.bodies[plan.index()].fetch_add(1, Ordering::Relaxed);
     shared.ledger.enter(key);
     if delay > Duration::ZERO {
         tokio::time::sleep(delay).await;
     } else {
         tokio::task::yield_now().await;
     }
-    // Each failure leaves the "running" set before it happens: what runs after it is not an overlap.
+    if plan.commits() {
+        shared.ledger.commit(key, run, plan, started);
+    }
+    // The body leaves the "running" set before it ends: what runs after that is not an overlap.
+    shared.ledger.leave(key);
     match plan {
-        Plan::Succeed => {
-            shared.ledger.commit(key, run);
-            shared.ledger.leave(key);
-            shared.injected.ok.fetch_add(1, Ordering::Relaxed);
+        Plan::Succeed | Plan::CancelWhileRecording | Plan::DropWhileClaiming => {
+            shared.ledger.recordable(key, run);
             Ok(Receipt { key, run })
         }
         Plan::Final => {
-            shared.ledger.commit(key, run);
-            shared.ledger.leave(key);
-            shared.injected.final_.fetch_add(1, Ordering::Relaxed);
+            shared.ledger.recordable(key, run);
             Err(StressError::Final(run))
         }
-        Plan::Transient => {
-            shared.ledger.leave(key);
-            shared.injected.transient.fetch_add(1, Ordering::Relaxed);
-            Err(StressError::Transient(run))
-        }
-        Plan::Panic => {
-            shared.ledger.leave(key);
-            shared.injected.panics.fetch_add(1, Ordering::Relaxed);
+        Plan::Transient | Plan::EffectThenTransient => Err(StressError::Transient(run)),
+        Plan::Panic | Plan::EffectThenPanic => {
+            if plan == Plan::Panic {
+                shared.ledger.mark(key, Mark::PanickedBeforeEffect);
+            }
             std::panic::panic_any(PANIC_MESSAGE);
         }
-        Plan::Cancel => {
-            shared.ledger.leave(key);
-            shared.injected.cancels.fetch_add(1, Ordering::Relaxed);
-            if let Some(cancel) = cancel {
-                let _ = cancel.send(());
+        Plan::Cancel | Plan::EffectThenCancel | Plan::EffectThenCancelRelease => {
+            if plan == Plan::EffectThenCancel {
+                shared.ledger.keep_until(key, run, shared.store.lease_floor(&shared.key(key)));
+            }
+            if let Some(hooks) = hooks {
+                hooks.cancel_now();
             }
             std::future::pending().await
         }
@@ -580,29 +891,18 @@ async fn body<S>(
 
 fn plan_for(config: &StressConfig, rng: &mut Rng) -> Plan {
     let roll = rng.below(1000);
-    let mut edge = config.transient_per_mille;
-    if roll < edge {
-        return Plan::Transient;
-    }
-    edge += config.final_per_mille;
-    if roll < edge {
-        return Plan::Final;
-    }
-    edge += config.panic_per_mille;
-    if roll < edge {
-        return Plan::Panic;
-    }
-    edge += config.cancel_per_mille;
-    if roll < edge {
-        return Plan::Cancel;
+    let mut edge = 0;
+    for (plan, per_mille) in &config.mix {
+        edge += per_mille;
+        if roll < edge {
+            return *plan;
+        }
     }
     Plan::Succeed
 }
 
 fn call_for<S>(shared: &Shared<S>, key: u64, wait: bool) -> Call {
-    // A cancelled caller releases its claim (the harness's cancellations are retried at once).
     let call = Call::new(&shared.scope, &key)
-        .on_cancel(OnCancel::Release)
         .fingerprint(&("stress", key))
         .lease(shared.config.lease)
         .retention(shared.config.retention);
@@ -615,22 +915,27 @@ async fn caller<S: Store + 'static>(shared: Arc<Shared<S>>, key: u64, index: usi
     let plan = plan_for(&shared.config, &mut rng);
     let start = rng.delay(shared.config.max_delay);
     let delay = rng.delay(shared.config.max_delay);
+    let complete_first = rng.below(2) == 0;
     let wait = index.is_multiple_of(2);
     if start > Duration::ZERO {
         tokio::time::sleep(start).await;
     }
     let (cancel_tx, cancel_rx) = oneshot::channel();
+    let hooks =
+        Arc::new(Hooks { plan, complete_first, cancel: Mutex::new(Some(cancel_tx)), claimed: AtomicBool::new(false) });
     let began = Instant::now();
-    let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let ran = Arc::new(AtomicBool::new(false));
     let task = {
-        let (shared, ran) = (Arc::clone(&shared), Arc::clone(&ran));
+        let (shared, ran, hooks) = (Arc::clone(&shared), Arc::clone(&ran), Arc::clone(&hooks));
         tokio::spawn(async move {
-            let call = call_for(&shared, key, wait);
-            let inner = Arc::clone(&shared);
+            let on_cancel = if plan == Plan::EffectThenCancelRelease { OnCancel::Release } else { OnCancel::Keep };
+            let call = call_for(&shared, key, wait).on_cancel(on_cancel);
+            let (inner, body_hooks) = (Arc::clone(&shared), Arc::clone(&hooks));
             let run = call.run_with(&shared.store, RecordErrorsIf(is_final), async move {
                 ran.store(true, Ordering::SeqCst);
-                body(&inner, key, plan, delay, Some(cancel_tx)).await
+                body(&inner, key, plan, delay, Some(&body_hooks)).await
             });
+            let run = HOOKS.scope(hooks, run);
             let timeout = async {
                 match shared.config.call_timeout {
                     Some(limit) => tokio::time::sleep(limit).await,
@@ -650,7 +955,12 @@ async fn caller<S: Store + 'static>(shared: Arc<Shared<S>>, key: u64, index: usi
     shared.slowest_micros.fetch_max(micros, Ordering::Relaxed);
     match outcome {
         Ok(Some(Some(result))) => Seen::Returned { ran: ran.load(Ordering::SeqCst), result },
-        Ok(Some(None)) => Seen::Cancelled,
+        Ok(Some(None)) => {
+            if hooks.claimed.load(Ordering::SeqCst) {
+                shared.ledger.mark(key, Mark::DroppedWhileClaiming);
+            }
+            Seen::Cancelled
+        }
         Ok(None) => Seen::TimedOut { ran: ran.load(Ordering::SeqCst) },
         Err(e) if e.is_panic() => Seen::Panicked,
         Err(e) => panic!("a caller task failed: {e}"),
@@ -670,7 +980,7 @@ where
         store: Counted::new(store),
         slowest_micros: AtomicU64::new(0),
         ledger: Ledger::default(),
-        injected: Injected::default(),
+        bodies: Default::default(),
         scope,
         config: config.clone(),
     });
@@ -707,6 +1017,7 @@ where
         seed: config.seed,
         keys: config.keys,
         callers: config.callers,
+        lease: config.lease,
         elapsed,
         ..StressReport::default()
     };
@@ -723,8 +1034,7 @@ async fn check<S: Store + 'static>(shared: &Arc<Shared<S>>, seen_per_key: &[Vec<
     // 1. Every caller's result.
     for (key, seen) in seen_per_key.iter().enumerate() {
         let key = key as u64;
-        let commits = shared.ledger.commits(key);
-        let recorded = commits.first().copied();
+        let recordable = shared.ledger.with(key, |log| log.recordable.clone());
         for s in seen {
             report.calls += 1;
             let verdict = match s {
@@ -734,7 +1044,7 @@ async fn check<S: Store + 'static>(shared: &Arc<Shared<S>>, seen_per_key: &[Vec<
                     report.timed_out_after_body += u64::from(*ran);
                     Ok(())
                 }
-                Seen::Returned { ran, result } => judge(*ran, result, key, recorded, report),
+                Seen::Returned { ran, result } => judge(*ran, result, key, &recordable, report),
             };
             if let Err(problem) = verdict {
                 report.wrong_results += 1;
@@ -743,15 +1053,16 @@ async fn check<S: Store + 'static>(shared: &Arc<Shared<S>>, seen_per_key: &[Vec<
         }
     }
 
-    // 2. Every key, once more: it must replay its one record, or (if nobody committed) run once.
-    let settle_until = Instant::now() + shared.config.settle;
+    // 2. Every key, once more: it must replay its record, or run once if nothing was recorded.
+    // Claims kept by cancellations end within one lease; give background steps `settle` more.
+    let settle_until = Instant::now() + shared.config.lease + shared.config.settle;
     for key in 0..seen_per_key.len() as u64 {
-        let before = shared.ledger.commits(key);
+        let before = shared.ledger.runs(key);
         // Whether the store acknowledged a completion of this key before the check's own call.
-        let completed = shared.store.was_completed(&Key::new(&shared.scope, &key).expect("key"));
+        let completed = shared.store.was_completed(&shared.key(key));
         loop {
             report.calls += 1;
-            let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let ran = Arc::new(AtomicBool::new(false));
             let call = call_for(shared, key, false);
             let inner = Arc::clone(shared);
             let flag = Arc::clone(&ran);
@@ -765,72 +1076,111 @@ async fn check<S: Store + 'static>(shared: &Arc<Shared<S>>, seen_per_key: &[Vec<
             let retry =
                 matches!(&result, Err(StressError::Idempotency(Error::InProgress { .. } | Error::Store { .. })));
             if retry && Instant::now() < settle_until {
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
                 continue;
             }
-            match (&result, ran, before.first()) {
-                (Err(StressError::Idempotency(e)), _, _) => {
+            match (&result, ran) {
+                (Err(StressError::Idempotency(e)), _) => {
                     report.stuck_keys += 1;
                     report.problem(format!("key {key} is not usable after the run: {e}"));
                 }
-                (_, true, Some(first)) => {
-                    if completed {
-                        report.lost_records += 1;
-                        report.problem(format!("key {key}: its record (run {first}) was acknowledged but is gone"));
-                    } else {
-                        report.problem(format!(
-                            "key {key}: run {first} committed but its result was never recorded; it ran again"
-                        ));
+                (_, true) if completed => {
+                    report.lost_records += 1;
+                    report.problem(format!("key {key}: its record was acknowledged but is gone; it ran again"));
+                }
+                (_, true) => {
+                    if before.is_empty() {
+                        report.completed_by_check += 1;
                     }
                 }
-                (_, true, None) => report.completed_by_check += 1,
-                (
-                    Ok(Receipt { run, .. }) | Err(StressError::Final(run) | StressError::Transient(run)),
-                    false,
-                    first,
-                ) => {
-                    if first != Some(run) {
+                (Ok(Receipt { run, .. }) | Err(StressError::Final(run) | StressError::Transient(run)), false) => {
+                    let recordable = shared.ledger.with(key, |log| log.recordable.clone());
+                    if !recordable.contains(run) {
                         report.wrong_results += 1;
-                        report.problem(format!("key {key}: the check replayed run {run}, the ledger says {first:?}"));
+                        report.problem(format!(
+                            "key {key}: the check replayed run {run}, recordable runs {recordable:?}"
+                        ));
                     }
                 }
             }
             break;
         }
-        let commits = shared.ledger.commits(key);
-        if let Some(acknowledged) = shared.store.acknowledged_at(&Key::new(&shared.scope, &key).expect("key")) {
-            report.runs_after_acknowledged += shared.ledger.commits_after(key, acknowledged);
-        }
-        report.double_executions += commits.len().saturating_sub(1) as u64;
-        if commits.len() > 1 {
-            report.problem(format!("key {key} committed {} times: runs {commits:?}", commits.len()));
-        }
+        attribute(shared, key, report);
     }
 
     let ops = &shared.store.ops;
-    report.store_ops = ops.claims.load(Ordering::Relaxed)
-        + ops.completes.load(Ordering::Relaxed)
-        + ops.releases.load(Ordering::Relaxed)
-        + ops.detached_releases.load(Ordering::Relaxed);
-    report.store_errors = ops.backend_errors.load(Ordering::Relaxed);
-    report.failed_completions = ops.failed_completions.load(Ordering::Relaxed);
-    let injected = &shared.injected;
-    report.bodies = injected.bodies.load(Ordering::Relaxed);
-    report.ok_bodies = injected.ok.load(Ordering::Relaxed);
-    report.injected_transient = injected.transient.load(Ordering::Relaxed);
-    report.injected_final = injected.final_.load(Ordering::Relaxed);
-    report.injected_panics = injected.panics.load(Ordering::Relaxed);
-    report.injected_cancels = injected.cancels.load(Ordering::Relaxed);
+    let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+    report.background_steps = (load(&ops.detached_releases), load(&ops.detached_completions));
+    report.extends = load(&ops.extends);
+    report.store_ops = load(&ops.claims)
+        + load(&ops.completes)
+        + load(&ops.releases)
+        + report.extends
+        + report.background_steps.0
+        + report.background_steps.1;
+    report.store_errors = load(&ops.backend_errors);
+    report.failed_completions = load(&ops.failed_completions);
+    report.dropped_while_claiming = (load(&ops.dropped_while_claiming), load(&ops.dropped_holding_claim));
+    report.dropped_while_recording = (load(&ops.dropped_while_recording), load(&ops.dropped_after_recorded));
+    for plan in Plan::ALL {
+        report.bodies_by_plan[plan.index()] = load(&shared.bodies[plan.index()]);
+    }
+    report.bodies = report.bodies_by_plan.iter().sum();
+    report.double_executions = report.broken.total();
     report.overlapping_bodies = shared.ledger.overlaps.load(Ordering::SeqCst);
     report.slowest_call = Duration::from_micros(shared.slowest_micros.load(Ordering::Relaxed));
 }
 
-/// Checks one caller's result against the key's recorded run.
+/// Sorts each commit beyond a key's first by what the run before it did.
+fn attribute<S: Store>(shared: &Shared<S>, key: u64, report: &mut StressReport) {
+    let (commits, marks) = shared.ledger.with(key, |log| (log.commits.clone(), log.marks.clone()));
+    if let Some(acknowledged) = shared.store.acknowledged_at(&shared.key(key)) {
+        report.runs_after_acknowledged += commits.iter().filter(|c| c.committed > acknowledged).count() as u64;
+    }
+    for (i, pair) in commits.windows(2).enumerate() {
+        let (previous, this) = (&pair[0], &pair[1]);
+        let marked = |mark: Mark| marks.iter().any(|(at, m)| *at <= i + 1 && *m == mark);
+        let (counter, broken) = match previous.plan {
+            Plan::EffectThenTransient => (&mut report.by_design.released_error_after_effect, false),
+            Plan::EffectThenPanic => (&mut report.by_design.panic_after_effect, false),
+            Plan::EffectThenCancelRelease => (&mut report.by_design.release_cancel_after_effect, false),
+            Plan::EffectThenCancel => match previous.kept_until {
+                Some(until) if this.started + LEASE_TOLERANCE >= until => {
+                    (&mut report.by_design.after_kept_lease, false)
+                }
+                _ => (&mut report.broken.cancel_keep, true),
+            },
+            Plan::CancelWhileRecording => (&mut report.broken.cancel_while_recording, true),
+            _ if marked(Mark::DroppedWhileClaiming) => (&mut report.broken.drop_while_claiming, true),
+            _ if marked(Mark::PanickedBeforeEffect) => (&mut report.broken.panic, true),
+            _ => (&mut report.broken.recorded, true),
+        };
+        *counter += 1;
+        if broken {
+            let early = previous.kept_until.map(|until| {
+                format!(
+                    " ({} ms before the kept lease ended)",
+                    until.saturating_duration_since(this.started).as_millis()
+                )
+            });
+            report.problem(format!(
+                "key {key}: run {} ({}) ran after run {} ({}) had committed{}",
+                this.run,
+                this.plan.name(),
+                previous.run,
+                previous.plan.name(),
+                early.unwrap_or_default()
+            ));
+        }
+    }
+}
+
+/// Checks one caller's result against the key's recordable runs.
 fn judge(
     ran: bool,
     result: &Result<Receipt, StressError>,
     key: u64,
-    recorded: Option<u64>,
+    recordable: &[u64],
     report: &mut StressReport,
 ) -> Result<(), String> {
     match result {
@@ -841,8 +1191,8 @@ fn judge(
             if receipt.key != key {
                 return Err(format!("got the receipt of key {}", receipt.key));
             }
-            if Some(receipt.run) != recorded {
-                return Err(format!("got run {} but the recorded run is {recorded:?}", receipt.run));
+            if !recordable.contains(&receipt.run) {
+                return Err(format!("got run {} but the recordable runs are {recordable:?}", receipt.run));
             }
             Ok(())
         }
@@ -850,10 +1200,10 @@ fn judge(
             if !ran {
                 report.replays += 1;
             }
-            if Some(*run) == recorded {
+            if recordable.contains(run) {
                 Ok(())
             } else {
-                Err(format!("got final error of run {run}, recorded {recorded:?}"))
+                Err(format!("got final error of run {run}, recordable runs {recordable:?}"))
             }
         }
         Err(StressError::Transient(_)) if ran => Ok(()),

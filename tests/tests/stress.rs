@@ -1,6 +1,9 @@
-//! Stress: many keys × 16 concurrent duplicate callers, random delays and random body failures
-//! (transient and final errors, panics, cancellations), on every store. Each run prints its counts
-//! and fails on any double execution, lost record, stuck key, wrong result or overlapping body.
+//! Stress: many keys × 16 concurrent duplicate callers, random delays, and bodies that make their
+//! side effect and then fail, panic, are cancelled while running (`OnCancel::Keep` and `Release`)
+//! or while their result is recorded, plus callers dropped while claiming, on every store. Each run
+//! prints its counts (double executions by promise, re-runs by design by documented limit) and
+//! fails on any double execution in a promise, lost record, stuck key, wrong result or overlapping
+//! body, or if an edge was never reached. The seed is fixed (`IDEMPOTENT_STRESS_SEED` overrides).
 //!
 //! CI runs the short version; `IDEMPOTENT_STRESS_KEYS=10000` runs the long one (see RELIABILITY.md):
 //!
@@ -9,10 +12,21 @@
 //! ```
 
 use idempotent_runtime::MemoryStore;
-use idempotent_tests::stress::{self, StressConfig};
+use idempotent_tests::stress::{self, Plan, StressConfig};
 
 /// Keys per run in the short (CI) version; callers per key are 16 in both versions.
 const SHORT_KEYS: usize = 400;
+
+/// The PostgreSQL and MariaDB runs: a lease of 3 s and 16 keys in flight (256 concurrent calls on
+/// a pool of 16 connections). With a 500 ms lease, a completion that waits for a pooled
+/// connection longer than the lease loses its claim under this load (the caller gets
+/// `Error::LeaseLost`, and the next caller runs the body again): see RELIABILITY.md.
+fn pooled_config() -> StressConfig {
+    let mut config = StressConfig::from_env(SHORT_KEYS);
+    config.lease = std::time::Duration::from_secs(3);
+    config.keys_in_flight = 16;
+    config
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stress_memory_many_keys() {
@@ -21,6 +35,7 @@ async fn stress_memory_many_keys() {
     let report = stress::run("memory", MemoryStore::new(), config).await;
     println!("{report}");
     report.assert_clean();
+    report.assert_edges_seen();
 }
 
 /// The same run with a store whose claim is a check followed, after a pause, by a write (not
@@ -30,10 +45,38 @@ async fn stress_memory_harness_catches_a_racy_store() {
     let mut config = StressConfig::from_env(200);
     config.keys = 200;
     config.settle = std::time::Duration::from_millis(200);
+    // Its claims never expire: a claim kept by a cancellation would hold its waiters for their
+    // whole wait.
+    config.mix.retain(|(plan, _)| !matches!(plan, Plan::Cancel | Plan::EffectThenCancel));
     let report = stress::run("memory-racy", racy::RacyStore::default(), config).await;
     println!("{report}");
     assert!(report.double_executions > 0, "a non-atomic claim must show double executions:\n{report}");
     assert!(report.overlapping_bodies > 0, "and overlapping bodies:\n{report}");
+}
+
+/// The real memory store behind a wrapper that drops every background step (as a store without
+/// `detach` would): results whose caller was dropped while recording are lost, and the harness
+/// must count the re-runs under "cancelled while recording".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stress_memory_harness_catches_lost_background_completions() {
+    let mut config = StressConfig::from_env(200);
+    config.keys = 200;
+    let report = stress::run("memory-no-detach", broken::NoDetach(MemoryStore::new()), config).await;
+    println!("{report}");
+    assert!(report.broken.cancel_while_recording > 0, "lost background completions must show:\n{report}");
+    assert!(report.double_executions >= report.broken.cancel_while_recording, "{report}");
+}
+
+/// The real memory store behind a wrapper that gives every claim a tenth of the lease it was
+/// asked for: claims kept by cancelled bodies end early, and the harness must count the re-runs
+/// under "cancelled (keep) within the lease".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stress_memory_harness_catches_kept_claims_that_end_early() {
+    let mut config = StressConfig::from_env(200);
+    config.keys = 200;
+    let report = stress::run("memory-short-leases", broken::ShortLeases(MemoryStore::new()), config).await;
+    println!("{report}");
+    assert!(report.broken.cancel_keep > 0, "re-runs within a kept claim's lease must show:\n{report}");
 }
 
 #[cfg(feature = "redis")]
@@ -44,26 +87,29 @@ async fn stress_redis_many_keys() {
     println!("{report}");
     cleanup.run().await;
     report.assert_clean();
+    report.assert_edges_seen();
 }
 
 #[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stress_postgres_many_keys() {
     let Some((store, cleanup)) = idempotent_tests::fresh::postgres("stress_postgres_many_keys").await else { return };
-    let report = stress::run("postgres", store, StressConfig::from_env(SHORT_KEYS)).await;
+    let report = stress::run("postgres", store, pooled_config()).await;
     println!("{report}");
     cleanup.run().await;
     report.assert_clean();
+    report.assert_edges_seen();
 }
 
 #[cfg(feature = "mysql")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stress_mysql_many_keys() {
     let Some((store, cleanup)) = idempotent_tests::fresh::mysql("stress_mysql_many_keys").await else { return };
-    let report = stress::run("mysql", store, StressConfig::from_env(SHORT_KEYS)).await;
+    let report = stress::run("mysql", store, pooled_config()).await;
     println!("{report}");
     cleanup.run().await;
     report.assert_clean();
+    report.assert_edges_seen();
 }
 
 #[cfg(feature = "sqlite")]
@@ -74,6 +120,7 @@ async fn stress_sqlite_many_keys() {
     println!("{report}");
     cleanup.run().await;
     report.assert_clean();
+    report.assert_edges_seen();
 }
 
 /// A deliberately broken store for the harness's self-test. Not used anywhere else.
@@ -150,6 +197,76 @@ mod racy {
                     map.remove(key.as_str());
                 }
             }
+        }
+    }
+}
+
+/// Wrappers around the real memory store that break one promise each, for the harness's
+/// self-tests. Not used anywhere else.
+mod broken {
+    use std::time::Duration;
+
+    use idempotent_runtime::{Claim, ClaimRequest, Detached, Key, MemoryStore, Store, StoreError, Token};
+
+    /// Forwards everything except `detach`, which drops the step.
+    pub struct NoDetach(pub MemoryStore);
+
+    impl Store for NoDetach {
+        async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+            self.0.claim(request).await
+        }
+
+        async fn complete(
+            &self,
+            key: &Key,
+            token: &Token,
+            outcome: &[u8],
+            retention: Duration,
+        ) -> Result<(), StoreError> {
+            self.0.complete(key, token, outcome, retention).await
+        }
+
+        async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
+            self.0.release(key, token).await
+        }
+
+        async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
+            self.0.extend(key, token, lease).await
+        }
+
+        fn detach(&self, step: Detached) {
+            drop(step);
+        }
+    }
+
+    /// Forwards everything, with a tenth of each lease asked for.
+    pub struct ShortLeases(pub MemoryStore);
+
+    impl Store for ShortLeases {
+        async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+            self.0.claim(&ClaimRequest { lease: request.lease / 10, ..*request }).await
+        }
+
+        async fn complete(
+            &self,
+            key: &Key,
+            token: &Token,
+            outcome: &[u8],
+            retention: Duration,
+        ) -> Result<(), StoreError> {
+            self.0.complete(key, token, outcome, retention).await
+        }
+
+        async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
+            self.0.release(key, token).await
+        }
+
+        async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
+            self.0.extend(key, token, lease / 10).await
+        }
+
+        fn detach(&self, step: Detached) {
+            self.0.detach(step);
         }
     }
 }

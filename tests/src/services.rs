@@ -21,8 +21,22 @@ pub fn service_url(var: &str, default: &str, test: &str) -> Option<String> {
     }
     let message = format!("{test}: no server at {url} (set {var} to point elsewhere)");
     assert!(!services_required(), "{message}, and IDEMPOTENT_REQUIRE_SERVICES=1 requires it");
-    eprintln!("\n*** SKIPPED {message} ***\n");
+    skipped(&message);
     None
+}
+
+/// Prints a loud `SKIPPED` line that a plain `cargo test` shows.
+///
+/// libtest captures what a passing test prints with `print!`/`eprintln!` and throws it away, so
+/// a skipped test would look like a pass. This writes to the process's standard error directly
+/// (a `write_all` on the handle, which the capture does not intercept), so the line appears in
+/// the test run's output whether the test passes or not.
+pub fn skipped(message: &str) {
+    use std::io::Write as _;
+    let line = format!("\n*** SKIPPED {message} ***\n");
+    let mut stderr = std::io::stderr().lock();
+    let _ = stderr.write_all(line.as_bytes());
+    let _ = stderr.flush();
 }
 
 /// The arguments of `redis-server` that start the test server as the machine and `.ci/run` do
@@ -43,6 +57,24 @@ pub const REDIS_START_ARGS: &[&str] = &[
     "--logfile",
     "/var/log/redis/ci.log",
 ];
+
+/// The port of the Redis server the restart tests stop and start: the port of `REDIS_URL`, or
+/// 6379. (They run `redis-cli` and `redis-server` on this machine, so `REDIS_URL` must name a
+/// local server for them.)
+#[must_use]
+pub fn redis_port() -> u16 {
+    std::env::var("REDIS_URL").ok().and_then(|url| host_port(&url)).map_or(6379, |(_, port)| port)
+}
+
+/// [`REDIS_START_ARGS`] with `--port` set to [`redis_port`].
+#[must_use]
+pub fn redis_start_args() -> Vec<String> {
+    let mut args: Vec<String> = REDIS_START_ARGS.iter().map(|a| (*a).to_owned()).collect();
+    if let Some(at) = args.iter().position(|a| a == "--port") {
+        args[at + 1] = redis_port().to_string();
+    }
+    args
+}
 
 /// The Redis URL (`REDIS_URL`, default `redis://127.0.0.1:6379`).
 #[must_use]

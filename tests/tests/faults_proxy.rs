@@ -2,7 +2,8 @@
 //! proxy ([`idempotent_tests::proxy`]) that delays every chunk past the client's timeouts, stalls
 //! traffic, kills every connection and refuses new ones, then heals. The same store object is
 //! used throughout (recovery without a restart), and the run must end with no double execution,
-//! no lost record and no stuck key.
+//! no lost record and no stuck key, and with some callers having received the faults as typed
+//! `Error::Store` errors (so the faults did reach them) on every store.
 //!
 //! Each test has its own proxy and its own keys or table, so these tests run side by side and
 //! disturb no other test.
@@ -116,6 +117,7 @@ async fn postgres_slow_and_flaky_network_through_a_proxy() {
     let (report, injected) = stress::run_with_faults("postgres via proxy", store, config, faults).await;
     print(&report, &proxy, injected);
     cleanup.run().await;
+    assert!(report.store_failures > 0, "the faults must reach the callers as typed store errors:\n{report}");
     report.assert_clean();
 }
 
@@ -134,5 +136,6 @@ async fn mysql_slow_and_flaky_network_through_a_proxy() {
     let (report, injected) = stress::run_with_faults("mysql via proxy", store, config, faults).await;
     print(&report, &proxy, injected);
     cleanup.run().await;
+    assert!(report.store_failures > 0, "the faults must reach the callers as typed store errors:\n{report}");
     report.assert_clean();
 }

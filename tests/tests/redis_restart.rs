@@ -16,14 +16,14 @@ use std::time::{Duration, Instant};
 
 use idempotent_runtime::stores::redis::{RedisStore, redis};
 use idempotent_runtime::{Error, idempotent};
-use idempotent_tests::services::REDIS_START_ARGS as START_ARGS;
+use idempotent_tests::services::{redis_port, redis_start_args};
 
 /// Where the test server keeps its snapshot (`--dir` below, default `dbfilename`).
 const SNAPSHOT: &str = "/var/lib/redis/dump.rdb";
 
 fn redis_answers() -> bool {
     Command::new("redis-cli")
-        .args(["-p", "6379", "ping"])
+        .args(["-p", &redis_port().to_string(), "ping"])
         .output()
         .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).trim() == "PONG")
 }
@@ -42,7 +42,7 @@ fn wait_until(up: bool, within: Duration) -> bool {
 /// Starts the server (it loads the snapshot, if any), then deletes the snapshot.
 fn start_redis() -> bool {
     if !redis_answers() {
-        let _ = Command::new("redis-server").args(START_ARGS).status();
+        let _ = Command::new("redis-server").args(redis_start_args()).status();
     }
     let up = wait_until(true, Duration::from_secs(15));
     let _ = std::fs::remove_file(SNAPSHOT);
@@ -50,7 +50,7 @@ fn start_redis() -> bool {
 }
 
 fn stop_redis_with_snapshot() {
-    let out = Command::new("redis-cli").args(["-p", "6379", "shutdown", "save"]).output();
+    let out = Command::new("redis-cli").args(["-p", &redis_port().to_string(), "shutdown", "save"]).output();
     // A successful shutdown closes the connection without a reply; only check that it is down.
     drop(out);
     assert!(wait_until(false, Duration::from_secs(15)), "redis-server did not stop");
@@ -127,7 +127,7 @@ async fn redis_survives_server_restart() {
             !idempotent_tests::services::services_required(),
             "{message}, and IDEMPOTENT_REQUIRE_SERVICES=1 requires it"
         );
-        eprintln!("\n*** SKIPPED {message} ***\n");
+        idempotent_tests::services::skipped(message);
         return;
     }
     let _restart = RestartOnDrop;
@@ -227,7 +227,7 @@ async fn redis_paused_server_gives_a_timeout_error() {
             !idempotent_tests::services::services_required(),
             "{message}, and IDEMPOTENT_REQUIRE_SERVICES=1 requires it"
         );
-        eprintln!("\n*** SKIPPED {message} ***\n");
+        idempotent_tests::services::skipped(message);
         return;
     }
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();

@@ -57,7 +57,7 @@ enum Server {
 impl Server {
     fn port(self) -> u16 {
         match self {
-            Server::Redis => 6379,
+            Server::Redis => idempotent_tests::services::redis_port(),
             Server::Postgres => 5432,
             Server::MariaDb => 3306,
         }
@@ -75,7 +75,7 @@ impl Server {
     fn stop(self) {
         match self {
             // A successful SHUTDOWN closes the connection without a reply; the port check below decides.
-            Server::Redis => run("redis-cli", &["-p", "6379", "shutdown", "save"]),
+            Server::Redis => run("redis-cli", &["-p", &self.port().to_string(), "shutdown", "save"]),
             Server::Postgres => {
                 let version = Self::postgres_version();
                 run("pg_ctlcluster", &["--skip-systemctl-redirect", &version, "main", "stop", "-m", "fast"]);
@@ -91,7 +91,8 @@ impl Server {
         }
         match self {
             Server::Redis => {
-                run("redis-server", idempotent_tests::services::REDIS_START_ARGS);
+                let args = idempotent_tests::services::redis_start_args();
+                run("redis-server", &args.iter().map(String::as_str).collect::<Vec<_>>());
             }
             Server::Postgres => {
                 let version = Self::postgres_version();

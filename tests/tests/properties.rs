@@ -5,7 +5,7 @@
 //! Cases per property: 256 on the memory store, 32 on the servers; `IDEMPOTENT_PROPTEST_CASES`
 //! overrides both. A failure prints the smallest input proptest found.
 //!
-//! The inputs are the same on every run: each property draws from a ChaCha generator with a fixed
+//! The inputs are the same on every run: each property draws from a `ChaCha` generator with a fixed
 //! seed (`IDEMPOTENT_PROPTEST_SEED=<u64>` picks another, to explore), so whether CI passes never
 //! depends on luck. An input that once failed is kept below as an explicit regression case.
 
@@ -31,7 +31,7 @@ fn runner(default_cases: u32) -> TestRunner {
 fn rng() -> TestRng {
     match std::env::var("IDEMPOTENT_PROPTEST_SEED").ok().and_then(|s| s.parse::<u64>().ok()) {
         Some(seed) => {
-            let bytes: Vec<u8> = (0..4u64).flat_map(|i| seed.rotate_left(16 * i as u32).to_le_bytes()).collect();
+            let bytes: Vec<u8> = (0..4u32).flat_map(|i| seed.rotate_left(16 * i).to_le_bytes()).collect();
             TestRng::from_seed(RngAlgorithm::ChaCha, &bytes)
         }
         None => TestRng::deterministic_rng(RngAlgorithm::ChaCha),

@@ -191,11 +191,22 @@ mod racy {
         }
 
         fn detach(&self, step: Detached) {
-            if let Detached::Release { key, token } = step {
-                let mut map = self.0.lock().unwrap();
-                if matches!(map.get(key.as_str()), Some(Entry::Running(owner, _)) if owner == &token) {
-                    map.remove(key.as_str());
+            let mut map = self.0.lock().unwrap();
+            match step {
+                Detached::Release { key, token } => {
+                    if matches!(map.get(key.as_str()), Some(Entry::Running(owner, _)) if owner == &token) {
+                        map.remove(key.as_str());
+                    }
                 }
+                Detached::Complete { key, token, outcome, .. } => {
+                    if let Some(Entry::Running(owner, fp)) = map.get(key.as_str())
+                        && owner == &token
+                    {
+                        let done = Entry::Done(fp.clone(), outcome);
+                        map.insert(key.as_str().to_owned(), done);
+                    }
+                }
+                _ => {}
             }
         }
     }

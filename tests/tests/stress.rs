@@ -61,6 +61,8 @@ async fn stress_memory_harness_catches_a_racy_store() {
 async fn stress_memory_harness_catches_lost_background_completions() {
     let mut config = StressConfig::from_env(200);
     config.keys = 200;
+    // Many drops while recording, so the count cannot be 0 by chance.
+    config.mix = vec![(Plan::CancelWhileRecording, 200)];
     let report = stress::run("memory-no-detach", broken::NoDetach(MemoryStore::new()), config).await;
     println!("{report}");
     assert!(report.broken.cancel_while_recording > 0, "lost background completions must show:\n{report}");
@@ -74,6 +76,8 @@ async fn stress_memory_harness_catches_lost_background_completions() {
 async fn stress_memory_harness_catches_kept_claims_that_end_early() {
     let mut config = StressConfig::from_env(200);
     config.keys = 200;
+    // Many cancellations after a side effect, so the count cannot be 0 by chance.
+    config.mix = vec![(Plan::EffectThenCancel, 200)];
     let report = stress::run("memory-short-leases", broken::ShortLeases(MemoryStore::new()), config).await;
     println!("{report}");
     assert!(report.broken.cancel_keep > 0, "re-runs within a kept claim's lease must show:\n{report}");

@@ -280,7 +280,7 @@ impl Ledger {
 
     fn commit(&self, key: u64, run: u64, plan: Plan, started: Instant) {
         self.with(key, |log| {
-            log.commits.push(Commit { run, plan, started, committed: Instant::now(), kept_until: None })
+            log.commits.push(Commit { run, plan, started, committed: Instant::now(), kept_until: None });
         });
     }
 

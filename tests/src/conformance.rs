@@ -34,8 +34,8 @@ macro_rules! conformance_suite {
     };
     // A transactional store (one transaction per test): the cases that hold inside one
     // transaction. Left out: purging (a transaction purges nothing), the cases that drop a call
-    // (its claim stays in the transaction, which its owner rolls back: a transactional store
-    // detaches nothing), the lease cases (a claim in a transaction lives as long as the
+    // or panic in it (its claim stays in the transaction, which its owner rolls back: a
+    // transactional store detaches nothing), the lease cases (a claim in a transaction lives as long as the
     // transaction) and the direct store-step case (its lease expiry parts).
     ($name:ident, $make:expr, transactional) => {
         mod $name {
@@ -49,7 +49,6 @@ macro_rules! conformance_suite {
                 replays_return_identical_values,
                 errors_release_the_key,
                 recorded_errors_are_replayed,
-                panics_release_the_key,
                 invalid_durations_are_refused_before_claiming,
                 fingerprint_mismatch_is_refused_on_every_path,
                 retention_expiry_lets_the_key_run_again,

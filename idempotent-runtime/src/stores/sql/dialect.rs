@@ -25,15 +25,17 @@ pub trait Backend: Debug + Send + Sync + Sized + 'static {
     const NAME: &'static str;
     /// How a claim statement reports that it won.
     const CLAIM: ClaimReport;
-    /// The statement [`begin`](super::SqlStore::begin) opens a transaction with (`None`: the
-    /// backend's default `BEGIN`).
-    const BEGIN: Option<&'static str>;
+    /// The statement [`begin`](super::SqlStore::begin) opens a transaction with (`None`, the
+    /// default: the backend's own `BEGIN`).
+    const BEGIN: Option<&'static str> = None;
 
-    /// The store's statements, for `table`.
-    fn statements(table: &TableName) -> Statements;
+    /// The store's statements, for `table`; `t` is its full name, as the SQL writes it.
+    fn statements(t: &str, table: &TableName) -> Statements;
 
-    /// A lease or retention as the statements bind it.
-    fn duration(duration: Duration) -> Value;
+    /// A lease or retention as the statements bind it (default: whole microseconds).
+    fn duration(duration: Duration) -> Value {
+        Value::Micros(super::micros(duration))
+    }
 
     /// Runs `statement` with `params` bound in the statement's order.
     fn run<'c>(
@@ -125,6 +127,11 @@ pub struct Ran {
 }
 
 impl Ran {
+    /// What a statement that returns no row did: its affected rows and insert id.
+    pub fn done(affected: u64, insert_id: u64) -> Self {
+        Ran { affected, insert_id, row: None }
+    }
+
     /// MySQL/MariaDB: the upsert won when it took over an expired row (2 affected rows) or
     /// inserted one (1 row, and no `LAST_INSERT_ID(1)` from the branch that leaves a live row
     /// alone). Anything else is read back; that read also recognises a won claim, so this
@@ -141,6 +148,45 @@ pub struct Statements {
     pub create: Vec<Statement>,
     pub claim: Statement,
     pub read: Statement,
+    pub fenced: Fenced,
+    /// Run in order on one connection; the last one deletes a batch and its affected rows count.
+    pub purge: Vec<Statement>,
+}
+
+/// The column types of the table, in the dialect's words.
+pub struct Columns<'a> {
+    pub key: &'a str,
+    pub state: &'a str,
+    pub token: &'a str,
+    pub text: &'a str,
+    pub outcome: &'a str,
+    pub expires_at: &'a str,
+    /// Lines after the columns (keys and indexes declared inside the table), each ending in `,`.
+    pub inside: &'a [String],
+    /// What follows the closing parenthesis.
+    pub options: &'a str,
+}
+
+impl Columns<'_> {
+    /// `CREATE TABLE IF NOT EXISTS` for `table`, laid out as the module docs show it.
+    pub fn create(&self, table: &str) -> Statement {
+        let Columns { key, state, token, text, outcome, expires_at, .. } = self;
+        let columns = [
+            format!("idempotency_key {key}"),
+            format!("state {state}"),
+            format!("token {token}"),
+            format!("fingerprint {text}"),
+            format!("outcome {outcome}"),
+            format!("expires_at {expires_at}"),
+        ];
+        let lines = columns.iter().chain(self.inside).map(String::as_str).collect::<Vec<_>>().join(",\n    ");
+        Statement::exec(format!("CREATE TABLE IF NOT EXISTS {table} (\n    {lines}\n){}", self.options), &[])
+    }
+}
+
+/// The steps fenced by the token and the lease, written alike for every dialect.
+#[derive(Debug)]
+pub struct Fenced {
     pub complete: Statement,
     pub extend: Statement,
     pub release: Statement,
@@ -149,8 +195,69 @@ pub struct Statements {
     /// lease does not fence there (see `SqlTxStore`, "Leases").
     pub complete_in_tx: Statement,
     pub release_in_tx: Statement,
-    /// Run in order on one connection; the last one deletes a batch and its affected rows count.
-    pub purge: Vec<Statement>,
+}
+
+/// What the fenced steps differ in from one dialect to the next.
+pub struct Fencing<'a> {
+    pub table: &'a str,
+    /// `idempotency_key = <placeholder> AND token = <placeholder>`.
+    pub key_and_token: &'a str,
+    /// The clock: the current time, as the statement sees it.
+    pub now: &'a str,
+    /// The completion's outcome placeholder, and its new `expires_at` (now + the retention).
+    pub outcome: &'a str,
+    pub retained_until: String,
+    pub complete_args: &'static [Arg],
+    /// The heartbeat's new `expires_at` (now + the lease).
+    pub leased_until: String,
+    pub extend_args: &'static [Arg],
+}
+
+impl Fencing<'_> {
+    /// For the dialects with numbered placeholders (`$1`, `?1`): key 1, token 2, then the
+    /// outcome 3 and the retention 4 of a completion, or the lease 3 of a heartbeat.
+    pub fn numbered(table: &str, now: &str, placeholder: char, until: impl Fn(u8) -> String) -> Fenced {
+        Fencing {
+            table,
+            key_and_token: &format!("idempotency_key = {placeholder}1 AND token = {placeholder}2"),
+            now,
+            outcome: &format!("{placeholder}3"),
+            retained_until: until(4),
+            complete_args: &[Arg::Key, Arg::Token, Arg::Outcome, Arg::Duration],
+            leased_until: until(3),
+            extend_args: &[Arg::Key, Arg::Token, Arg::Duration],
+        }
+        .statements()
+    }
+
+    pub fn statements(self) -> Fenced {
+        let Fencing { table: t, key_and_token, now, outcome, retained_until, leased_until, .. } = self;
+        let owned = format!("{key_and_token} AND state = 'in_progress'");
+        let live = format!("{owned} AND expires_at > {now}");
+        // A row this token already completed matches too, and is written back unchanged (a
+        // completion repeated after a lost reply). `state` is assigned last: MySQL assigns left to
+        // right, each assignment seeing the ones before.
+        let complete = |fence: &str| {
+            let sql = format!(
+                "UPDATE {t} SET outcome = CASE WHEN state = 'in_progress' THEN {outcome} ELSE outcome END, \
+                 expires_at = CASE WHEN state = 'in_progress' THEN {retained_until} ELSE expires_at END, \
+                 state = 'completed' WHERE {key_and_token}{fence}"
+            );
+            Statement::exec(sql, self.complete_args)
+        };
+        let release =
+            |condition: &str| Statement::exec(format!("DELETE FROM {t} WHERE {condition}"), &[Arg::Key, Arg::Token]);
+        Fenced {
+            complete: complete(&format!(" AND expires_at > {now}")),
+            complete_in_tx: complete(""),
+            extend: Statement::exec(
+                format!("UPDATE {t} SET expires_at = {leased_until} WHERE {live}"),
+                self.extend_args,
+            ),
+            release: release(&live),
+            release_in_tx: release(&owned),
+        }
+    }
 }
 
 /// Runs a statement on any sqlx backend; each dialect's [`Backend::run`] calls it with its own
@@ -214,6 +321,13 @@ pub struct TableName {
     pub schema: Option<String>,
     /// The table itself.
     pub name: String,
+}
+
+impl TableName {
+    /// The name of the index on `expires_at`.
+    pub fn index(&self) -> String {
+        format!("{}_expires_at", self.name)
+    }
 }
 
 impl TableName {

@@ -277,7 +277,8 @@ mod tests {
     fn sql_documented_schemas_are_the_ones_created() {
         fn check<D: dialect::Backend>(source: &str) {
             let docs = source.lines().filter_map(|line| line.strip_prefix("//! ")).collect::<Vec<_>>().join("\n");
-            let created = script(&D::statements(&TableName::parse("idempotency_records").unwrap()).create);
+            let table = TableName::parse("idempotency_records").unwrap();
+            let created = script(&D::statements(&table.full, &table).create);
             assert!(docs.contains(&created), "{} module docs:\n{docs}\ncreated:\n{created}", D::NAME);
         }
         #[cfg(feature = "postgres")]

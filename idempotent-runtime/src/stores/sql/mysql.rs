@@ -60,13 +60,11 @@
 //! In [`MySqlTxStore`], the locking read sees the latest committed row even under REPEATABLE READ,
 //! so a duplicate that waited for the first transaction replays its committed result.
 
-use std::time::Duration;
-
 use sqlx::MySql;
 use sqlx::mysql::MySqlConnection;
 
 use super::dialect::TableName;
-use super::dialect::{Arg, Backend, ClaimReport, Params, Ran, Running, Statement, Statements, Value};
+use super::dialect::{Arg, Backend, ClaimReport, Columns, Fencing, Params, Ran, Running, Statement, Statements};
 use super::{SqlStore, SqlTxStore};
 
 /// The MySQL/MariaDB dialect of [`SqlStore`] and [`SqlTxStore`].
@@ -137,50 +135,31 @@ pub type MySqlStore = SqlStore<MySqlDialect>;
 /// ```
 pub type MySqlTxStore = SqlTxStore<MySqlDialect>;
 
-const NOW: &str = "UTC_TIMESTAMP(6)";
-
 impl Backend for MySqlDialect {
     type Db = MySql;
     const NAME: &'static str = "mysql";
     const CLAIM: ClaimReport = ClaimReport::Affected;
-    const BEGIN: Option<&'static str> = None;
 
-    fn statements(table: &TableName) -> Statements {
-        let t = &table.full;
-        let index = format!("{}_expires_at", table.name);
+    fn statements(t: &str, table: &TableName) -> Statements {
         let expired = format!("expires_at <= {NOW}");
-        let owned = "idempotency_key = ? AND token = ? AND state = 'in_progress'";
-        let live = format!("{owned} AND expires_at > {NOW}");
         let until = format!("{NOW} + INTERVAL ? MICROSECOND");
-        // A row this token already completed matches too, and is written back unchanged (a
-        // completion repeated after a lost reply). `state` is assigned last: MySQL assigns left
-        // to right, each assignment seeing the ones before.
-        let complete = |fence: &str| {
-            Statement::exec(
-                format!(
-                    "UPDATE {t} SET outcome = IF(state = 'in_progress', ?, outcome), \
-                     expires_at = IF(state = 'in_progress', {until}, expires_at), state = 'completed' \
-                     WHERE idempotency_key = ? AND token = ?{fence}"
-                ),
-                &[Arg::Outcome, Arg::Duration, Arg::Key, Arg::Token],
-            )
-        };
         Statements {
-            create: vec![Statement::exec(
-                format!(
-                    "CREATE TABLE IF NOT EXISTS {t} (\n    \
-                     idempotency_key VARBINARY(511) NOT NULL,\n    \
-                     state VARCHAR(16) NOT NULL,\n    \
-                     token VARCHAR(64) NOT NULL,\n    \
-                     fingerprint VARCHAR(255),\n    \
-                     outcome LONGTEXT,\n    \
-                     expires_at DATETIME(6) NOT NULL,\n    \
-                     PRIMARY KEY (idempotency_key),\n    \
-                     INDEX {index} (expires_at)\n\
-                     ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin"
-                ),
-                &[],
-            )],
+            create: vec![
+                Columns {
+                    key: "VARBINARY(511) NOT NULL",
+                    state: "VARCHAR(16) NOT NULL",
+                    token: "VARCHAR(64) NOT NULL",
+                    text: "VARCHAR(255)",
+                    outcome: "LONGTEXT",
+                    expires_at: "DATETIME(6) NOT NULL",
+                    inside: &[
+                        "PRIMARY KEY (idempotency_key)".to_owned(),
+                        format!("INDEX {} (expires_at)", table.index()),
+                    ],
+                    options: " ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin",
+                }
+                .create(t),
+            ],
             claim: Statement::exec(
                 format!(
                     "INSERT INTO {t} (idempotency_key, state, token, fingerprint, outcome, expires_at) \
@@ -202,14 +181,17 @@ impl Backend for MySqlDialect {
                 &[Arg::Key],
             ),
             // The connection reports matched rows (CLIENT_FOUND_ROWS), so 1 means ours.
-            complete: complete(&format!(" AND expires_at > {NOW}")),
-            complete_in_tx: complete(""),
-            extend: Statement::exec(
-                format!("UPDATE {t} SET expires_at = {until} WHERE {live}"),
-                &[Arg::Duration, Arg::Key, Arg::Token],
-            ),
-            release: Statement::exec(format!("DELETE FROM {t} WHERE {live}"), &[Arg::Key, Arg::Token]),
-            release_in_tx: Statement::exec(format!("DELETE FROM {t} WHERE {owned}"), &[Arg::Key, Arg::Token]),
+            fenced: Fencing {
+                table: t,
+                key_and_token: "idempotency_key = ? AND token = ?",
+                now: NOW,
+                outcome: "?",
+                retained_until: until.clone(),
+                complete_args: &[Arg::Outcome, Arg::Duration, Arg::Key, Arg::Token],
+                leased_until: until.clone(),
+                extend_args: &[Arg::Duration, Arg::Key, Arg::Token],
+            }
+            .statements(),
             purge: vec![
                 Statement::exec("SET TRANSACTION ISOLATION LEVEL READ COMMITTED".to_owned(), &[]),
                 Statement::exec(format!("DELETE FROM {t} WHERE {expired} ORDER BY expires_at LIMIT ?"), &[Arg::Limit]),
@@ -218,15 +200,9 @@ impl Backend for MySqlDialect {
         }
     }
 
-    fn duration(duration: Duration) -> Value {
-        Value::Micros(super::micros(duration))
-    }
-
     fn run<'c>(conn: &'c mut MySqlConnection, statement: &'c Statement, params: &'c Params<'c>) -> Running<'c> {
-        super::dialect::run::<MySql>(conn, statement, params, |done| Ran {
-            affected: done.rows_affected(),
-            insert_id: done.last_insert_id(),
-            row: None,
+        super::dialect::run::<MySql>(conn, statement, params, |done| {
+            Ran::done(done.rows_affected(), done.last_insert_id())
         })
     }
 
@@ -235,3 +211,6 @@ impl Backend for MySqlDialect {
         error.as_database_error().is_some_and(|e| e.code().as_deref() == Some("40001"))
     }
 }
+
+/// The clock of every statement.
+const NOW: &str = "UTC_TIMESTAMP(6)";

@@ -41,13 +41,11 @@
 //! a duplicate that waited for the first transaction fails with a serialization error instead of
 //! replaying.
 
-use std::time::Duration;
-
 use sqlx::Postgres;
 use sqlx::postgres::PgConnection;
 
 use super::dialect::TableName;
-use super::dialect::{Arg, Backend, ClaimReport, Params, Ran, Running, Statement, Statements, Value};
+use super::dialect::{Arg, Backend, ClaimReport, Columns, Fencing, Params, Ran, Running, Statement, Statements};
 use super::{SqlStore, SqlTxStore};
 
 /// The PostgreSQL dialect of [`SqlStore`] and [`SqlTxStore`].
@@ -114,8 +112,6 @@ pub type PostgresStore = SqlStore<PostgresDialect>;
 /// ```
 pub type PostgresTxStore = SqlTxStore<PostgresDialect>;
 
-const NOW: &str = "clock_timestamp()";
-
 /// The row columns every row-returning statement ends with (see `dialect::Found`).
 const REMAINING: &str = "CAST(EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000000 AS BIGINT)";
 
@@ -123,43 +119,23 @@ impl Backend for PostgresDialect {
     type Db = Postgres;
     const NAME: &'static str = "postgres";
     const CLAIM: ClaimReport = ClaimReport::RowOrLive;
-    const BEGIN: Option<&'static str> = None;
 
-    fn statements(table: &TableName) -> Statements {
-        let t = &table.full;
-        let index = format!("{}_expires_at", table.name);
-        let owned = "idempotency_key = $1 AND token = $2 AND state = 'in_progress'";
-        let live = format!("{owned} AND expires_at > {NOW}");
+    fn statements(t: &str, table: &TableName) -> Statements {
         let until = |n: u8| format!("{NOW} + ${n} * INTERVAL '1 microsecond'");
-        // A row this token already completed matches too, and is written back unchanged (a
-        // completion repeated after a lost reply). `state` is assigned last: MySQL assigns left
-        // to right, each assignment seeing the ones before.
-        let complete = |fence: &str| {
-            let until4 = until(4);
-            Statement::exec(
-                format!(
-                    "UPDATE {t} SET outcome = CASE WHEN state = 'in_progress' THEN $3 ELSE outcome END, \
-                     expires_at = CASE WHEN state = 'in_progress' THEN {until4} ELSE expires_at END, state = 'completed' \
-                     WHERE idempotency_key = $1 AND token = $2{fence}"
-                ),
-                &[Arg::Key, Arg::Token, Arg::Outcome, Arg::Duration],
-            )
-        };
         Statements {
             create: vec![
-                Statement::exec(
-                    format!(
-                        "CREATE TABLE IF NOT EXISTS {t} (\n    \
-                         idempotency_key TEXT PRIMARY KEY,\n    \
-                         state TEXT NOT NULL,\n    \
-                         token TEXT NOT NULL,\n    \
-                         fingerprint TEXT,\n    \
-                         outcome TEXT,\n    \
-                         expires_at TIMESTAMPTZ NOT NULL\n)"
-                    ),
-                    &[],
-                ),
-                Statement::exec(format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (expires_at)"), &[]),
+                Columns {
+                    key: "TEXT PRIMARY KEY",
+                    state: "TEXT NOT NULL",
+                    token: "TEXT NOT NULL",
+                    text: "TEXT",
+                    outcome: "TEXT",
+                    expires_at: "TIMESTAMPTZ NOT NULL",
+                    inside: &[],
+                    options: "",
+                }
+                .create(t),
+                Statement::exec(format!("CREATE INDEX IF NOT EXISTS {} ON {t} (expires_at)", table.index()), &[]),
             ],
             claim: Statement::row(
                 format!(
@@ -182,14 +158,7 @@ impl Backend for PostgresDialect {
                 format!("SELECT state, token, fingerprint, outcome, {REMAINING} FROM {t} WHERE idempotency_key = $1"),
                 &[Arg::Key],
             ),
-            complete: complete(&format!(" AND expires_at > {NOW}")),
-            complete_in_tx: complete(""),
-            extend: Statement::exec(
-                format!("UPDATE {t} SET expires_at = {} WHERE {live}", until(3)),
-                &[Arg::Key, Arg::Token, Arg::Duration],
-            ),
-            release: Statement::exec(format!("DELETE FROM {t} WHERE {live}"), &[Arg::Key, Arg::Token]),
-            release_in_tx: Statement::exec(format!("DELETE FROM {t} WHERE {owned}"), &[Arg::Key, Arg::Token]),
+            fenced: Fencing::numbered(t, NOW, '$', until),
             purge: vec![Statement::exec(
                 format!(
                     "DELETE FROM {t} WHERE idempotency_key IN (SELECT idempotency_key FROM {t} \
@@ -201,14 +170,10 @@ impl Backend for PostgresDialect {
         }
     }
 
-    fn duration(duration: Duration) -> Value {
-        Value::Micros(super::micros(duration))
-    }
-
     fn run<'c>(conn: &'c mut PgConnection, statement: &'c Statement, params: &'c Params<'c>) -> Running<'c> {
-        super::dialect::run::<Postgres>(conn, statement, params, |done| Ran {
-            affected: done.rows_affected(),
-            ..Ran::default()
-        })
+        super::dialect::run::<Postgres>(conn, statement, params, |done| Ran::done(done.rows_affected(), 0))
     }
 }
+
+/// The clock of every statement.
+const NOW: &str = "clock_timestamp()";

@@ -42,7 +42,7 @@ use sqlx::Sqlite;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqliteSynchronous};
 
 use super::dialect::TableName;
-use super::dialect::{Arg, Backend, ClaimReport, Params, Ran, Running, Statement, Statements, Value};
+use super::dialect::{Arg, Backend, ClaimReport, Columns, Fencing, Params, Ran, Running, Statement, Statements, Value};
 use super::{SqlStore, SqlTxStore};
 
 /// The SQLite dialect of [`SqlStore`] and [`SqlTxStore`].
@@ -111,52 +111,32 @@ impl SqlStore<SqliteDialect> {
     }
 }
 
-const NOW: &str = "strftime('%Y-%m-%d %H:%M:%f', 'now')";
-
 impl Backend for SqliteDialect {
     type Db = Sqlite;
     const NAME: &'static str = "sqlite";
     const CLAIM: ClaimReport = ClaimReport::RowOrRead;
     const BEGIN: Option<&'static str> = Some("BEGIN IMMEDIATE");
 
-    fn statements(table: &TableName) -> Statements {
-        let t = &table.full;
+    fn statements(t: &str, table: &TableName) -> Statements {
         // SQLite puts the schema on the index's name, and wants the table unqualified.
         let index = match &table.schema {
-            Some(schema) => format!("{schema}.{}_expires_at", table.name),
-            None => format!("{}_expires_at", table.name),
+            Some(schema) => format!("{schema}.{}", table.index()),
+            None => table.index(),
         };
-        let owned = "idempotency_key = ?1 AND token = ?2 AND state = 'in_progress'";
-        let live = format!("{owned} AND expires_at > {NOW}");
         let until = |n: u8| format!("strftime('%Y-%m-%d %H:%M:%f', 'now', ?{n})");
-        // A row this token already completed matches too, and is written back unchanged (a
-        // completion repeated after a lost reply). `state` is assigned last: MySQL assigns left
-        // to right, each assignment seeing the ones before.
-        let complete = |fence: &str| {
-            let until4 = until(4);
-            Statement::exec(
-                format!(
-                    "UPDATE {t} SET outcome = CASE WHEN state = 'in_progress' THEN ?3 ELSE outcome END, \
-                     expires_at = CASE WHEN state = 'in_progress' THEN {until4} ELSE expires_at END, state = 'completed' \
-                     WHERE idempotency_key = ?1 AND token = ?2{fence}"
-                ),
-                &[Arg::Key, Arg::Token, Arg::Outcome, Arg::Duration],
-            )
-        };
         Statements {
             create: vec![
-                Statement::exec(
-                    format!(
-                        "CREATE TABLE IF NOT EXISTS {t} (\n    \
-                         idempotency_key TEXT PRIMARY KEY NOT NULL,\n    \
-                         state TEXT NOT NULL,\n    \
-                         token TEXT NOT NULL,\n    \
-                         fingerprint TEXT,\n    \
-                         outcome TEXT,\n    \
-                         expires_at TEXT NOT NULL\n)"
-                    ),
-                    &[],
-                ),
+                Columns {
+                    key: "TEXT PRIMARY KEY NOT NULL",
+                    state: "TEXT NOT NULL",
+                    token: "TEXT NOT NULL",
+                    text: "TEXT",
+                    outcome: "TEXT",
+                    expires_at: "TEXT NOT NULL",
+                    inside: &[],
+                    options: "",
+                }
+                .create(t),
                 Statement::exec(format!("CREATE INDEX IF NOT EXISTS {index} ON {} (expires_at)", table.name), &[]),
             ],
             claim: Statement::row(
@@ -179,14 +159,7 @@ impl Backend for SqliteDialect {
                 ),
                 &[Arg::Key],
             ),
-            complete: complete(&format!(" AND expires_at > {NOW}")),
-            complete_in_tx: complete(""),
-            extend: Statement::exec(
-                format!("UPDATE {t} SET expires_at = {} WHERE {live}", until(3)),
-                &[Arg::Key, Arg::Token, Arg::Duration],
-            ),
-            release: Statement::exec(format!("DELETE FROM {t} WHERE {live}"), &[Arg::Key, Arg::Token]),
-            release_in_tx: Statement::exec(format!("DELETE FROM {t} WHERE {owned}"), &[Arg::Key, Arg::Token]),
+            fenced: Fencing::numbered(t, NOW, '?', until),
             purge: vec![Statement::exec(
                 format!("DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} WHERE expires_at <= {NOW} LIMIT ?1)"),
                 &[Arg::Limit],
@@ -202,9 +175,9 @@ impl Backend for SqliteDialect {
     }
 
     fn run<'c>(conn: &'c mut SqliteConnection, statement: &'c Statement, params: &'c Params<'c>) -> Running<'c> {
-        super::dialect::run::<Sqlite>(conn, statement, params, |done| Ran {
-            affected: done.rows_affected(),
-            ..Ran::default()
-        })
+        super::dialect::run::<Sqlite>(conn, statement, params, |done| Ran::done(done.rows_affected(), 0))
     }
 }
+
+/// The clock of every statement.
+const NOW: &str = "strftime('%Y-%m-%d %H:%M:%f', 'now')";

@@ -101,7 +101,7 @@ pub async fn complete<D: Backend>(
         duration: Some(D::duration(retention)),
         ..Params::default()
     };
-    let statement = if session.autocommit { &sql.complete } else { &sql.complete_in_tx };
+    let statement = if session.autocommit { &sql.fenced.complete } else { &sql.fenced.complete_in_tx };
     owned(run::<D>(session, statement, &params).await?)
 }
 
@@ -115,7 +115,7 @@ pub async fn extend<D: Backend>(
 ) -> Result<(), StoreError> {
     let params =
         Params { key: key.as_str(), token: token.as_str(), duration: Some(D::duration(lease)), ..Params::default() };
-    owned(run::<D>(session, &sql.extend, &params).await?)
+    owned(run::<D>(session, &sql.fenced.extend, &params).await?)
 }
 
 /// Deletes the live claim `token` holds on `key`.
@@ -126,7 +126,7 @@ pub async fn release<D: Backend>(
     token: &Token,
 ) -> Result<(), StoreError> {
     let params = Params { key: key.as_str(), token: token.as_str(), ..Params::default() };
-    let statement = if session.autocommit { &sql.release } else { &sql.release_in_tx };
+    let statement = if session.autocommit { &sql.fenced.release } else { &sql.fenced.release_in_tx };
     owned(run::<D>(session, statement, &params).await?)
 }
 

@@ -78,7 +78,8 @@ impl<D: Dialect> SqlStore<D> {
     /// A store in `table` (`name` or `schema.name`, a database name on MySQL: letters, digits
     /// and `_`).
     pub fn with_table(pool: Pool<D::Db>, table: &str) -> Result<Self, TableNameError> {
-        let sql = Arc::new(D::statements(&TableName::parse(table)?));
+        let table = TableName::parse(table)?;
+        let sql = Arc::new(D::statements(&table.full, &table));
         Ok(SqlStore {
             pool,
             sql,

@@ -101,7 +101,7 @@ enum After {
     Fail,
 }
 
-/// Counts InnoDB deadlock victims the tests ran again (printed, for the record).
+/// Counts `InnoDB` deadlock victims the tests ran again (printed, for the record).
 static DEADLOCKS: AtomicU32 = AtomicU32::new(0);
 
 /// The test bodies, expanded once per backend module. The module provides: `type D` (the
@@ -380,7 +380,7 @@ macro_rules! sql_tests {
         }
 
         /// Runs one call in its own transaction, committing on `Ok` and rolling back on `Err`. A
-        /// transaction InnoDB rolled back as a deadlock victim is run again, as an application would.
+        /// transaction `InnoDB` rolled back as a deadlock victim is run again, as an application would.
         async fn in_tx<F, Fut>(store: &Sql, call: F) -> Result<Receipt, PayError>
         where
             F: Fn(Arc<Tx>) -> Fut,
@@ -783,7 +783,7 @@ mod postgres {
 
     /// SQLSTATE 55P03, lock not available.
     fn is_lock_timeout(error: &sqlx::Error) -> bool {
-        error.as_database_error().and_then(|e| e.code()).is_some_and(|code| code == "55P03")
+        error.as_database_error().and_then(sqlx::error::DatabaseError::code).is_some_and(|code| code == "55P03")
     }
 
     async fn pool_at(url: &str, ids: Option<Arc<std::sync::Mutex<Vec<i64>>>>) -> Pool {
@@ -967,7 +967,7 @@ mod sqlite {
 
     /// `SQLITE_BUSY` (code 5): the duplicate's `BEGIN IMMEDIATE` waited out the busy timeout.
     fn is_lock_timeout(error: &sqlx::Error) -> bool {
-        error.as_database_error().and_then(|e| e.code()).is_some_and(|code| code == "5")
+        error.as_database_error().and_then(sqlx::error::DatabaseError::code).is_some_and(|code| code == "5")
     }
 
     /// Removes test directories older than an hour (left by failed tests and the conformance suite).
@@ -1004,6 +1004,7 @@ mod sqlite {
         Some(Fresh { store, ids: Arc::default(), cleanup: Cleanup::Dir(dir) })
     }
 
+    #[allow(clippy::unused_async, reason = "the same signature as the servers' with_schema")]
     async fn with_schema(_: &Fresh<Sql>) -> (String, String) {
         // `main.records` names the main database's schema explicitly.
         ("main.records".to_owned(), "DROP TABLE main.records".to_owned())

@@ -102,7 +102,7 @@ pub async fn complete<D: Backend>(
         ..Params::default()
     };
     let statement = if session.autocommit { &sql.fenced.complete } else { &sql.fenced.complete_in_tx };
-    owned(run::<D>(session, statement, &params).await?)
+    owned(&run::<D>(session, statement, &params).await?)
 }
 
 /// Moves the end of the live lease `token` holds on `key` to `lease` from now.
@@ -115,7 +115,7 @@ pub async fn extend<D: Backend>(
 ) -> Result<(), StoreError> {
     let params =
         Params { key: key.as_str(), token: token.as_str(), duration: Some(D::duration(lease)), ..Params::default() };
-    owned(run::<D>(session, &sql.fenced.extend, &params).await?)
+    owned(&run::<D>(session, &sql.fenced.extend, &params).await?)
 }
 
 /// Deletes the live claim `token` holds on `key`.
@@ -127,10 +127,10 @@ pub async fn release<D: Backend>(
 ) -> Result<(), StoreError> {
     let params = Params { key: key.as_str(), token: token.as_str(), ..Params::default() };
     let statement = if session.autocommit { &sql.fenced.release } else { &sql.fenced.release_in_tx };
-    owned(run::<D>(session, statement, &params).await?)
+    owned(&run::<D>(session, statement, &params).await?)
 }
 
-fn owned(ran: Ran) -> Result<(), StoreError> {
+fn owned(ran: &Ran) -> Result<(), StoreError> {
     if ran.affected == 1 { Ok(()) } else { Err(StoreError::NotOwner) }
 }
 

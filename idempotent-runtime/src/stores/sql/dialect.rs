@@ -55,13 +55,12 @@ pub trait Backend: Debug + Send + Sync + Sized + 'static {
 /// How a backend's claim statement tells the caller that it won the key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClaimReport {
-    /// It returns the row it wrote, or the live row that stopped it, in one statement; no row
-    /// means the live row is not in the statement's snapshot yet: run it again (PostgreSQL).
-    RowOrLive,
-    /// It returns the row it wrote, or nothing: then read the live row (SQLite).
-    RowOrRead,
+    /// It returns the row it wrote (with the caller's token), or on PostgreSQL also the live row
+    /// that stopped it. No row: read the live row with [`Statements::read`], or, without one
+    /// (PostgreSQL), run the claim again: the live row is not in the statement's snapshot yet.
+    Row,
     /// It reports through the affected rows and the insert id (MySQL/MariaDB): see
-    /// [`Ran::won`].
+    /// [`Ran::won`]; otherwise read the live row.
     Affected,
 }
 
@@ -147,7 +146,8 @@ pub struct Statements {
     pub table: TableName,
     pub create: Vec<Statement>,
     pub claim: Statement,
-    pub read: Statement,
+    /// Reads the live row after a claim that did not return it (`None`: the claim always does).
+    pub read: Option<Statement>,
     pub fenced: Fenced,
     /// Run in order on one connection; the last one deletes a batch and its affected rows count.
     pub purge: Vec<Statement>,

@@ -173,13 +173,13 @@ impl Backend for MySqlDialect {
                 ),
                 &[Arg::Key, Arg::Token, Arg::Fingerprint, Arg::Duration],
             ),
-            read: Statement::row(
+            read: Some(Statement::row(
                 format!(
                     "SELECT state, token, fingerprint, outcome, TIMESTAMPDIFF(MICROSECOND, {NOW}, expires_at) \
                      FROM {t} WHERE idempotency_key = ? FOR UPDATE"
                 ),
                 &[Arg::Key],
-            ),
+            )),
             // The connection reports matched rows (CLIENT_FOUND_ROWS), so 1 means ours.
             fenced: Fencing {
                 table: t,

@@ -21,14 +21,18 @@
 //!
 //! # Statements
 //!
-//! A claim is one statement, whether it wins or finds a live row: a `WITH` whose
+//! A claim is one statement, whether it wins or finds a live row: a `WITH` that first reads the
+//! key's live row (`live`), and only when there is none runs the
 //! `INSERT ... ON CONFLICT (idempotency_key) DO UPDATE ... WHERE <the row has expired>
-//! RETURNING` claims the key, followed by a `SELECT` of the row that stopped it, only when the
-//! insert returned nothing. Both parts run on one snapshot, taken when the statement starts: a
-//! row that another transaction committed after that (the insert waited for it) is not visible
-//! to the `SELECT`. The statement then returns no row at all and the store runs it again, with a
-//! fresh snapshot. A replay is therefore one round trip; a first execution is two (the claim and
-//! the completion).
+//! RETURNING` that claims it (`claimed`); it returns the claimed row or the live one. A replay is
+//! therefore one round trip, and a read-only one: it locks no row, takes no transaction id and
+//! waits for no WAL flush. A first execution is two statements (the claim and the completion).
+//!
+//! Both parts run on one snapshot, taken when the statement starts. A row that another
+//! transaction committed after that is not in `live`, and the insert, which does see it, leaves
+//! it alone when it is live: the statement then returns no row at all, and the store runs it
+//! again, with a fresh snapshot. A live row that changed after the snapshot is returned as it was
+//! then (in progress rather than completed, at worst): the caller waits or retries.
 //!
 //! Times come from `clock_timestamp()`, the server's clock at the moment of the statement (not
 //! `now()`, which stands still at the start of a transaction). Completion, release and the lease
@@ -118,7 +122,7 @@ const REMAINING: &str = "CAST(EXTRACT(EPOCH FROM (expires_at - clock_timestamp()
 impl Backend for PostgresDialect {
     type Db = Postgres;
     const NAME: &'static str = "postgres";
-    const CLAIM: ClaimReport = ClaimReport::RowOrLive;
+    const CLAIM: ClaimReport = ClaimReport::Row;
 
     fn statements(t: &str, table: &TableName) -> Statements {
         let until = |n: u8| format!("{NOW} + ${n} * INTERVAL '1 microsecond'");
@@ -139,25 +143,24 @@ impl Backend for PostgresDialect {
             ],
             claim: Statement::row(
                 format!(
-                    "WITH claimed AS (\
+                    "WITH live AS (\
+                     SELECT state, token, fingerprint, outcome, {REMAINING} AS remaining FROM {t} \
+                     WHERE idempotency_key = $1 AND expires_at > {NOW}), \
+                     claimed AS (\
                      INSERT INTO {t} AS r (idempotency_key, state, token, fingerprint, outcome, expires_at) \
-                     VALUES ($1, 'in_progress', $2, $3, NULL, {until4}) \
+                     SELECT $1, 'in_progress', $2, $3, NULL, {until4} WHERE NOT EXISTS (SELECT 1 FROM live) \
                      ON CONFLICT (idempotency_key) DO UPDATE SET state = 'in_progress', token = EXCLUDED.token, \
                      fingerprint = EXCLUDED.fingerprint, outcome = NULL, expires_at = EXCLUDED.expires_at \
                      WHERE r.expires_at <= {NOW} \
                      RETURNING r.state, r.token, r.fingerprint, r.outcome) \
                      SELECT state, token, fingerprint, outcome, CAST(0 AS BIGINT) FROM claimed \
                      UNION ALL \
-                     SELECT state, token, fingerprint, outcome, {REMAINING} FROM {t} \
-                     WHERE idempotency_key = $1 AND NOT EXISTS (SELECT 1 FROM claimed)",
+                     SELECT state, token, fingerprint, outcome, remaining FROM live",
                     until4 = until(4)
                 ),
                 &[Arg::Key, Arg::Token, Arg::Fingerprint, Arg::Duration],
             ),
-            read: Statement::row(
-                format!("SELECT state, token, fingerprint, outcome, {REMAINING} FROM {t} WHERE idempotency_key = $1"),
-                &[Arg::Key],
-            ),
+            read: None,
             fenced: Fencing::numbered(t, NOW, '$', until),
             purge: vec![Statement::exec(
                 format!(

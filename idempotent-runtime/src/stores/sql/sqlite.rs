@@ -114,7 +114,7 @@ impl SqlStore<SqliteDialect> {
 impl Backend for SqliteDialect {
     type Db = Sqlite;
     const NAME: &'static str = "sqlite";
-    const CLAIM: ClaimReport = ClaimReport::RowOrRead;
+    const CLAIM: ClaimReport = ClaimReport::Row;
     const BEGIN: Option<&'static str> = Some("BEGIN IMMEDIATE");
 
     fn statements(t: &str, table: &TableName) -> Statements {
@@ -151,14 +151,14 @@ impl Backend for SqliteDialect {
                 ),
                 &[Arg::Key, Arg::Token, Arg::Fingerprint, Arg::Duration],
             ),
-            read: Statement::row(
+            read: Some(Statement::row(
                 format!(
                     "SELECT state, token, fingerprint, outcome, \
                      CAST((julianday(expires_at) - julianday('now')) * 86400000000.0 AS INTEGER) \
                      FROM {t} WHERE idempotency_key = ?1"
                 ),
                 &[Arg::Key],
-            ),
+            )),
             fenced: Fencing::numbered(t, NOW, '?', until),
             purge: vec![Statement::exec(
                 format!("DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} WHERE expires_at <= {NOW} LIMIT ?1)"),

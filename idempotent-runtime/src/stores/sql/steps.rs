@@ -61,13 +61,12 @@ pub async fn claim<D: Backend>(
     for _ in 0..CLAIM_ATTEMPTS {
         let ran = run::<D>(session, &sql.claim, &params).await?;
         let won = ran.won();
-        let row = match (D::CLAIM, ran.row) {
-            (ClaimReport::Affected, _) if won => return Ok(Claim::Claimed),
-            (ClaimReport::RowOrLive | ClaimReport::RowOrRead, Some(row)) => row,
+        let row = match (D::CLAIM, ran.row, &sql.read) {
+            (ClaimReport::Affected, _, _) if won => return Ok(Claim::Claimed),
+            (ClaimReport::Row, Some(row), _) => row,
             // PostgreSQL: the live row committed after this statement's snapshot. Again.
-            (ClaimReport::RowOrLive, None) => continue,
-            (ClaimReport::RowOrRead | ClaimReport::Affected, _) => match run::<D>(session, &sql.read, &read).await?.row
-            {
+            (_, _, None) => continue,
+            (_, _, Some(statement)) => match run::<D>(session, statement, &read).await?.row {
                 Some(row) => row,
                 None => continue, // released or purged since: claim again
             },

@@ -41,7 +41,7 @@
 //! the live row for replay; on MySQL and SQLite one `SELECT` follows, only then). Completion,
 //! release and the lease heartbeat (`extend`) are `UPDATE`/`DELETE ... WHERE token = ? AND
 //! state = 'in_progress' AND expires_at > <now>`, so a caller whose lease ended (taken over or
-//! not) changes nothing and gets [`StoreError::NotOwner`](crate::StoreError::NotOwner). A
+//! not) changes nothing and gets [`StoreError::NotOwner`]. A
 //! completed row keeps its token: a completion repeated by the same caller (an earlier attempt
 //! whose reply was lost) matches it, leaves it unchanged and returns `Ok(())`. Unique violations
 //! are never raised and caught: a PostgreSQL transaction is never aborted by a duplicate key.
@@ -69,7 +69,7 @@
 //!
 //! # Purging
 //!
-//! Expired rows stay until deleted: call [`Store::purge_expired`](crate::Store::purge_expired)
+//! Expired rows stay until deleted: call [`Store::purge_expired`]
 //! from a job of your own, or let `spawn_purge(interval)` run it in the background ([`PurgeTask`]).
 //! A purge deletes in batches of [`SqlStore::with_purge_batch`] rows (default
 //! [`DEFAULT_PURGE_BATCH`]), one short statement each, so claims keep flowing while it runs.

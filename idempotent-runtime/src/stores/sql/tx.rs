@@ -38,7 +38,7 @@ use crate::{Claim, ClaimRequest, Key, Store, StoreError, Token};
 ///
 /// So on PostgreSQL set one, for example `SET lock_timeout = '5s'` for the pool's connections
 /// (`PgConnectOptions::options`) or `SET LOCAL lock_timeout = '5s'` on the transaction.
-/// `tests/tests/sql.rs` (`*_tx_duplicate_waits_for_the_lock_timeout`) checks each row of this
+/// `tests/tests/sql.rs` (`<backend>::tx_duplicate_waits_for_the_lock_timeout`) checks each row of this
 /// table. These stores add no timeout of their own: a statement cut off mid-transaction would
 /// leave the transaction in an unknown state.
 ///

@@ -717,7 +717,9 @@ pub async fn undecodable_records_are_a_typed_error<S: Store + 'static>(store: Ar
     assert_eq!(ledger.count(&key), 0);
 }
 
-fn claim_request<'a>(
+/// The arguments of a direct [`Store::claim`]: a lease of `lease_ms` milliseconds.
+#[must_use]
+pub fn claim_request<'a>(
     key: &'a Key,
     token: &'a Token,
     fingerprint: Option<&'a Fingerprint>,

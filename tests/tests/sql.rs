@@ -17,7 +17,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use idempotent_runtime::stores::sql::{SqlStore, SqlTxStore, TimedOut, is_unique_violation, sqlx};
-use idempotent_runtime::{Claim, ClaimRequest, Error, Fingerprint, Key, Store, StoreError, Token, idempotent};
+use idempotent_runtime::{Claim, Error, Key, Store, StoreError, Token, idempotent};
+use idempotent_tests::conformance::claim_request as request;
 use serde::{Deserialize, Serialize};
 use sqlx::AssertSqlSafe;
 
@@ -37,15 +38,6 @@ fn fresh_table(tag: &str) -> String {
 fn is_stale(table: &str) -> bool {
     let made = table.split('_').nth(2).and_then(|s| s.parse::<u64>().ok());
     made.is_some_and(|made| now_secs().saturating_sub(made) > STALE_AFTER_SECS)
-}
-
-fn request<'a>(
-    key: &'a Key,
-    token: &'a Token,
-    fingerprint: Option<&'a Fingerprint>,
-    lease_ms: u64,
-) -> ClaimRequest<'a> {
-    ClaimRequest { key, token, fingerprint, lease: Duration::from_millis(lease_ms) }
 }
 
 fn is_deadlock(error: &StoreError) -> bool {
@@ -564,6 +556,48 @@ macro_rules! sql_tests {
 /// The tests that need a network between store and server: killed connections, a stalled proxy.
 macro_rules! network_tests {
     () => {
+        /// A pool of 16 that records the connection id of every connection it opens (`ids`).
+        async fn pool_at(url: &str, ids: Option<Arc<std::sync::Mutex<Vec<i64>>>>) -> Pool {
+            let mut pool =
+                sqlx::pool::PoolOptions::<Db>::new().max_connections(16).acquire_timeout(Duration::from_secs(60));
+            if let Some(ids) = ids {
+                pool = pool.after_connect(move |conn, _| {
+                    let ids = Arc::clone(&ids);
+                    Box::pin(async move {
+                        let id = sqlx::query_scalar(CONNECTION_ID).fetch_one(&mut *conn).await?;
+                        ids.lock().unwrap().push(id);
+                        Ok(())
+                    })
+                });
+            }
+            pool.connect(url).await.expect("connect to the server")
+        }
+
+        /// A store in a fresh table; tables of failed runs older than an hour are dropped.
+        async fn fresh(tag: &str) -> Option<Fresh<Sql>> {
+            let url = url(&format!("{}::{tag}", module_path!()))?;
+            let ids = Arc::default();
+            let pool = pool_at(&url, Some(Arc::clone(&ids))).await;
+            let tables: Vec<String> = sqlx::query_scalar(LIST_TABLES).fetch_all(&pool).await.unwrap_or_default();
+            for table in tables.into_iter().filter(|t| is_stale(t)) {
+                let _ = sqlx::query(AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}"))).execute(&pool).await;
+            }
+            let store = Sql::with_table(pool, &fresh_table(tag)).unwrap();
+            store.create_table().await.expect("create_table");
+            Some(Fresh { store, ids, cleanup: Cleanup::DropTable })
+        }
+
+        async fn admin(_: &Fresh<Sql>) -> Pool {
+            pool_at(&url("admin").unwrap(), None).await
+        }
+
+        /// A pool through the proxy; no liveness ping before handing out an idle connection, so
+        /// the first stalled call times out in its statement.
+        async fn proxied_pool(addr: std::net::SocketAddr, acquire: Duration) -> Pool {
+            let pool = sqlx::pool::PoolOptions::<Db>::new().test_before_acquire(false).acquire_timeout(acquire);
+            pool.connect(&proxied_url(addr)).await.unwrap()
+        }
+
         /// The sqlx error inside a call's `Error::Store` at `claim`.
         fn claim_error(result: Result<Receipt, PayError>) -> sqlx::Error {
             match result {
@@ -687,7 +721,7 @@ macro_rules! network_tests {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn stalled_network_fails_within_the_timeout_and_the_pool_recovers() {
             let Some(fresh) = fresh("stall").await else { return };
-            let proxy = idempotent_tests::proxy::FaultProxy::start(&server_addr()).await.unwrap();
+            let proxy = idempotent_tests::proxy::FaultProxy::start(SERVER).await.unwrap();
             let (timeout, acquire) = (Duration::from_millis(800), Duration::from_secs(2));
             let store = Sql::with_table(proxied_pool(proxy.addr(), acquire).await, fresh.store.table())
                 .unwrap()
@@ -753,7 +787,6 @@ enum Cleanup {
 #[cfg(feature = "postgres")]
 mod postgres {
     use idempotent_runtime::stores::sql::PostgresDialect;
-    use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
     type D = PostgresDialect;
     type Db = sqlx::Postgres;
@@ -780,45 +813,23 @@ mod postgres {
         FROM generate_series(1, {n}) AS i";
     const CONNECTION_ID: &str = "SELECT CAST(pg_backend_pid() AS BIGINT)";
     const KILL: &str = "SELECT pg_terminate_backend({id})";
+    const LIST_TABLES: &str =
+        "SELECT tablename::text FROM pg_tables WHERE schemaname = current_schema() AND tablename LIKE 'idem\\_t\\_%'";
+    const SERVER: &str = "127.0.0.1:5432";
+
+    fn url(test: &str) -> Option<String> {
+        idempotent_tests::services::postgres_url(test)
+    }
+
+    fn proxied_url(addr: std::net::SocketAddr) -> String {
+        format!("postgres://postgres@{addr}/test")
+    }
+
     const LOCK_TIMEOUT: Duration = Duration::from_millis(500);
 
     /// SQLSTATE 55P03, lock not available.
     fn is_lock_timeout(error: &sqlx::Error) -> bool {
         error.as_database_error().and_then(sqlx::error::DatabaseError::code).is_some_and(|code| code == "55P03")
-    }
-
-    async fn pool_at(url: &str, ids: Option<Arc<std::sync::Mutex<Vec<i64>>>>) -> Pool {
-        let options: PgConnectOptions = url.parse().expect("POSTGRES_URL");
-        let mut pool = PgPoolOptions::new().max_connections(16).acquire_timeout(Duration::from_secs(60));
-        if let Some(ids) = ids {
-            pool = pool.after_connect(move |conn, _| {
-                let ids = Arc::clone(&ids);
-                Box::pin(async move {
-                    let id = sqlx::query_scalar(CONNECTION_ID).fetch_one(&mut *conn).await?;
-                    ids.lock().unwrap().push(id);
-                    Ok(())
-                })
-            });
-        }
-        pool.connect_with(options.application_name("idempotent-tests")).await.expect("connect to PostgreSQL")
-    }
-
-    async fn fresh(tag: &str) -> Option<Fresh<Sql>> {
-        let url = idempotent_tests::services::postgres_url(&format!("postgres::{tag}"))?;
-        let ids = Arc::default();
-        let pool = pool_at(&url, Some(Arc::clone(&ids))).await;
-        let list = "SELECT tablename::text FROM pg_tables WHERE schemaname = current_schema() AND tablename LIKE 'idem\\_t\\_%'";
-        let tables: Vec<String> = sqlx::query_scalar(list).fetch_all(&pool).await.unwrap_or_default();
-        for table in tables.into_iter().filter(|t| is_stale(t)) {
-            let _ = sqlx::query(AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}"))).execute(&pool).await;
-        }
-        let store = Sql::with_table(pool, &fresh_table(tag)).unwrap();
-        store.create_table().await.expect("create_table");
-        Some(Fresh { store, ids, cleanup: Cleanup::DropTable })
-    }
-
-    async fn admin(_: &Fresh<Sql>) -> Pool {
-        pool_at(&idempotent_tests::services::postgres_url("admin").unwrap(), None).await
     }
 
     async fn with_schema(fresh: &Fresh<Sql>) -> (String, String) {
@@ -827,19 +838,6 @@ mod postgres {
         (format!("{schema}.records"), format!("DROP SCHEMA {schema} CASCADE"))
     }
 
-    fn server_addr() -> String {
-        "127.0.0.1:5432".to_owned()
-    }
-
-    /// A pool through the proxy; no liveness ping before handing out an idle connection, so
-    /// the first stalled call times out in its statement.
-    async fn proxied_pool(addr: std::net::SocketAddr, acquire: Duration) -> Pool {
-        let options: PgConnectOptions = format!("postgres://postgres@{addr}/test").parse().unwrap();
-        let pool = PgPoolOptions::new().test_before_acquire(false).acquire_timeout(acquire);
-        pool.connect_with(options).await.unwrap()
-    }
-
-    /// The duplicate's transaction sets `lock_timeout` before it claims.
     async fn duplicate_under_lock_timeout(store: &Sql, user: &str) -> sqlx::Error {
         let tx = store.begin().await.unwrap();
         let set = format!("SET LOCAL lock_timeout = '{}ms'", LOCK_TIMEOUT.as_millis());
@@ -856,7 +854,6 @@ mod postgres {
 #[cfg(feature = "mysql")]
 mod mysql {
     use idempotent_runtime::stores::sql::MySqlDialect;
-    use sqlx::mysql::MySqlPoolOptions;
 
     type D = MySqlDialect;
     type Db = sqlx::MySql;
@@ -872,6 +869,17 @@ mod mysql {
         FROM seq_1_to_{n}";
     const CONNECTION_ID: &str = "SELECT CAST(CONNECTION_ID() AS SIGNED)";
     const KILL: &str = "KILL {id}";
+    const LIST_TABLES: &str = "SELECT CAST(table_name AS CHAR) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name LIKE 'idem\\_t\\_%'";
+    const SERVER: &str = "127.0.0.1:3306";
+
+    fn url(test: &str) -> Option<String> {
+        idempotent_tests::services::mysql_url(test)
+    }
+
+    fn proxied_url(addr: std::net::SocketAddr) -> String {
+        format!("mysql://root@{addr}/test")
+    }
+
     const LOCK_TIMEOUT: Duration = Duration::from_secs(1);
 
     /// Error 1205, "Lock wait timeout exceeded" (its SQLSTATE, HY000, says nothing).
@@ -882,58 +890,12 @@ mod mysql {
             .is_some_and(|e| e.number() == 1205)
     }
 
-    async fn pool_at(url: &str, ids: Option<Arc<std::sync::Mutex<Vec<i64>>>>) -> Pool {
-        let mut pool = MySqlPoolOptions::new().max_connections(16).acquire_timeout(Duration::from_secs(60));
-        if let Some(ids) = ids {
-            pool = pool.after_connect(move |conn, _| {
-                let ids = Arc::clone(&ids);
-                Box::pin(async move {
-                    let id = sqlx::query_scalar(CONNECTION_ID).fetch_one(&mut *conn).await?;
-                    ids.lock().unwrap().push(id);
-                    Ok(())
-                })
-            });
-        }
-        pool.connect(url).await.expect("connect to MariaDB")
-    }
-
-    async fn fresh(tag: &str) -> Option<Fresh<Sql>> {
-        let url = idempotent_tests::services::mysql_url(&format!("mysql::{tag}"))?;
-        let ids = Arc::default();
-        let pool = pool_at(&url, Some(Arc::clone(&ids))).await;
-        let list = "SELECT CAST(table_name AS CHAR) FROM information_schema.tables \
-                    WHERE table_schema = DATABASE() AND table_name LIKE 'idem\\_t\\_%'";
-        let tables: Vec<String> = sqlx::query_scalar(list).fetch_all(&pool).await.unwrap_or_default();
-        for table in tables.into_iter().filter(|t| is_stale(t)) {
-            let _ = sqlx::query(AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}"))).execute(&pool).await;
-        }
-        let store = Sql::with_table(pool, &fresh_table(tag)).unwrap();
-        store.create_table().await.expect("create_table");
-        Some(Fresh { store, ids, cleanup: Cleanup::DropTable })
-    }
-
-    async fn admin(_: &Fresh<Sql>) -> Pool {
-        pool_at(&idempotent_tests::services::mysql_url("admin").unwrap(), None).await
-    }
-
     async fn with_schema(fresh: &Fresh<Sql>) -> (String, String) {
         let database = format!("idem_d_{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
         sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {database}"))).execute(fresh.store.pool()).await.unwrap();
         (format!("{database}.records"), format!("DROP DATABASE {database}"))
     }
 
-    fn server_addr() -> String {
-        "127.0.0.1:3306".to_owned()
-    }
-
-    /// A pool through the proxy; no liveness ping before handing out an idle connection, so
-    /// the first stalled call times out in its statement.
-    async fn proxied_pool(addr: std::net::SocketAddr, acquire: Duration) -> Pool {
-        let pool = MySqlPoolOptions::new().test_before_acquire(false).acquire_timeout(acquire);
-        pool.connect(&format!("mysql://root@{addr}/test")).await.unwrap()
-    }
-
-    /// The duplicate's session sets `innodb_lock_wait_timeout` (whole seconds) before it claims.
     async fn duplicate_under_lock_timeout(store: &Sql, user: &str) -> sqlx::Error {
         let tx = store.begin().await.unwrap();
         let set = format!("SET SESSION innodb_lock_wait_timeout = {}", LOCK_TIMEOUT.as_secs());

@@ -32,6 +32,34 @@ macro_rules! conformance_suite {
     ($name:ident, $make:expr) => {
         $crate::conformance_suite!($name, $make, purges);
     };
+    // A transactional store (one transaction per test): the cases that hold inside one
+    // transaction. Left out: purging (a transaction purges nothing), the cases that drop a call
+    // or panic in it (its claim stays in the transaction, which its owner rolls back: a
+    // transactional store detaches nothing), the lease cases (a claim in a transaction lives as long as the
+    // transaction, with no heartbeat: 12,800 calls serialized on one transaction's connection, as
+    // in `exactly_once_across_many_keys`, can outlast their 30 s lease on a loaded machine) and
+    // the direct store-step case (its lease expiry parts).
+    ($name:ident, $make:expr, transactional) => {
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+
+            $crate::conformance_suite!(@cases $make, purges;
+                concurrent_duplicates_run_the_body_once,
+                concurrent_duplicates_wait_for_the_first_result,
+                replays_return_identical_values,
+                errors_release_the_key,
+                recorded_errors_are_replayed,
+                invalid_durations_are_refused_before_claiming,
+                fingerprint_mismatch_is_refused_on_every_path,
+                retention_expiry_lets_the_key_run_again,
+                scopes_keep_equal_keys_apart,
+                invalid_keys_never_reach_the_body,
+                oversized_results_are_never_run_twice,
+                undecodable_records_are_a_typed_error
+            );
+        }
+    };
     ($name:ident, $make:expr, $expiry:ident) => {
         mod $name {
             #[allow(unused_imports)]
@@ -689,7 +717,9 @@ pub async fn undecodable_records_are_a_typed_error<S: Store + 'static>(store: Ar
     assert_eq!(ledger.count(&key), 0);
 }
 
-fn claim_request<'a>(
+/// The arguments of a direct [`Store::claim`]: a lease of `lease_ms` milliseconds.
+#[must_use]
+pub fn claim_request<'a>(
     key: &'a Key,
     token: &'a Token,
     fingerprint: Option<&'a Fingerprint>,

@@ -70,7 +70,10 @@ async fn sqlite_any_store_from_url_keeps_records_in_the_file() {
     let dir = idempotent_tests::fresh::temp_dir("any-sqlite");
     let url = format!("sqlite://{}", dir.join("records.db").display());
     let store = AnyStore::from_url(&url).await.expect("sqlite:// opens");
-    assert!(store.type_name().ends_with("SqliteStore"), "{store:?}");
+    assert!(
+        store.type_name().ends_with("SqlStore<idempotent_runtime::stores::sql::sqlite::SqliteDialect>"),
+        "{store:?}"
+    );
     let scope = runs_once_then_replays(&store).await;
     drop(store);
 
@@ -101,7 +104,10 @@ async fn postgres_any_store_from_url_creates_its_table() {
         return;
     };
     let store = AnyStore::from_url(&url).await.expect("postgres:// opens");
-    assert!(store.type_name().ends_with("PostgresStore"), "{store:?}");
+    assert!(
+        store.type_name().ends_with("SqlStore<idempotent_runtime::stores::sql::postgres::PostgresDialect>"),
+        "{store:?}"
+    );
     let scope = runs_once_then_replays(&store).await;
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     let deleted = sqlx::query("DELETE FROM idempotency_records WHERE idempotency_key LIKE $1")
@@ -120,7 +126,7 @@ async fn mysql_any_store_from_url_creates_its_table() {
         return;
     };
     let store = AnyStore::from_url(&url).await.expect("mysql:// opens");
-    assert!(store.type_name().ends_with("MySqlStore"), "{store:?}");
+    assert!(store.type_name().ends_with("SqlStore<idempotent_runtime::stores::sql::mysql::MySqlDialect>"), "{store:?}");
     let scope = runs_once_then_replays(&store).await;
     let pool = sqlx::MySqlPool::connect(&url).await.unwrap();
     let deleted = sqlx::query("DELETE FROM idempotency_records WHERE idempotency_key LIKE ?")

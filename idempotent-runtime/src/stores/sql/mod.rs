@@ -2,11 +2,17 @@
 
 //! The SQL stores: PostgreSQL, MySQL/MariaDB and SQLite, through [`sqlx`] (runtime queries only).
 //!
-//! | Store | Feature | Transactional variant |
-//! |---|---|---|
-//! | [`PostgresStore`] | `postgres` | [`PostgresTxStore`] |
-//! | [`MySqlStore`] (MySQL 8, MariaDB 10.11+) | `mysql` | [`MySqlTxStore`] |
-//! | [`SqliteStore`] | `sqlite` | [`SqliteTxStore`] |
+//! | Store | Feature | Transactional variant | Tested by `.ci/run` on |
+//! |---|---|---|---|
+//! | [`PostgresStore`] | `postgres` | [`PostgresTxStore`] | PostgreSQL 15 |
+//! | [`MySqlStore`] | `mysql` | [`MySqlTxStore`] | MariaDB 10.11 (MySQL 8: untested, see [`mysql`]) |
+//! | [`SqliteStore`] | `sqlite` | [`SqliteTxStore`] | the bundled SQLite |
+//!
+//! They are one implementation, [`SqlStore`] and [`SqlTxStore`], over a [`Dialect`]: each backend
+//! contributes only its SQL text, the order its parameters bind in, how it encodes a duration,
+//! how its claim statement reports a win, which of its errors are retried (InnoDB deadlocks) and
+//! how it begins a transaction (SQLite: `BEGIN IMMEDIATE`). The names above are aliases, such as
+//! `type PostgresStore = SqlStore<PostgresDialect>`.
 //!
 //! # The table
 //!
@@ -31,12 +37,14 @@
 //! # Atomicity and clocks
 //!
 //! Each protocol step is one atomic statement: a claim is an upsert that inserts the key, or takes
-//! over an expired row, or leaves a live row alone (followed, only then, by one `SELECT` that reads
-//! the live row for replay). Completion, release and lease renewal are `UPDATE`/`DELETE ... WHERE
-//! token = ? AND expires_at > <now>`, so a caller whose lease ended or was taken over changes
-//! nothing and gets [`StoreError::NotOwner`]. A completed row keeps
-//! its token, so a completion repeated by the same caller succeeds without changing it. Unique violations are never raised and
-//! caught: a PostgreSQL transaction is never aborted by a duplicate key.
+//! over an expired row, or leaves a live row alone (on PostgreSQL the same statement also returns
+//! the live row for replay; on MySQL and SQLite one `SELECT` follows, only then). Completion,
+//! release and the lease heartbeat (`extend`) are `UPDATE`/`DELETE ... WHERE token = ? AND
+//! state = 'in_progress' AND expires_at > <now>`, so a caller whose lease ended (taken over or
+//! not) changes nothing and gets [`StoreError::NotOwner`]. A
+//! completed row keeps its token: a completion repeated by the same caller (an earlier attempt
+//! whose reply was lost) matches it, leaves it unchanged and returns `Ok(())`. Unique violations
+//! are never raised and caught: a PostgreSQL transaction is never aborted by a duplicate key.
 //!
 //! Every expiry decision uses the **database's** clock, never the application's, so any number
 //! of application servers agree on which leases have ended.
@@ -47,32 +55,72 @@
 //! business write and the idempotency record commit together or not at all. A concurrent duplicate
 //! blocks on the row lock until the first transaction ends, then replays its committed result, or,
 //! if it rolled back, runs the body itself. The body runs its own queries on the same transaction
-//! through `conn()`. See [`postgres::PostgresTxStore`] for an example. Use the default isolation
-//! level (READ COMMITTED on PostgreSQL, REPEATABLE READ on InnoDB).
+//! through `conn()`. See [`PostgresTxStore`] for an example, and [`SqlTxStore`] for how long a
+//! duplicate waits on the claimed row and what it gets when the server's lock timeout ends the
+//! wait. Use the default isolation level (READ COMMITTED on PostgreSQL, REPEATABLE READ on
+//! InnoDB).
+//!
+//! # Timeouts
+//!
+//! The statements of every call of the pooled stores are bounded by [`SqlStore::with_timeout`]
+//! (default [`DEFAULT_TIMEOUT`], 5 s): on a stalled network the call fails with a [`TimedOut`]
+//! error and drops the connection it was using, so the pool opens fresh ones. The wait for a
+//! pooled connection is bounded by the pool's `acquire_timeout` ([`SqlStore`], "Timeouts").
 //!
 //! # Purging
 //!
 //! Expired rows stay until deleted: call [`Store::purge_expired`]
 //! from a job of your own, or let `spawn_purge(interval)` run it in the background ([`PurgeTask`]).
+//! A purge deletes in batches of [`SqlStore::with_purge_batch`] rows (default
+//! [`DEFAULT_PURGE_BATCH`]), one short statement each, so claims keep flowing while it runs.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use crate::{Claim, Fingerprint, Record, Store, StoreError, Token};
+use crate::{Store, StoreError};
 
+mod dialect;
+#[cfg(test)]
+use dialect::TableName;
 #[cfg(feature = "mysql")]
 pub mod mysql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+mod steps;
+mod store;
+mod tx;
 
 #[cfg(feature = "mysql")]
-pub use mysql::{MySqlStore, MySqlTxStore};
+pub use mysql::{MySqlDialect, MySqlStore, MySqlTxStore};
 #[cfg(feature = "postgres")]
-pub use postgres::{PostgresStore, PostgresTxStore};
+pub use postgres::{PostgresDialect, PostgresStore, PostgresTxStore};
 #[cfg(feature = "sqlite")]
-pub use sqlite::{SqliteStore, SqliteTxStore};
+pub use sqlite::{SqliteDialect, SqliteStore, SqliteTxStore};
+pub use store::{DEFAULT_PURGE_BATCH, DEFAULT_TIMEOUT, SqlStore};
+pub use tx::SqlTxStore;
+
+/// A SQL backend of [`SqlStore`] and [`SqlTxStore`]: [`PostgresDialect`], [`MySqlDialect`] or
+/// [`SqliteDialect`]. Sealed: what a dialect contributes is internal to this crate.
+pub trait Dialect: dialect::Backend {}
+
+impl<T: dialect::Backend> Dialect for T {}
+
+/// A SQL call that did not finish within the store's timeout ([`SqlStore::with_timeout`]); the
+/// source of the [`StoreError::Backend`] it fails with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{backend} did not answer the {operation} within {after:?} (network stalled or server stuck?); \
+     the connection was dropped. Raise the limit with `with_timeout` if the server is merely slow"
+)]
+pub struct TimedOut {
+    /// Which store: `postgres`, `mysql`, `sqlite`.
+    pub backend: &'static str,
+    /// The step: `claim`, `complete`, `release`, `extend` or `purge`.
+    pub operation: &'static str,
+    /// The limit it exceeded.
+    pub after: Duration,
+}
 
 /// The `sqlx` these stores are built on, so your pools and transactions are of the same version.
 pub use sqlx;
@@ -91,43 +139,6 @@ const MAX_IDENTIFIER_BYTES: usize = 48;
      and holding only ASCII letters, digits and `_`, at most 48 bytes"
 )]
 pub struct TableNameError(pub String);
-
-/// A validated, optionally schema-qualified table name.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct TableName {
-    /// As given: `table` or `schema.table`.
-    pub(crate) full: String,
-    /// The part before the dot, if any.
-    pub(crate) schema: Option<String>,
-    /// The table itself.
-    pub(crate) name: String,
-}
-
-impl TableName {
-    pub(crate) fn parse(full: &str) -> Result<Self, TableNameError> {
-        let refuse = || TableNameError(full.to_owned());
-        let (schema, name) = match full.split_once('.') {
-            Some((schema, name)) => (Some(schema), name),
-            None => (None, full),
-        };
-        for part in schema.into_iter().chain([name]) {
-            if !is_identifier(part) {
-                return Err(refuse());
-            }
-        }
-        Ok(TableName { full: full.to_owned(), schema: schema.map(str::to_owned), name: name.to_owned() })
-    }
-}
-
-fn is_identifier(part: &str) -> bool {
-    let mut chars = part.chars();
-    let Some(first) = chars.next() else {
-        return false;
-    };
-    part.len() <= MAX_IDENTIFIER_BYTES
-        && (first.is_ascii_alphabetic() || first == '_')
-        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
-}
 
 /// `true` when `error` is a unique-constraint (or primary-key) violation, on any of the backends.
 ///
@@ -218,10 +229,6 @@ pub(crate) fn spawn_purge<S: Store + 'static>(store: S, every: Duration, backend
     PurgeTask { stop: Some(stop), task: Some(task) }
 }
 
-/// The state column's values.
-pub(crate) const IN_PROGRESS: &str = "in_progress";
-pub(crate) const COMPLETED: &str = "completed";
-
 /// How often a claim is retried when the row it lost to vanishes or expires before it is read.
 pub(crate) const CLAIM_ATTEMPTS: usize = 4;
 
@@ -234,28 +241,9 @@ pub(crate) fn micros(duration: Duration) -> i64 {
     i64::try_from(duration.min(MAX_DURATION).as_micros()).unwrap_or(i64::MAX)
 }
 
-/// The prepared SQL of one store, built once from its table name.
-#[derive(Debug)]
-pub(crate) struct Statements {
-    pub(crate) table: TableName,
-    pub(crate) create: Vec<Arc<str>>,
-    pub(crate) claim: Arc<str>,
-    pub(crate) read: Arc<str>,
-    pub(crate) complete: Arc<str>,
-    pub(crate) release: Arc<str>,
-    pub(crate) extend: Arc<str>,
-    pub(crate) purge: Arc<str>,
-}
-
-/// A statement for `sqlx::query`. The only text interpolated into it is the validated table name;
-/// every value is a bind parameter.
-pub(crate) fn sql(statement: &Arc<str>) -> sqlx::AssertSqlSafe<Arc<str>> {
-    sqlx::AssertSqlSafe(Arc::clone(statement))
-}
-
 /// The statements joined into one script.
-pub(crate) fn script(statements: &[Arc<str>]) -> String {
-    statements.iter().map(|s| format!("{s};")).collect::<Vec<_>>().join("\n")
+pub(crate) fn script(statements: &[dialect::Statement]) -> String {
+    statements.iter().map(|s| format!("{};", s.sql)).collect::<Vec<_>>().join("\n")
 }
 
 /// The outcome as the text the `outcome` column keeps.
@@ -265,54 +253,6 @@ pub(crate) fn outcome_text(outcome: &[u8]) -> Result<&str, StoreError> {
             "the outcome to record is not UTF-8 text ({e}); SQL stores keep outcomes as JSON text"
         ))
     })
-}
-
-/// A row read back after a claim lost the upsert.
-pub(crate) struct Found {
-    pub(crate) state: String,
-    pub(crate) token: Option<String>,
-    pub(crate) fingerprint: Option<String>,
-    pub(crate) outcome: Option<String>,
-    /// Microseconds until `expires_at` by the database's clock (negative when past).
-    pub(crate) remaining_micros: i64,
-}
-
-/// What a read-back row means for the claimer.
-pub(crate) enum Verdict {
-    /// The row is this caller's claim (MySQL, which reads back after every insert).
-    Mine,
-    /// A live row of another call.
-    Live(Claim),
-    /// The row expired between the upsert and the read: claim again.
-    Expired,
-}
-
-impl Found {
-    pub(crate) fn verdict(self, ours: &Token) -> Result<Verdict, StoreError> {
-        let fingerprint = self.fingerprint.map(Fingerprint::from_stored);
-        match self.state.as_str() {
-            IN_PROGRESS if self.token.as_deref() == Some(ours.as_str()) => Ok(Verdict::Mine),
-            _ if self.remaining_micros <= 0 => Ok(Verdict::Expired),
-            IN_PROGRESS => Ok(Verdict::Live(Claim::InProgress {
-                fingerprint,
-                lease_remaining: Some(Duration::from_micros(self.remaining_micros.unsigned_abs())),
-            })),
-            COMPLETED => match self.outcome {
-                Some(outcome) => {
-                    Ok(Verdict::Live(Claim::Completed(Record { fingerprint, outcome: outcome.into_bytes() })))
-                }
-                None => Err(StoreError::Corrupt("a completed record has no outcome (NULL)".into())),
-            },
-            other => Err(StoreError::Corrupt(format!(
-                "unknown state {other:?} (expected {IN_PROGRESS:?} or {COMPLETED:?}); was the row written by something else?"
-            ))),
-        }
-    }
-}
-
-/// A column that cannot be read as documented.
-pub(crate) fn column_error(error: &sqlx::Error) -> StoreError {
-    StoreError::Corrupt(format!("{error}; does the table have the documented columns and types?"))
 }
 
 #[cfg(test)]
@@ -330,6 +270,31 @@ mod tests {
             assert!(TableName::parse(bad).is_err(), "{bad:?} was accepted");
         }
         assert!(TableName::parse(&"a".repeat(48)).is_ok());
+    }
+
+    /// Each backend's module docs show the schema `create_table` makes.
+    #[test]
+    fn sql_documented_schemas_are_the_ones_created() {
+        fn check<D: dialect::Backend>(source: &str) {
+            let docs = source.lines().filter_map(|line| line.strip_prefix("//! ")).collect::<Vec<_>>().join("\n");
+            let table = TableName::parse("idempotency_records").unwrap();
+            let created = script(&D::statements(&table.full, &table).create);
+            assert!(docs.contains(&created), "{} module docs:\n{docs}\ncreated:\n{created}", D::NAME);
+        }
+        #[cfg(feature = "postgres")]
+        check::<PostgresDialect>(include_str!("postgres.rs"));
+        #[cfg(feature = "mysql")]
+        check::<MySqlDialect>(include_str!("mysql.rs"));
+        #[cfg(feature = "sqlite")]
+        check::<SqliteDialect>(include_str!("sqlite.rs"));
+    }
+
+    #[cfg(feature = "sqlite")]
+    #[test]
+    fn sql_sqlite_modifiers_are_seconds_with_micros() {
+        use dialect::Backend;
+        let modifier = SqliteDialect::duration(Duration::from_millis(60_250));
+        assert_eq!(modifier, dialect::Value::Text("+60.250000 seconds".into()));
     }
 
     #[test]

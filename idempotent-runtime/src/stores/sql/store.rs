@@ -1,0 +1,233 @@
+//! The SQL store: one implementation over a pool of any of the three dialects.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::{Pool, Transaction};
+
+use super::dialect::Statements;
+use super::dialect::TableName;
+use super::steps::{self, Session};
+use super::{DEFAULT_TABLE, Dialect, PurgeTask, SqlTxStore, TableNameError, TimedOut};
+use crate::store::DEFAULT_MAX_RECORD_BYTES;
+use crate::{Claim, ClaimRequest, Detached, Key, Store, StoreError, Token};
+
+/// How long the statements of one store call may take before it fails with [`TimedOut`] (change
+/// it with [`SqlStore::with_timeout`]).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How many expired rows one purge statement deletes at most (change it with
+/// [`SqlStore::with_purge_batch`]).
+pub const DEFAULT_PURGE_BATCH: u32 = 1000;
+
+/// A store in a SQL table, shared by every application server using the database: the one
+/// implementation behind [`PostgresStore`](super::PostgresStore), [`MySqlStore`](super::MySqlStore)
+/// and [`SqliteStore`](super::SqliteStore), which are this type with their dialect.
+///
+/// Cloning gives another handle on the same pool and table.
+///
+/// # Timeouts
+///
+/// Once a call has its connection, its statements are bounded by a timeout (default
+/// [`DEFAULT_TIMEOUT`]): on a stalled network or a stuck server the call fails with a
+/// [`StoreError::Backend`] whose source is [`TimedOut`], and the connection it was using is
+/// dropped instead of going back to the pool, so later calls get fresh ones.
+///
+/// Waiting for a connection is bounded by the pool's own `acquire_timeout` (sqlx's default is
+/// 30 s; it fails with `sqlx::Error::PoolTimedOut`). That wait includes sqlx's liveness ping of
+/// an idle connection (`test_before_acquire`, on by default), which a stalled network stalls
+/// too, as does the handshake of a new connection: set `acquire_timeout` no longer than you
+/// would wait. On a stalled network a call thus fails within `acquire_timeout` + the timeout. A
+/// busy pool (more concurrent calls than connections) only ever waits there, never in
+/// [`TimedOut`].
+pub struct SqlStore<D: Dialect> {
+    pool: Pool<D::Db>,
+    sql: Arc<Statements>,
+    max_record_bytes: usize,
+    timeout: Duration,
+    purge_batch: u32,
+    dialect: PhantomData<fn() -> D>,
+}
+
+impl<D: Dialect> Clone for SqlStore<D> {
+    fn clone(&self) -> Self {
+        SqlStore { pool: self.pool.clone(), sql: Arc::clone(&self.sql), dialect: PhantomData, ..*self }
+    }
+}
+
+impl<D: Dialect> std::fmt::Debug for SqlStore<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqlStore")
+            .field("backend", &D::NAME)
+            .field("table", &self.sql.table.full)
+            .field("max_record_bytes", &self.max_record_bytes)
+            .field("timeout", &self.timeout)
+            .field("purge_batch", &self.purge_batch)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<D: Dialect> SqlStore<D> {
+    /// A store in the table `idempotency_records` (see [`create_table`](Self::create_table)).
+    #[must_use]
+    pub fn new(pool: Pool<D::Db>) -> Self {
+        Self::with_table(pool, DEFAULT_TABLE).unwrap_or_else(|_| unreachable!("the default table name is valid"))
+    }
+
+    /// A store in `table` (`name` or `schema.name`, a database name on MySQL: letters, digits
+    /// and `_`).
+    pub fn with_table(pool: Pool<D::Db>, table: &str) -> Result<Self, TableNameError> {
+        let table = TableName::parse(table)?;
+        let sql = Arc::new(D::statements(&table.full, &table));
+        Ok(SqlStore {
+            pool,
+            sql,
+            max_record_bytes: DEFAULT_MAX_RECORD_BYTES,
+            timeout: DEFAULT_TIMEOUT,
+            purge_batch: DEFAULT_PURGE_BATCH,
+            dialect: PhantomData,
+        })
+    }
+
+    /// Records outcomes of at most `limit` encoded bytes (default 1 MiB; on MySQL keep it under
+    /// the server's `max_allowed_packet`); larger results are not recorded and replay as
+    /// [`Error::Unrecordable`](crate::Error::Unrecordable).
+    #[must_use]
+    pub fn with_max_record_bytes(mut self, limit: usize) -> Self {
+        self.max_record_bytes = limit;
+        self
+    }
+
+    /// Bounds the statements of every call by `timeout` (default [`DEFAULT_TIMEOUT`]; the wait
+    /// for a pooled connection is the pool's `acquire_timeout`, see [Timeouts](SqlStore#timeouts)).
+    /// A call that takes longer fails with [`TimedOut`] as the source of [`StoreError::Backend`];
+    /// its connection is dropped, not reused.
+    ///
+    /// Keep it above the longest wait on a row lock you expect: a claim on a key that a
+    /// transactional store holds in an open transaction waits for that transaction (MySQL).
+    #[must_use]
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Deletes at most `rows` expired rows per statement when purging (default
+    /// [`DEFAULT_PURGE_BATCH`], at least 1), so a purge never holds many locks at once.
+    #[must_use]
+    pub fn with_purge_batch(mut self, rows: u32) -> Self {
+        self.purge_batch = rows.max(1);
+        self
+    }
+
+    /// Creates the table and its index if they do not exist (see the [module docs](super)).
+    pub async fn create_table(&self) -> Result<(), sqlx::Error> {
+        let mut conn = self.pool.acquire().await?;
+        for statement in &self.sql.create {
+            D::run(&mut conn, statement, &super::dialect::Params::default()).await?;
+        }
+        Ok(())
+    }
+
+    /// The SQL [`create_table`](Self::create_table) runs, for your own migrations.
+    #[must_use]
+    pub fn create_table_sql(&self) -> String {
+        super::script(&self.sql.create)
+    }
+
+    /// The table's name.
+    #[must_use]
+    pub fn table(&self) -> &str {
+        &self.sql.table.full
+    }
+
+    /// The pool.
+    #[must_use]
+    pub fn pool(&self) -> &Pool<D::Db> {
+        &self.pool
+    }
+
+    /// Begins a transaction on the pool, to claim keys and record results inside it (SQLite:
+    /// with `BEGIN IMMEDIATE`).
+    pub async fn begin(&self) -> Result<SqlTxStore<D>, sqlx::Error> {
+        let tx = match D::BEGIN {
+            Some(statement) => self.pool.begin_with(statement).await?,
+            None => self.pool.begin().await?,
+        };
+        Ok(self.in_transaction(tx))
+    }
+
+    /// Claims keys and records results inside `tx`, a transaction you began (on SQLite,
+    /// preferably with `BEGIN IMMEDIATE`: a deferred transaction that read before it writes may
+    /// fail with `SQLITE_BUSY` when another connection wrote in between).
+    #[must_use]
+    pub fn in_transaction(&self, tx: Transaction<'static, D::Db>) -> SqlTxStore<D> {
+        SqlTxStore::new(tx, Arc::clone(&self.sql), self.max_record_bytes)
+    }
+
+    /// Purges expired rows now and then every `every`, on the current Tokio runtime, until the
+    /// returned task is shut down or dropped. Failures are logged and retried at the next interval.
+    ///
+    /// # Panics
+    ///
+    /// Outside a Tokio runtime.
+    pub fn spawn_purge(&self, every: Duration) -> PurgeTask {
+        super::spawn_purge(self.clone(), every, D::NAME)
+    }
+
+    /// Runs one step on a pooled connection, its statements within the store's timeout.
+    async fn step<T>(
+        &self,
+        operation: &'static str,
+        step: impl AsyncFnOnce(&mut Session<'_, D>) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(steps::backend::<D>)?;
+        let result = tokio::time::timeout(self.timeout, step(&mut Session { conn: &mut conn, autocommit: true })).await;
+        result.unwrap_or_else(|_| {
+            // Its statement may still be under way: drop the connection (closing its socket)
+            // and let the pool open a fresh one.
+            drop(conn.detach());
+            Err(StoreError::backend(D::NAME, TimedOut { backend: D::NAME, operation, after: self.timeout }))
+        })
+    }
+}
+
+impl<D: Dialect> Store for SqlStore<D> {
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        self.step("claim", async |s| steps::claim(s, &self.sql, request).await).await
+    }
+
+    async fn complete(&self, key: &Key, token: &Token, outcome: &[u8], retention: Duration) -> Result<(), StoreError> {
+        self.step("complete", async |s| steps::complete(s, &self.sql, key, token, outcome, retention).await).await
+    }
+
+    async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
+        self.step("release", async |s| steps::release(s, &self.sql, key, token).await).await
+    }
+
+    async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
+        self.step("extend", async |s| steps::extend(s, &self.sql, key, token, lease).await).await
+    }
+
+    fn detach(&self, step: Detached) {
+        crate::stores::spawn_detached(self.clone(), step);
+    }
+
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        let mut purged = 0;
+        loop {
+            let batch = self.purge_batch;
+            let deleted = self.step("purge", async |s| steps::purge_batch(s, &self.sql, batch).await).await?;
+            purged += deleted;
+            if deleted < u64::from(batch) {
+                return Ok(purged);
+            }
+            // Between batches the locks are gone; let this runtime's other tasks run too.
+            tokio::task::yield_now().await;
+        }
+    }
+
+    fn max_record_bytes(&self) -> usize {
+        self.max_record_bytes
+    }
+}

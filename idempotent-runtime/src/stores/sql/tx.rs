@@ -1,0 +1,133 @@
+//! The transactional SQL store: claims and records inside one transaction of the caller's.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::{Database, Transaction};
+
+use super::Dialect;
+use super::dialect::Statements;
+use super::steps::{self, Session};
+use crate::{Claim, ClaimRequest, Key, Store, StoreError, Token};
+
+/// A SQL store working inside one transaction: the key is claimed and the result recorded in the
+/// same transaction as the body's own writes, so they commit together or not at all. The one
+/// implementation behind [`PostgresTxStore`](super::PostgresTxStore),
+/// [`MySqlTxStore`](super::MySqlTxStore) and [`SqliteTxStore`](super::SqliteTxStore); made by
+/// [`SqlStore::begin`](super::SqlStore::begin) or
+/// [`SqlStore::in_transaction`](super::SqlStore::in_transaction).
+///
+/// The body reaches the transaction through [`conn`](Self::conn). After the call,
+/// [`commit`](Self::commit) or [`rollback`](Self::rollback); dropping it rolls back. An `Err` from
+/// the body deletes the claim inside the transaction; a panic or a dropped future leaves it there:
+/// roll the transaction back (dropping it does).
+///
+/// # Duplicates wait on the row
+///
+/// The claim is an uncommitted row: a concurrent duplicate (in its own transaction, or through
+/// the pooled store) blocks on that row until this transaction ends, then replays its committed
+/// result, or runs the body itself if this one rolled back. How long it may wait is the server's
+/// lock timeout, and what it gets then is [`Error::Store`](crate::Error::Store) with the server's
+/// error as the source:
+///
+/// | Backend | Setting (default) | The waiting duplicate gets | Its own transaction |
+/// |---|---|---|---|
+/// | PostgreSQL | `lock_timeout` (0: no limit) | SQLSTATE `55P03` (lock not available) | aborted: roll back |
+/// | MySQL/MariaDB | `innodb_lock_wait_timeout` (50 s) | error 1205 (lock wait timeout) | the statement is undone; roll back |
+/// | SQLite | the busy timeout, 30 s from [`SqliteStore::open`](super::SqliteStore::open) | `SQLITE_BUSY` from `begin()` | never started |
+///
+/// So on PostgreSQL set one, for example `SET lock_timeout = '5s'` for the pool's connections
+/// (`PgConnectOptions::options`) or `SET LOCAL lock_timeout = '5s'` on the transaction.
+/// `tests/tests/sql.rs` (`<backend>::tx_duplicate_waits_for_the_lock_timeout`) checks each row of this
+/// table. These stores add no timeout of their own: a statement cut off mid-transaction would
+/// leave the transaction in an unknown state.
+///
+/// # Leases
+///
+/// A lease means nothing here: the claim is an uncommitted row that lives exactly as long as the
+/// transaction, and no other caller can take it over meanwhile. So `extend` (the lease heartbeat)
+/// returns `Ok(())` without a round trip, completion and release are fenced by the token only
+/// (not by the lease's end, unlike the pooled store), and nothing is purged from inside a
+/// transaction.
+pub struct SqlTxStore<D: Dialect> {
+    tx: tokio::sync::Mutex<Transaction<'static, D::Db>>,
+    sql: Arc<Statements>,
+    max_record_bytes: usize,
+}
+
+impl<D: Dialect> std::fmt::Debug for SqlTxStore<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqlTxStore")
+            .field("backend", &D::NAME)
+            .field("table", &self.sql.table.full)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<D: Dialect> SqlTxStore<D> {
+    pub(super) fn new(tx: Transaction<'static, D::Db>, sql: Arc<Statements>, max_record_bytes: usize) -> Self {
+        SqlTxStore { tx: tokio::sync::Mutex::new(tx), sql, max_record_bytes }
+    }
+
+    /// The transaction's connection, for the body's own queries: `.execute(&mut *tx.conn().await)`.
+    ///
+    /// Drop it before the call ends (keep it inside one statement): the store needs the
+    /// connection to record the result.
+    pub async fn conn(&self) -> tokio::sync::MappedMutexGuard<'_, <D::Db as Database>::Connection> {
+        tokio::sync::MutexGuard::map(self.tx.lock().await, |tx| &mut **tx)
+    }
+
+    /// Commits the transaction: the body's writes and the recorded result become visible together.
+    pub async fn commit(self) -> Result<(), sqlx::Error> {
+        self.tx.into_inner().commit().await
+    }
+
+    /// Rolls the transaction back: neither the body's writes nor the claim remain.
+    pub async fn rollback(self) -> Result<(), sqlx::Error> {
+        self.tx.into_inner().rollback().await
+    }
+
+    /// The transaction itself.
+    #[must_use]
+    pub fn into_transaction(self) -> Transaction<'static, D::Db> {
+        self.tx.into_inner()
+    }
+}
+
+impl<D: Dialect> Store for SqlTxStore<D> {
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        let mut tx = self.tx.lock().await;
+        steps::claim::<D>(&mut Session { conn: &mut tx, autocommit: false }, &self.sql, request).await
+    }
+
+    async fn complete(&self, key: &Key, token: &Token, outcome: &[u8], retention: Duration) -> Result<(), StoreError> {
+        let mut tx = self.tx.lock().await;
+        steps::complete::<D>(
+            &mut Session { conn: &mut tx, autocommit: false },
+            &self.sql,
+            key,
+            token,
+            outcome,
+            retention,
+        )
+        .await
+    }
+
+    async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
+        let mut tx = self.tx.lock().await;
+        steps::release::<D>(&mut Session { conn: &mut tx, autocommit: false }, &self.sql, key, token).await
+    }
+
+    /// `Ok(())` at once, without a round trip: the claim lasts as long as the transaction (see
+    /// "Leases" above).
+    async fn extend(&self, _: &Key, _: &Token, _: Duration) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    // detach: the default, nothing. The claim lives only in this transaction, which rolls back
+    // when dropped uncommitted.
+
+    fn max_record_bytes(&self) -> usize {
+        self.max_record_bytes
+    }
+}

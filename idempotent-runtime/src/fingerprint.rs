@@ -74,16 +74,6 @@ impl Fingerprint {
         }
     }
 
-    /// Takes a fingerprint read back from a store **without checking it**.
-    ///
-    /// Deprecated in favour of [`parse`](Fingerprint::parse), which refuses text this library
-    /// never writes; kept, hidden, only until every store calls `parse`, then removed.
-    #[doc(hidden)]
-    #[must_use]
-    pub fn from_stored(text: impl Into<String>) -> Self {
-        Fingerprint(text.into())
-    }
-
     /// The hex text that stores keep.
     #[must_use]
     pub fn as_str(&self) -> &str {

@@ -633,7 +633,7 @@ mod tests {
         assert_eq!(
             parse_claim(Ok(Value::BulkString(running)), &key).unwrap(),
             Claim::InProgress {
-                fingerprint: Some(crate::Fingerprint::from_stored("ab".repeat(32))),
+                fingerprint: Some(crate::Fingerprint::parse("ab".repeat(32)).unwrap()),
                 lease_remaining: None
             }
         );

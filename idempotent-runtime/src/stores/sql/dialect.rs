@@ -383,7 +383,7 @@ pub enum Verdict {
 
 impl Found {
     pub fn verdict(self, ours: &Token) -> Result<Verdict, StoreError> {
-        let fingerprint = self.fingerprint.map(Fingerprint::from_stored);
+        let fingerprint = self.fingerprint.map(Fingerprint::parse).transpose()?;
         match self.state.as_str() {
             IN_PROGRESS if self.token.as_deref() == Some(ours.as_str()) => Ok(Verdict::Mine),
             _ if self.remaining_micros <= 0 => Ok(Verdict::Expired),

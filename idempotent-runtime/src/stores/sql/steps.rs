@@ -80,7 +80,7 @@ pub async fn claim<D: Backend>(
         }
     }
     // The row kept changing under us: report it as busy, to be retried.
-    Ok(Claim::InProgress { fingerprint: last_seen.map(Fingerprint::from_stored), lease_remaining: None })
+    Ok(Claim::InProgress { fingerprint: last_seen.map(Fingerprint::parse).transpose()?, lease_remaining: None })
 }
 
 /// Records the outcome if `token` still holds a live claim on `key`; `Ok` too when the key

@@ -178,3 +178,29 @@ async fn redis_cluster_failover_mid_stress_run() {
         );
     }
 }
+
+/// `AnyStore::from_url("redis+cluster://host:port,host:port")` opens the cluster store, and a call
+/// through it runs once and replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_any_store_opens_from_a_url() {
+    let Some(cluster) = Cluster::shared("redis_cluster_any_store_opens_from_a_url") else { return };
+    let nodes: Vec<String> =
+        cluster.urls().iter().map(|url| url.trim_start_matches("redis://").trim_end_matches('/').to_owned()).collect();
+    let url = format!("redis+cluster://{}", nodes.join(","));
+    let store = idempotent_runtime::stores::any::AnyStore::from_url(&url).await.expect("the cluster URL opens");
+    let runs = std::sync::atomic::AtomicU32::new(0);
+    let key = format!("any-{}", prefix());
+    for _ in 0..2 {
+        let call = idempotent_runtime::Call::new("any-cluster", &key);
+        let value = call
+            .run(&store, async {
+                Ok::<_, idempotent_runtime::Error>(runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1)
+            })
+            .await
+            .unwrap();
+        assert_eq!(value, 1, "the second call replays the first run");
+    }
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    let bad = idempotent_runtime::stores::any::AnyStore::from_url("redis+cluster://127.0.0.1:7100,,x").await;
+    assert!(bad.unwrap_err().to_string().contains("seed nodes"));
+}

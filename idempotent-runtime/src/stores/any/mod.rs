@@ -13,6 +13,7 @@
 //! | `memory://` | [`MemoryStore`](crate::MemoryStore) | always |
 //! | `sqlite://PATH` (`sqlite:///abs/path.db`, `sqlite://data/idem.db`) | [`SqliteStore::open`](crate::stores::sql::SqliteStore) | `sqlite` |
 //! | `redis://HOST[:PORT][/DB]`, `rediss://...` | [`RedisStore::connect`](crate::stores::redis::RedisStore) | `redis` |
+//! | `redis+cluster://HOST:PORT[,HOST:PORT...]` | `RedisClusterStore::connect_cluster` (feature `redis-cluster`) | `redis-cluster` |
 //! | `postgres://USER[:PASSWORD]@HOST[:PORT]/DB` (or `postgresql://`) | `PostgresStore`, table created if missing | `postgres` |
 //! | `mysql://USER[:PASSWORD]@HOST[:PORT]/DB` (or `mariadb://`) | `MySqlStore`, table created if missing | `mysql` |
 //!
@@ -183,7 +184,7 @@ impl AnyStore {
     }
 
     /// Opens the store `url` names (see the [module docs](self) for the schemes): `memory://`,
-    /// `sqlite://PATH`, `redis://...`, `postgres://...`, `mysql://...`.
+    /// `sqlite://PATH`, `redis://...`, `redis+cluster://...`, `postgres://...`, `mysql://...`.
     ///
     /// # Errors
     ///

@@ -50,7 +50,8 @@ pub enum StoreUrlError {
 }
 
 const EXPECTED: &str = "memory://, sqlite://PATH, redis://HOST[:PORT][/DB], rediss://..., \
-                        postgres://USER@HOST[:PORT]/DB or mysql://USER@HOST[:PORT]/DB";
+                        redis+cluster://HOST:PORT[,HOST:PORT...], postgres://USER@HOST[:PORT]/DB or \
+                        mysql://USER@HOST[:PORT]/DB";
 
 /// The stores a URL can name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,7 +59,7 @@ enum Scheme {
     Memory,
     Sqlite,
     Redis,
-    // Redis Cluster: add its scheme here, in `scheme()` and in `open()`, behind its feature.
+    RedisCluster,
     Postgres,
     MySql,
 }
@@ -70,6 +71,7 @@ impl Scheme {
             Scheme::Memory => None,
             Scheme::Sqlite => Some("sqlite"),
             Scheme::Redis => Some("redis"),
+            Scheme::RedisCluster => Some("redis-cluster"),
             Scheme::Postgres => Some("postgres"),
             Scheme::MySql => Some("mysql"),
         }
@@ -82,6 +84,7 @@ fn built_with(feature: &str) -> bool {
     match feature {
         "sqlite" => cfg!(feature = "sqlite"),
         "redis" => cfg!(feature = "redis"),
+        "redis-cluster" => cfg!(feature = "redis-cluster"),
         "postgres" => cfg!(feature = "postgres"),
         "mysql" => cfg!(feature = "mysql"),
         _ => false,
@@ -93,6 +96,7 @@ fn scheme(name: &str) -> Option<Scheme> {
         "memory" => Scheme::Memory,
         "sqlite" => Scheme::Sqlite,
         "redis" | "rediss" => Scheme::Redis,
+        "redis+cluster" => Scheme::RedisCluster,
         "postgres" | "postgresql" => Scheme::Postgres,
         "mysql" | "mariadb" => Scheme::MySql,
         _ => return None,
@@ -133,6 +137,19 @@ pub(super) async fn open(url: &str) -> Result<AnyStore, StoreUrlError> {
                 return Err(malformed("redis:// needs a host, such as redis://127.0.0.1:6379"));
             }
             open_redis(url, &shown).await
+        }
+        Scheme::RedisCluster => {
+            // One URL names every seed node: redis+cluster://user:pass@host1:7000,host2:7001
+            let (user_info, hosts) = rest.rsplit_once('@').map_or(("", rest), |(u, h)| (u, h));
+            let hosts = hosts.split(['/', '?', '#']).next().unwrap_or("");
+            if hosts.split(',').any(str::is_empty) {
+                return Err(malformed(
+                    "redis+cluster:// needs one or more seed nodes, such as redis+cluster://127.0.0.1:7000,127.0.0.1:7001",
+                ));
+            }
+            let at = if user_info.is_empty() { String::new() } else { format!("{user_info}@") };
+            let nodes: Vec<String> = hosts.split(',').map(|node| format!("redis://{at}{node}")).collect();
+            open_redis_cluster(&nodes, &shown).await
         }
         Scheme::Postgres => {
             if host(rest).is_empty() {
@@ -196,6 +213,14 @@ async fn open_redis(url: &str, shown: &str) -> Result<AnyStore, StoreUrlError> {
     Ok(AnyStore::new(store))
 }
 
+#[cfg(feature = "redis-cluster")]
+async fn open_redis_cluster(nodes: &[String], shown: &str) -> Result<AnyStore, StoreUrlError> {
+    let store = crate::stores::redis::RedisClusterStore::connect_cluster(nodes)
+        .await
+        .map_err(|source| StoreUrlError::Connect { url: shown.to_owned(), source })?;
+    Ok(AnyStore::new(store))
+}
+
 #[cfg(feature = "postgres")]
 async fn open_postgres(url: &str, shown: &str) -> Result<AnyStore, StoreUrlError> {
     let pool = sqlx::PgPool::connect(url).await.map_err(|e| connect_error(shown, "postgres", e))?;
@@ -217,7 +242,7 @@ macro_rules! disabled {
     ($($feature:literal => $name:ident;)*) => {$(
         #[cfg(not(feature = $feature))]
         #[allow(clippy::unused_async, reason = "the same signature as with the feature")]
-        async fn $name(_: &str, shown: &str) -> Result<AnyStore, StoreUrlError> {
+        async fn $name(_: &(impl ?Sized), shown: &str) -> Result<AnyStore, StoreUrlError> {
             Err(StoreUrlError::FeatureDisabled { url: shown.to_owned(), feature: $feature })
         }
     )*};
@@ -226,6 +251,7 @@ macro_rules! disabled {
 disabled! {
     "sqlite" => open_sqlite;
     "redis" => open_redis;
+    "redis-cluster" => open_redis_cluster;
     "postgres" => open_postgres;
     "mysql" => open_mysql;
 }

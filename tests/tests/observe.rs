@@ -178,7 +178,7 @@ fn sqlite_metrics_count_a_store_error() {
     });
     assert_eq!(calls_counted(&metrics, "down"), HashMap::from([("store_error".to_owned(), 1)]), "{metrics:#?}");
     let failed_claims = metrics.iter().filter(|(name, labels, _)| {
-        name == "idempotent_store_step_seconds" && labels.contains(&("store".into(), "SqliteStore".into()))
+        name == "idempotent_store_step_seconds" && labels.contains(&("store".into(), "SqlStore<SqliteDialect>".into()))
     });
     assert_eq!(failed_claims.count(), 1, "a failed step is timed too: {metrics:#?}");
 }

@@ -242,7 +242,7 @@ macro_rules! disabled {
     ($($feature:literal => $name:ident;)*) => {$(
         #[cfg(not(feature = $feature))]
         #[allow(clippy::unused_async, reason = "the same signature as with the feature")]
-        async fn $name(_: &(impl ?Sized), shown: &str) -> Result<AnyStore, StoreUrlError> {
+        async fn $name<T: ?Sized>(_: &T, shown: &str) -> Result<AnyStore, StoreUrlError> {
             Err(StoreUrlError::FeatureDisabled { url: shown.to_owned(), feature: $feature })
         }
     )*};

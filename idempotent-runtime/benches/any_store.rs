@@ -20,17 +20,14 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
+#[path = "support/timing.rs"]
+mod timing;
 use idempotent_runtime::stores::AnyStore;
 use idempotent_runtime::{Claim, ClaimRequest, Error, Key, MemoryStore, Store, Token, idempotent};
+use timing::{current_thread, time_first_executions};
 
 /// How many completed keys the replay benchmarks cycle through.
 const KEYS: u64 = 1024;
-/// How many first executions go into one store before it is replaced.
-const KEYS_PER_STORE: u64 = 10_000;
-
-fn current_thread() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
-}
 
 #[idempotent(key = id, store = store, scope = "bench")]
 async fn concrete(store: &MemoryStore, id: u64) -> Result<u64, Error> {
@@ -207,30 +204,6 @@ fn steps(c: &mut Criterion) {
         });
     });
     group.finish();
-}
-
-fn time_first_executions<S>(
-    iters: u64,
-    new_store: fn() -> S,
-    call: &impl AsyncFn(&S, u64) -> Result<u64, Error>,
-) -> Duration {
-    let rt = current_thread();
-    let mut total = Duration::ZERO;
-    let mut done = 0;
-    while done < iters {
-        let chunk = (iters - done).min(KEYS_PER_STORE);
-        let store = new_store();
-        total += rt.block_on(async {
-            let start = Instant::now();
-            for id in 0..chunk {
-                black_box(call(&store, id).await.unwrap());
-            }
-            start.elapsed()
-        });
-        drop(store);
-        done += chunk;
-    }
-    total
 }
 
 fn calls(c: &mut Criterion) {

@@ -5,7 +5,7 @@
 //! `Mutex<HashMap>` looked up before the body and written after it: not atomic, shown for its cost):
 //!
 //! - `first_execution`: every call has a new key. The stores are replaced every
-//!   [`KEYS_PER_STORE`] calls, outside the timed region, so they hold 0 to 10,000 keys.
+//!   10,000 calls (`KEYS_PER_STORE` in `support/timing.rs`), outside the timed region, so they hold 0 to 10,000 keys.
 //! - `replay`: every call hits one of 1,024 completed keys.
 //! - `contention`: 64 tasks on a 2-thread runtime share 4 keys; the body yields once, as real
 //!   work awaits something. Most callers meet a running call and get `InProgress` (about 950 of
@@ -20,12 +20,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
+#[path = "support/timing.rs"]
+mod timing;
 use idempotent_runtime::{Error, MemoryStore, idempotent};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use timing::{current_thread, time_first_executions};
 
-/// How many first executions go into one store before it is replaced.
-const KEYS_PER_STORE: u64 = 10_000;
 /// How many completed keys the replay benchmarks cycle through.
 const REPLAY_KEYS: u64 = 1024;
 /// Tasks and keys of the contention benchmark.
@@ -77,36 +78,6 @@ impl NaiveStore {
         self.records.lock().unwrap().insert(key, bytes);
         Ok(value)
     }
-}
-
-fn current_thread() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
-}
-
-/// Times `iters` calls of `call(store, i)` with fresh keys, replacing the store every
-/// [`KEYS_PER_STORE`] calls outside the timed region.
-fn time_first_executions<S>(
-    iters: u64,
-    new_store: fn() -> S,
-    call: &impl AsyncFn(&S, u64) -> Result<u64, Error>,
-) -> Duration {
-    let rt = current_thread();
-    let mut total = Duration::ZERO;
-    let mut done = 0;
-    while done < iters {
-        let chunk = (iters - done).min(KEYS_PER_STORE);
-        let store = new_store();
-        total += rt.block_on(async {
-            let start = Instant::now();
-            for id in 0..chunk {
-                black_box(call(&store, id).await.unwrap());
-            }
-            start.elapsed()
-        });
-        drop(store);
-        done += chunk;
-    }
-    total
 }
 
 fn first_execution(c: &mut Criterion) {

@@ -23,7 +23,7 @@ use criterion::{Criterion, criterion_group, criterion_main};
 #[path = "support/timing.rs"]
 mod timing;
 use idempotent_runtime::stores::AnyStore;
-use idempotent_runtime::{Claim, ClaimRequest, Error, Key, MemoryStore, Store, Token, idempotent};
+use idempotent_runtime::{Claim, ClaimRequest, Completion, Error, Key, MemoryStore, Store, Token, idempotent};
 use timing::{current_thread, time_first_executions};
 
 /// How many completed keys the replay benchmarks cycle through.
@@ -41,7 +41,7 @@ async fn erased(store: &AnyStore, id: u64) -> Result<u64, Error> {
 
 /// `claim` on a completed key: `true` when it returns the record.
 async fn claim_step<S: Store>(store: &S, key: &Key, token: &Token) -> bool {
-    let request = ClaimRequest { key, token, fingerprint: None, lease: Duration::from_secs(60) };
+    let request = ClaimRequest::new(key, token, None, Duration::from_secs(60));
     matches!(store.claim(&request).await, Ok(Claim::Completed(_)))
 }
 
@@ -127,9 +127,12 @@ fn paired_measurements() {
     rt.block_on(async {
         for key in &keys {
             let owner = Token::new();
-            let request = ClaimRequest { key, token: &owner, fingerprint: None, lease: Duration::from_secs(3600) };
+            let request = ClaimRequest::new(key, &owner, None, Duration::from_secs(3600));
             memory.claim(&request).await.unwrap();
-            memory.complete(key, &owner, b"{\"Ok\":1}", Duration::from_secs(3600)).await.unwrap();
+            memory
+                .complete(&Completion::new(key, &owner, None, b"{\"Ok\":1}", Duration::from_secs(3600)))
+                .await
+                .unwrap();
         }
         for id in 0..KEYS {
             concrete(&memory, 1_000_000 + id).await.unwrap();
@@ -175,9 +178,12 @@ fn steps(c: &mut Criterion) {
     rt.block_on(async {
         for key in &keys {
             let token = Token::new();
-            let request = ClaimRequest { key, token: &token, fingerprint: None, lease: Duration::from_secs(3600) };
+            let request = ClaimRequest::new(key, &token, None, Duration::from_secs(3600));
             memory.claim(&request).await.unwrap();
-            memory.complete(key, &token, b"{\"Ok\":1}", Duration::from_secs(3600)).await.unwrap();
+            memory
+                .complete(&Completion::new(key, &token, None, b"{\"Ok\":1}", Duration::from_secs(3600)))
+                .await
+                .unwrap();
         }
     });
     let token = Token::new();

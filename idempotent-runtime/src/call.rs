@@ -11,10 +11,12 @@ use serde::de::DeserializeOwned;
 use tokio::time::Instant;
 use tracing::Instrument as _;
 
-use crate::observe::{CallObserver, Observed, Outcome};
+use crate::observe::{CallObserver, Outcome, timed};
 use crate::outcome::{self, ErrorPolicy, ReleaseErrors, Replayed};
 use crate::scope::Site;
-use crate::{Claim, ClaimRequest, Detached, Error, Fingerprint, IdempotencyKey, Key, Store, StoreError, Token};
+use crate::{
+    Claim, ClaimRequest, Completion, Detached, Error, Fingerprint, IdempotencyKey, Key, Store, StoreError, Token,
+};
 
 /// How long a claim lasts when its caller neither completes nor releases it (60 s).
 pub const DEFAULT_LEASE: Duration = Duration::from_mins(1);
@@ -26,6 +28,13 @@ const MAX_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_COMPLETE_BACKOFF: Duration = Duration::from_secs(1);
 /// The shortest lease accepted: shorter ones would let a duplicate in before the body started.
 pub const MIN_LEASE: Duration = Duration::from_millis(1);
+/// The longest lease accepted (one day). A lease is not a guess at the body's duration (the
+/// heartbeat renews it while the body runs) but how long a crashed caller blocks its key.
+pub const MAX_LEASE: Duration = Duration::from_hours(24);
+/// The longest retention accepted (3,650 days, about ten years).
+pub const MAX_RETENTION: Duration = Duration::from_hours(3650 * 24);
+/// The longest `wait` accepted (one day, like the lease).
+pub const MAX_WAIT: Duration = MAX_LEASE;
 /// The lease is renewed every third of its length while the body runs.
 const HEARTBEATS_PER_LEASE: u32 = 3;
 
@@ -76,7 +85,7 @@ pub struct Call {
     retention: Duration,
     wait: Option<Duration>,
     on_cancel: OnCancel,
-    site: Option<&'static Site>,
+    site: Option<(&'static Site, Option<&'static str>)>,
     trace_key: bool,
 }
 
@@ -109,8 +118,8 @@ impl Call {
         self
     }
 
-    /// How long a claim lasts if its caller dies (default [`DEFAULT_LEASE`], at least
-    /// [`MIN_LEASE`]). While the body runs, the lease is renewed every third of its length, so a
+    /// How long a claim lasts if its caller dies (default [`DEFAULT_LEASE`], from [`MIN_LEASE`]
+    /// to [`MAX_LEASE`]). While the body runs, the lease is renewed every third of its length, so a
     /// live body keeps its claim however long it takes; a crashed caller's claim ends one lease
     /// after its last renewal.
     pub fn lease(mut self, lease: Duration) -> Self {
@@ -119,14 +128,14 @@ impl Call {
     }
 
     /// How long the completed result is replayed (default [`DEFAULT_RETENTION`]; not shorter
-    /// than the lease).
+    /// than the lease, at most [`MAX_RETENTION`]).
     pub fn retention(mut self, retention: Duration) -> Self {
         self.retention = retention;
         self
     }
 
     /// Makes a concurrent duplicate wait up to `wait` for the running call and replay its result,
-    /// instead of failing at once with [`Error::InProgress`].
+    /// instead of failing at once with [`Error::InProgress`] (at most [`MAX_WAIT`]).
     pub fn wait(mut self, wait: Duration) -> Self {
         self.wait = Some(wait);
         self
@@ -148,7 +157,14 @@ impl Call {
     /// Where the calling function is defined, for the attribute's scope check.
     #[doc(hidden)]
     pub fn site(mut self, site: &'static Site) -> Self {
-        self.site = Some(site);
+        self.site = Some((site, None));
+        self
+    }
+
+    /// Where the calling method is defined and its `Self` type, for the attribute's scope check.
+    #[doc(hidden)]
+    pub fn site_for<T: ?Sized>(mut self, site: &'static Site) -> Self {
+        self.site = Some((site, Some(std::any::type_name::<T>())));
         self
     }
 
@@ -190,7 +206,7 @@ impl Call {
     {
         let observer = CallObserver::start(self.prepared.as_ref().ok().map(|(key, _)| key), self.trace_key);
         let span = observer.span().clone();
-        self.run_observed(&Observed::new(store), policy, body, &observer).instrument(span).await
+        self.run_observed(store, policy, body, &observer).instrument(span).await
     }
 
     async fn run_observed<S, T, E, P, F>(self, store: &S, policy: P, body: F, observer: &CallObserver) -> Result<T, E>
@@ -202,16 +218,17 @@ impl Call {
         F: Future<Output = Result<T, E>>,
     {
         let (key, fingerprint) = self.prepared.map_err(|e| observer.error(e))?;
-        if let Some(site) = self.site {
-            site.check(key.scope()).map_err(|e| observer.error(e))?;
+        if let Some((site, self_type)) = self.site {
+            site.check(key.scope(), self_type).map_err(|e| observer.error(e))?;
         }
-        check_durations(&key, self.lease, self.retention).map_err(|e| observer.error(e))?;
+        check_durations(&key, self.lease, self.retention, self.wait).map_err(|e| observer.error(e))?;
         let token = Token::new();
-        let request = ClaimRequest { key: &key, token: &token, fingerprint: fingerprint.as_ref(), lease: self.lease };
+        let request = ClaimRequest::new(&key, &token, fingerprint.as_ref(), self.lease);
         let mut guard = Guard {
             store,
             key: &key,
             token: &token,
+            fingerprint: fingerprint.as_ref(),
             on_cancel: self.on_cancel,
             phase: Phase::Idle,
             body_polling: false,
@@ -222,8 +239,9 @@ impl Call {
             // The lease is counted from before the request, so our estimate of its end is never late.
             let sent = Instant::now();
             guard.phase = Phase::Claiming;
-            let claim =
-                store.claim(&request).await.map_err(|source| observer.error(store_error(&key, "claim", source)))?;
+            let claim = timed(store.name(), "claim", store.claim(&request))
+                .await
+                .map_err(|source| observer.error(store_error(&key, "claim", source)))?;
             guard.phase = Phase::Idle;
             match claim {
                 Claim::Claimed => break sent + self.lease,
@@ -263,7 +281,7 @@ fn store_error(key: &Key, operation: &'static str, source: StoreError) -> Error 
     Error::Store { key: key.to_string(), operation, source }
 }
 
-fn check_durations(key: &Key, lease: Duration, retention: Duration) -> Result<(), Error> {
+fn check_durations(key: &Key, lease: Duration, retention: Duration, wait: Option<Duration>) -> Result<(), Error> {
     let invalid = |option, reason| Err(Error::InvalidOption { key: key.to_string(), option, reason });
     if lease < MIN_LEASE {
         return invalid(
@@ -274,6 +292,15 @@ fn check_durations(key: &Key, lease: Duration, retention: Duration) -> Result<()
             ),
         );
     }
+    if lease > MAX_LEASE {
+        return invalid(
+            "lease",
+            format!(
+                "{lease:?} is longer than the maximum of 24 h: the lease is how long a crashed caller blocks its \
+                 key, not how long the body may run (it is renewed while the body runs); use seconds or minutes"
+            ),
+        );
+    }
     if retention < lease {
         return invalid(
             "retention",
@@ -281,6 +308,18 @@ fn check_durations(key: &Key, lease: Duration, retention: Duration) -> Result<()
                 "{retention:?} is shorter than the lease ({lease:?}): a result could be forgotten while a \
                  duplicate still waits for it; make the retention at least as long as the lease"
             ),
+        );
+    }
+    if retention > MAX_RETENTION {
+        return invalid(
+            "retention",
+            format!("{retention:?} is longer than the maximum of 3650 days; keep records for days or weeks"),
+        );
+    }
+    if let Some(wait) = wait.filter(|wait| *wait > MAX_WAIT) {
+        return invalid(
+            "wait",
+            format!("{wait:?} is longer than the maximum of 24 h; a duplicate should wait seconds for the first call"),
         );
     }
     Ok(())
@@ -347,7 +386,7 @@ async fn heartbeat<S: Store + ?Sized>(
     loop {
         tokio::time::sleep_until(next).await;
         let sent = Instant::now();
-        match store.extend(key, token, lease).await {
+        match timed(store.name(), "extend", store.extend(key, token, lease)).await {
             Ok(()) => {
                 *lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = sent + lease;
                 next = sent + period;
@@ -355,8 +394,8 @@ async fn heartbeat<S: Store + ?Sized>(
             Err(StoreError::NotOwner) => {
                 tracing::error!(
                     target: "idempotent",
-                    "the claim was lost while the body ran (its lease ended without a renewal and another caller \
-                     may have taken it over); this result will not be recorded"
+                    "the claim lapsed while the body ran (its lease ended without a renewal); another caller may \
+                     now take the key over and run the body too. The result is still recorded unless one does"
                 );
                 return;
             }
@@ -383,7 +422,7 @@ where
     T: Serialize,
     E: From<Error>,
 {
-    let (store, key, token) = (guard.store, guard.key, guard.token);
+    let (store, key, token, fingerprint) = (guard.store, guard.key, guard.token, guard.fingerprint);
     let encoded = match &result {
         Ok(value) => Some(outcome::encode_ok(value)),
         Err(error) => policy.encode(error),
@@ -392,7 +431,7 @@ where
         None => {
             observer.outcome(Outcome::Released);
             guard.phase = Phase::Releasing;
-            match store.release(key, token).await {
+            match timed(store.name(), "release", store.release(key, token)).await {
                 Ok(()) => tracing::debug!(target: "idempotent", "released after an error"),
                 Err(e) => tracing::warn!(
                     target: "idempotent", error = %e,
@@ -411,7 +450,8 @@ where
     };
     guard.phase = Phase::Recording { outcome, retention, lease_end };
     let Phase::Recording { outcome, .. } = &guard.phase else { unreachable!("set above") };
-    let completed = complete_within_lease(store, key, token, outcome, retention, lease_end).await;
+    let completion = Completion::new(key, token, fingerprint, outcome, retention);
+    let completed = complete_within_lease(store, &completion, lease_end).await;
     guard.phase = Phase::Done;
     match completed {
         Completed::Recorded { attempts } => {
@@ -420,14 +460,20 @@ where
             result
         }
         Completed::LeaseLost => {
-            tracing::error!(target: "idempotent", "executed, but the claim was lost before the result was recorded");
+            tracing::error!(target: "idempotent", "executed, but another caller took the key over before the result was recorded");
             Err(observer.error(Error::LeaseLost { key: key.to_string() }).into())
+        }
+        Completed::Failed(e @ StoreError::Aborted { .. }) => {
+            // Recording is committing here: the body's writes will not persist, so the caller
+            // must not see its `Ok`.
+            tracing::error!(target: "idempotent", error = %e, "the result could not be recorded in the transaction");
+            Err(observer.error(store_error(key, "complete", e)).into())
         }
         Completed::Failed(e) => {
             observer.outcome(Outcome::StoreError);
             tracing::error!(
                 target: "idempotent", error = %e,
-                "the body ran but its result could not be recorded within the lease; duplicates after the lease will run again"
+                "the body ran but its result could not be recorded; duplicates after the lease will run again"
             );
             result
         }
@@ -438,31 +484,30 @@ where
 pub(crate) enum Completed {
     /// Recorded (by this attempt or, its reply lost, by an earlier one of the same token).
     Recorded { attempts: u32 },
-    /// The token no longer owns the key: its lease ended, and another caller may have run the body.
+    /// Another token holds the key: it took the key over after this claim's lease ended.
     LeaseLost,
-    /// The store kept failing until the lease ended.
+    /// The store failed for good (a refusal), or kept failing until the lease ended.
     Failed(StoreError),
 }
 
-/// Completes, retrying failures with back-off while the lease lasts. The claim keeps duplicates
-/// out meanwhile, completion is fenced by the token (a retry never overwrites another owner's
-/// record) and repeated completions by one token succeed (a lost reply is not a lost lease).
+/// Completes, retrying transient failures with back-off while the lease lasts. The claim keeps
+/// duplicates out meanwhile, completion is refused only when another token holds the key (a
+/// retry never overwrites another owner's record), and repeated completions by one token succeed
+/// (a lost reply is not a lost lease). Failures that cannot succeed (a refused value, an aborted
+/// transaction, a corrupt record) are not retried.
 pub(crate) async fn complete_within_lease<S: Store + ?Sized>(
     store: &S,
-    key: &Key,
-    token: &Token,
-    outcome: &[u8],
-    retention: Duration,
+    completion: &Completion<'_>,
     lease_end: Instant,
 ) -> Completed {
     let mut backoff = FIRST_BACKOFF;
     let mut attempts = 0u32;
     loop {
         attempts += 1;
-        match store.complete(key, token, outcome, retention).await {
+        match timed(store.name(), "complete", store.complete(completion)).await {
             Ok(()) => return Completed::Recorded { attempts },
             Err(StoreError::NotOwner) => return Completed::LeaseLost,
-            Err(e) if Instant::now() + backoff < lease_end => {
+            Err(e) if e.is_transient() && Instant::now() + backoff < lease_end => {
                 tracing::warn!(target: "idempotent", error = %e, attempts, "recording the result failed; retrying within the lease");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(MAX_COMPLETE_BACKOFF);
@@ -499,6 +544,7 @@ struct Guard<'a, S: Store + ?Sized> {
     store: &'a S,
     key: &'a Key,
     token: &'a Token,
+    fingerprint: Option<&'a Fingerprint>,
     on_cancel: OnCancel,
     phase: Phase,
     /// Set while the body is polled: still set in the destructor means the body panicked.
@@ -530,7 +576,7 @@ impl<S: Store + ?Sized> Drop for Guard<'_, S> {
             },
             Phase::Recording { outcome, retention, lease_end } => {
                 tracing::debug!(target: "idempotent", "dropped while recording; finishing the record in the background");
-                Detached::Complete { key, token, outcome, retention, lease_end }
+                Detached::Complete { key, token, fingerprint: self.fingerprint.cloned(), outcome, retention, lease_end }
             }
         };
         self.store.detach(step);

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use crate::call::{Completed, complete_within_lease};
-use crate::{Key, Store, StoreError, Token};
+use crate::{Completion, Fingerprint, Key, Store, StoreError, Token};
 
 /// A protocol step that must still reach the store although the call that began it was dropped.
 ///
@@ -29,6 +29,8 @@ pub enum Detached {
         key: Key,
         /// The claim's owner token.
         token: Token,
+        /// The request's fingerprint, as claimed.
+        fingerprint: Option<Fingerprint>,
         /// The encoded outcome.
         outcome: Vec<u8>,
         /// How long the record is replayed.
@@ -47,13 +49,25 @@ impl Detached {
         }
     }
 
-    /// Does the step on `store`: one release, or a completion retried with back-off until the
-    /// lease ends.
+    /// The completion this step makes, if it is one.
+    #[must_use]
+    pub fn completion(&self) -> Option<Completion<'_>> {
+        match self {
+            Detached::Release { .. } => None,
+            Detached::Complete { key, token, fingerprint, outcome, retention, .. } => {
+                Some(Completion::new(key, token, fingerprint.as_ref(), outcome, *retention))
+            }
+        }
+    }
+
+    /// Does the step on `store`: one release, or a completion whose transient failures are
+    /// retried with back-off until the lease ends.
     pub async fn finish<S: Store + ?Sized>(self, store: &S) -> Result<(), StoreError> {
         match self {
             Detached::Release { key, token } => store.release(&key, &token).await,
-            Detached::Complete { key, token, outcome, retention, lease_end } => {
-                match complete_within_lease(store, &key, &token, &outcome, retention, lease_end).await {
+            Detached::Complete { key, token, fingerprint, outcome, retention, lease_end } => {
+                let completion = Completion::new(&key, &token, fingerprint.as_ref(), &outcome, retention);
+                match complete_within_lease(store, &completion, lease_end).await {
                     Completed::Recorded { .. } => Ok(()),
                     Completed::LeaseLost => Err(StoreError::NotOwner),
                     Completed::Failed(error) => Err(error),
@@ -75,7 +89,7 @@ impl Detached {
 /// struct MyStore { /* a pool or a client handle */ }
 /// # impl Store for MyStore {
 /// #     async fn claim(&self, _: &idempotent_runtime::ClaimRequest<'_>) -> Result<idempotent_runtime::Claim, idempotent_runtime::StoreError> { unimplemented!() }
-/// #     async fn complete(&self, _: &idempotent_runtime::Key, _: &idempotent_runtime::Token, _: &[u8], _: std::time::Duration) -> Result<(), idempotent_runtime::StoreError> { unimplemented!() }
+/// #     async fn complete(&self, _: &idempotent_runtime::Completion<'_>) -> Result<(), idempotent_runtime::StoreError> { unimplemented!() }
 /// #     async fn release(&self, _: &idempotent_runtime::Key, _: &idempotent_runtime::Token) -> Result<(), idempotent_runtime::StoreError> { unimplemented!() }
 /// #     async fn extend(&self, _: &idempotent_runtime::Key, _: &idempotent_runtime::Token, _: std::time::Duration) -> Result<(), idempotent_runtime::StoreError> { unimplemented!() }
 /// fn detach(&self, step: Detached) {

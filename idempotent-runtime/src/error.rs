@@ -58,24 +58,31 @@ pub enum Error {
         key: String,
     },
 
-    /// This call's lease ran out while its body ran and another caller took the key over; the result
-    /// was not recorded so as not to overwrite the new owner's. Make the lease longer than the body takes.
+    /// The body ran, but while its claim had lapsed (its lease ended without a renewal, because the
+    /// store could not be reached for a whole lease) another caller took the key over, so this
+    /// result was not recorded: it would have overwritten the new owner's. The body may have run
+    /// twice. A completion that nobody contested is recorded, however late; this error means a
+    /// takeover really happened.
     #[error(
-        "the claim on idempotency key {key:?} expired while the body ran and another caller took it over; \
-         this result was not recorded. Set a `lease` longer than the body can take"
+        "idempotency key {key:?} was taken over by another caller while this call's claim had lapsed \
+         (its lease ended without a renewal: the store was unreachable for a whole lease), so this result \
+         was not recorded and the body may have run twice; keep the lease well above the store's \
+         outage and pool waits"
     )]
     LeaseLost {
         /// The key, as `scope:key`.
         key: String,
     },
 
-    /// The store could not be reached or failed. Nothing ran (at `claim`), or the result was not
-    /// recorded (at `complete`).
+    /// The store failed. At `claim`, the body did not run (a retry may succeed later). At
+    /// `complete`, the body ran but its result could not be recorded: this is returned only by a
+    /// transactional store ([`StoreError::Aborted`]), whose transaction must then be rolled back;
+    /// other stores return the body's result and log the failure (see the crate docs' limits).
     #[error("idempotency store failed during {operation} of key {key:?}: {source}")]
     Store {
         /// The key, as `scope:key`.
         key: String,
-        /// The protocol step: `claim`, `complete` or `release`.
+        /// The protocol step: `claim` or `complete`.
         operation: &'static str,
         /// What the store reported.
         #[source]
@@ -112,27 +119,32 @@ pub enum Error {
     #[error("the request fingerprint could not be computed: {0}; fingerprint a serialisable value")]
     Fingerprint(String),
 
-    /// A `lease` or `retention` that cannot keep the promise (for example a zero lease, which would
-    /// let duplicates run at once). The body did not run.
+    /// A `lease`, `retention` or `wait` that cannot keep the promise (for example a zero lease,
+    /// which would let duplicates run at once, or one so long that its end cannot be computed).
+    /// The body did not run.
     #[error("invalid `{option}` for idempotency key {key:?}: {reason}")]
     InvalidOption {
         /// The key, as `scope:key`.
         key: String,
-        /// The option at fault: `lease` or `retention`.
+        /// The option at fault: `lease`, `retention` or `wait`.
         option: &'static str,
         /// What is wrong and how to fix it.
         reason: String,
     },
 
-    /// Two different functions of this process arrived at the same default scope, so they would
-    /// share records. The body did not run.
+    /// Two different functions of this process (or one trait default method called for two
+    /// `Self` types) arrived at the same default scope, so they would share records. The body did
+    /// not run.
     #[error(
-        "the functions at {first} and {second} both use the idempotency scope {scope:?}, so they would          share records; give at least one of them its own `scope = \"...\"`"
+        "the functions at {first} and {second} both use the default idempotency scope {scope:?}, so they \
+         would share records; give at least one of them its own `scope = \"...\"`, or put `#[idempotent]` \
+         on their impl blocks to name each type in its methods' scopes"
     )]
     ScopeCollision {
         /// The shared scope.
         scope: String,
-        /// Where the function that used the scope first is defined (`file:line:column`).
+        /// Where the function that used the scope first is defined (`file:line:column`, and the
+        /// `Self` type for a method).
         first: String,
         /// Where the refused function is defined.
         second: String,
@@ -158,12 +170,13 @@ impl Error {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
-    /// Completion or release was refused: the caller's token no longer owns the key (its lease ran out
-    /// and someone else claimed it, or the record is gone).
-    #[error("the caller no longer owns the claim (lease expired and was taken over)")]
+    /// The step was refused: another token holds the key (completion), or this token's lease has
+    /// ended or its claim is gone (renewal, release).
+    #[error("the caller does not own the claim (its lease ended, or another caller holds the key)")]
     NotOwner,
 
-    /// The backend failed: connection refused or lost, timeout, SQL error.
+    /// The backend failed or could not be reached (connection refused or lost, a timeout, a
+    /// server busy or restarting): the same step may succeed if tried again.
     #[error("{backend} error: {source}")]
     Backend {
         /// Which store: `redis`, `postgres`, `mysql`, `sqlite`, ...
@@ -173,14 +186,56 @@ pub enum StoreError {
         source: Box<dyn std::error::Error + Send + Sync>,
     },
 
+    /// The backend refused the step itself (a value it cannot store, a constraint or trigger that
+    /// rejects the write, a missing table): trying the same step again cannot succeed, so the
+    /// protocol does not retry it.
+    #[error("{backend} refused the operation: {source}")]
+    Rejected {
+        /// Which store.
+        backend: &'static str,
+        /// The backend's own error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+
+    /// The transaction a transactional store works in cannot commit this call's work: the
+    /// completion failed inside it, or it was aborted before. The caller must roll it back (its
+    /// business writes did not happen as far as anyone else will see); a retry in a new
+    /// transaction runs the body again.
+    #[error("the {backend} transaction cannot commit this call (roll it back and retry): {source}")]
+    Aborted {
+        /// Which store.
+        backend: &'static str,
+        /// Why.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+
+    /// The store is full: it refuses new claims until records expire (a bounded in-process
+    /// store at its bound).
+    #[error("the idempotency store is full ({0}); new keys are refused until records expire")]
+    Full(String),
+
     /// A stored record does not have the documented shape (written by something else?).
     #[error("corrupt idempotency record: {0}")]
     Corrupt(String),
 }
 
 impl StoreError {
-    /// Wraps a backend's error.
+    /// Wraps a backend's error that trying again may cure ([`StoreError::Backend`]).
     pub fn backend(backend: &'static str, source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         StoreError::Backend { backend, source: source.into() }
+    }
+
+    /// Wraps a backend's refusal of the step itself ([`StoreError::Rejected`]).
+    pub fn rejected(backend: &'static str, source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        StoreError::Rejected { backend, source: source.into() }
+    }
+
+    /// `true` when the same step may succeed if sent again: a backend failure or a full store.
+    /// The protocol retries only these while the lease lasts.
+    #[must_use]
+    pub fn is_transient(&self) -> bool {
+        matches!(self, StoreError::Backend { .. } | StoreError::Full(_))
     }
 }

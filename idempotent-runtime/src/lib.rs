@@ -79,14 +79,14 @@ mod scope;
 mod store;
 pub mod stores;
 
-pub use call::{Call, DEFAULT_LEASE, DEFAULT_RETENTION, MIN_LEASE, OnCancel};
+pub use call::{Call, DEFAULT_LEASE, DEFAULT_RETENTION, MAX_LEASE, MAX_RETENTION, MAX_WAIT, MIN_LEASE, OnCancel};
 pub use detached::Detached;
 pub use error::{Error, StoreError};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, Key, KeyError, MAX_KEY_BYTES};
 pub use outcome::{ErrorPolicy, RecordErrors, RecordErrorsIf, ReleaseErrors};
 pub use replayable::Replayable;
-pub use store::{Claim, ClaimRequest, DEFAULT_MAX_RECORD_BYTES, Record, Store, Token};
+pub use store::{Claim, ClaimRequest, Completion, DEFAULT_MAX_RECORD_BYTES, Record, Store, Token};
 pub use stores::AnyStore;
 pub use stores::memory::MemoryStore;
 #[cfg(feature = "redis")]

@@ -25,7 +25,7 @@
 //! | metric | kind | labels |
 //! |---|---|---|
 //! | `idempotent_calls_total` | counter | `scope`, `outcome` ([`Outcome::as_str`]) |
-//! | `idempotent_store_step_seconds` | histogram | `store` (the store's type name, e.g. `RedisStore`), `step` (`claim`, `complete`, `release`, `extend`) |
+//! | `idempotent_store_step_seconds` | histogram | `store` ([`Store::name`](crate::Store::name), e.g. `redis`), `step` (`claim`, `complete`, `release`, `extend`) |
 //! | `idempotent_cache_lookups_total` | counter | `result` (`hit`, `miss`): [`CachedStore`](crate::stores::cache::CachedStore) only |
 //!
 //! A step's latency is recorded whether the step succeeded or failed.
@@ -60,12 +60,11 @@
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::time::Duration;
 
 use tracing::Span;
 use tracing::field::Empty;
 
-use crate::{Claim, ClaimRequest, Detached, Key, Store, StoreError, Token};
+use crate::Key;
 
 /// How a call ended, as the span's `outcome` field and the `outcome` label of
 /// `idempotent_calls_total`.
@@ -236,7 +235,7 @@ fn describe() {
 }
 
 /// Times `step` of the store named `store` into `idempotent_store_step_seconds` (feature
-/// `metrics`; otherwise it is `step` itself).
+/// `metrics`; otherwise it is `step` itself). The protocol sends every step through it.
 #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
 pub(crate) async fn timed<F: Future>(store: &'static str, step: &'static str, future: F) -> F::Output {
     #[cfg(feature = "metrics")]
@@ -250,139 +249,5 @@ pub(crate) async fn timed<F: Future>(store: &'static str, step: &'static str, fu
     #[cfg(not(feature = "metrics"))]
     {
         future.await
-    }
-}
-
-/// A store seen through the observer: each step is timed (feature `metrics`). The protocol talks
-/// to the store only through this wrapper, so no step goes unmeasured.
-pub(crate) struct Observed<'a, S: ?Sized> {
-    store: &'a S,
-    name: &'static str,
-}
-
-impl<'a, S: Store + ?Sized> Observed<'a, S> {
-    pub(crate) fn new(store: &'a S) -> Self {
-        Observed { store, name: if cfg!(feature = "metrics") { store_label::<S>() } else { "" } }
-    }
-}
-
-impl<S: Store + ?Sized> Store for Observed<'_, S> {
-    fn claim(&self, request: &ClaimRequest<'_>) -> impl Future<Output = Result<Claim, StoreError>> + Send {
-        timed(self.name, "claim", self.store.claim(request))
-    }
-
-    fn complete(
-        &self,
-        key: &Key,
-        token: &Token,
-        outcome: &[u8],
-        retention: Duration,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        timed(self.name, "complete", self.store.complete(key, token, outcome, retention))
-    }
-
-    fn release(&self, key: &Key, token: &Token) -> impl Future<Output = Result<(), StoreError>> + Send {
-        timed(self.name, "release", self.store.release(key, token))
-    }
-
-    fn extend(&self, key: &Key, token: &Token, lease: Duration) -> impl Future<Output = Result<(), StoreError>> + Send {
-        timed(self.name, "extend", self.store.extend(key, token, lease))
-    }
-
-    fn detach(&self, step: Detached) {
-        self.store.detach(step);
-    }
-
-    fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send {
-        self.store.purge_expired()
-    }
-
-    fn max_record_bytes(&self) -> usize {
-        self.store.max_record_bytes()
-    }
-}
-
-/// The `store` label of a store type: its type name without module paths or pointer wrappers
-/// (`&`, `Arc`, `Box`, `LazyLock`), e.g. `RedisStore` or `CachedStore<RedisStore>`. Computed
-/// once per type.
-#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
-pub(crate) fn store_label<S: ?Sized>() -> &'static str {
-    use std::collections::HashMap;
-    use std::sync::{LazyLock, RwLock};
-    static LABELS: LazyLock<RwLock<HashMap<&'static str, &'static str>>> = LazyLock::new(RwLock::default);
-    let name = std::any::type_name::<S>();
-    if let Some(label) = LABELS.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(name) {
-        return label;
-    }
-    let label: &'static str = Box::leak(short_type_name(name).into_boxed_str());
-    LABELS.write().unwrap_or_else(std::sync::PoisonError::into_inner).insert(name, label);
-    label
-}
-
-fn short_type_name(name: &str) -> String {
-    // Drop module paths: keep what follows the last `::` of each path.
-    let mut short = String::with_capacity(name.len());
-    let mut segment = String::new();
-    for ch in name.chars() {
-        if ch.is_alphanumeric() || ch == '_' || ch == ':' {
-            segment.push(ch);
-        } else {
-            short.push_str(segment.rsplit("::").next().unwrap_or_default());
-            segment.clear();
-            short.push(ch);
-        }
-    }
-    short.push_str(segment.rsplit("::").next().unwrap_or_default());
-    // Peel pointer wrappers off the outside.
-    let mut s = short.as_str().trim();
-    loop {
-        if let Some(rest) = s.strip_prefix('&') {
-            s = rest.trim_start().strip_prefix("mut ").unwrap_or(rest).trim_start();
-            continue;
-        }
-        let wrapped = ["Arc<", "Box<", "LazyLock<", "Rc<"].iter().find_map(|w| s.strip_prefix(w));
-        match wrapped.and_then(|inner| inner.strip_suffix('>')) {
-            Some(inner) => {
-                // `LazyLock<S, F>`: keep `S`.
-                s = top_level_first(inner);
-            }
-            None => return s.to_owned(),
-        }
-    }
-}
-
-/// The first of a comma-separated list of generic arguments.
-fn top_level_first(list: &str) -> &str {
-    let mut depth = 0usize;
-    for (at, ch) in list.char_indices() {
-        match ch {
-            '<' | '(' | '[' => depth += 1,
-            '>' | ')' | ']' => depth = depth.saturating_sub(1),
-            ',' if depth == 0 => return list[..at].trim(),
-            _ => {}
-        }
-    }
-    list.trim()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::short_type_name;
-
-    #[test]
-    fn store_labels_are_short_type_names() {
-        assert_eq!(short_type_name("idempotent_runtime::stores::memory::MemoryStore"), "MemoryStore");
-        assert_eq!(short_type_name("&idempotent_runtime::stores::redis::RedisStore"), "RedisStore");
-        assert_eq!(
-            short_type_name("&alloc::sync::Arc<idempotent_runtime::stores::memory::MemoryStore>"),
-            "MemoryStore"
-        );
-        assert_eq!(short_type_name("std::sync::LazyLock<a::MemoryStore, fn() -> a::MemoryStore>"), "MemoryStore");
-        assert_eq!(
-            short_type_name(
-                "idempotent_runtime::stores::cache::CachedStore<idempotent_runtime::stores::redis::RedisStore>"
-            ),
-            "CachedStore<RedisStore>"
-        );
     }
 }

@@ -1,15 +1,18 @@
 //! Default scopes for the attribute, and the check that two functions never share one by accident.
 //!
 //! A function without `scope = "..."` gets a scope from where it is defined: the module path and
-//! the function's name (`shop.payments.pay`), or, for a method with a receiver, the path of the
-//! `Self` type and the method's name (`shop.Orders.create`), so two impls' `create` in one module
-//! stay apart. Rust's `::` becomes `.` because a scope may not hold `:`.
+//! the function's name (`shop.payments.pay`), with the `Self` type's name in between for the
+//! methods of an impl marked `#[idempotent]` (`shop.Orders.create`). Every part is source text
+//! (`module_path!()` and tokens the macro sees), so a new compiler never changes a scope. Rust's
+//! `::` becomes `.` because a scope may not hold `:`.
 //!
-//! Two functions can still arrive at the same default, for example two associated functions
-//! without a receiver, of two types in one module. Each expansion therefore carries a [`Site`]
-//! (its file, line and column); the first call from a site registers its scope, and a call from
-//! another site with the same scope fails with [`Error::ScopeCollision`] before it claims
-//! anything. The check covers one process; across processes, name the scope explicitly.
+//! Two functions can still arrive at the same default: two types' methods of one name in one
+//! module without `#[idempotent]` on their impls, or a trait's default method used by several
+//! types. Each expansion therefore carries a [`Site`] (its file, line and column) and, for a
+//! method, the `Self` type of the call; the first call registers the scope, and a call from
+//! another site, or from the same site for another `Self` type, fails with
+//! [`Error::ScopeCollision`] before it claims anything. The check covers one process; across
+//! processes, name the scope explicitly.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -23,7 +26,8 @@ pub fn fn_scope(module_path: &str, name: &str) -> String {
     dotted([module_path, name])
 }
 
-/// The default scope of a method with a receiver: the `Self` type's path and `name`, dotted.
+/// The former default scope of a method, from `std::any::type_name` (removed with the next
+/// commit's macro change).
 #[doc(hidden)]
 #[must_use]
 pub fn method_scope<T: ?Sized>(name: &str) -> String {
@@ -46,12 +50,16 @@ fn dotted<const N: usize>(parts: [&str; N]) -> String {
 #[derive(Debug)]
 pub struct Site {
     location: &'static str,
-    /// The scope this site registered first: later calls with it skip the registry.
-    registered: OnceLock<Box<str>>,
+    /// The scope (and `Self` type) this site registered first: later calls with them skip the
+    /// registry.
+    registered: OnceLock<(Box<str>, Option<&'static str>)>,
 }
 
-/// Which site registered each scope in this process.
-static REGISTRY: Mutex<Option<HashMap<Box<str>, &'static str>>> = Mutex::new(None);
+/// A site's location and, for a method, its `Self` type.
+type Owner = (&'static str, Option<&'static str>);
+
+/// Which site (and `Self` type) registered each scope in this process.
+static REGISTRY: Mutex<Option<HashMap<Box<str>, Owner>>> = Mutex::new(None);
 
 impl Site {
     /// A site at `location` (`file:line:column`).
@@ -60,22 +68,28 @@ impl Site {
         Site { location, registered: OnceLock::new() }
     }
 
-    /// Registers `scope` for this site, or reports the other site that uses it.
-    pub(crate) fn check(&'static self, scope: &str) -> Result<(), Error> {
-        if self.registered.get().is_some_and(|registered| **registered == *scope) {
+    /// Registers `scope` for this site and, for a method, its `Self` type (`self_type`, compared
+    /// only within this process), or reports the other site or type that uses it.
+    pub(crate) fn check(&'static self, scope: &str, self_type: Option<&'static str>) -> Result<(), Error> {
+        if self.registered.get().is_some_and(|(registered, ty)| **registered == *scope && *ty == self_type) {
             return Ok(());
         }
         let mut registry = REGISTRY.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let owner = *registry.get_or_insert_with(HashMap::new).entry(scope.into()).or_insert(self.location);
+        let (owner, owner_type) =
+            *registry.get_or_insert_with(HashMap::new).entry(scope.into()).or_insert((self.location, self_type));
         drop(registry);
-        if owner != self.location {
+        let described = |location: &str, ty: Option<&str>| match ty {
+            Some(ty) => format!("{location} (for `{ty}`)"),
+            None => location.to_owned(),
+        };
+        if owner != self.location || owner_type != self_type {
             return Err(Error::ScopeCollision {
                 scope: scope.to_owned(),
-                first: owner.to_owned(),
-                second: self.location.to_owned(),
+                first: described(owner, owner_type),
+                second: described(self.location, self_type),
             });
         }
-        let _ = self.registered.set(scope.into());
+        let _ = self.registered.set((scope.into(), self_type));
         Ok(())
     }
 }
@@ -84,12 +98,10 @@ impl Site {
 mod tests {
     use super::*;
 
-    struct Orders;
-
     #[test]
     fn memory_default_scopes_are_dotted_paths() {
         assert_eq!(fn_scope("shop::payments", "pay"), "shop.payments.pay");
-        assert_eq!(method_scope::<Orders>("create"), format!("{}.Orders.create", module_path!().replace("::", ".")));
+        assert_eq!(fn_scope("shop::payments", "Orders.create"), "shop.payments.Orders.create");
         assert!(crate::Key::new(&fn_scope(module_path!(), "pay"), &"k").is_ok());
     }
 
@@ -97,12 +109,25 @@ mod tests {
     fn memory_sites_refuse_a_scope_another_site_registered() {
         static FIRST: Site = Site::new("a.rs:1:1");
         static SECOND: Site = Site::new("b.rs:2:2");
-        FIRST.check("scope-test.shared").unwrap();
-        FIRST.check("scope-test.shared").unwrap();
-        let Err(Error::ScopeCollision { scope, first, second }) = SECOND.check("scope-test.shared") else {
+        FIRST.check("scope-test.shared", None).unwrap();
+        FIRST.check("scope-test.shared", None).unwrap();
+        let Err(Error::ScopeCollision { scope, first, second }) = SECOND.check("scope-test.shared", None) else {
             panic!("a second site was allowed the same scope")
         };
         assert_eq!((scope.as_str(), first.as_str(), second.as_str()), ("scope-test.shared", "a.rs:1:1", "b.rs:2:2"));
-        SECOND.check("scope-test.other").unwrap();
+        SECOND.check("scope-test.other", None).unwrap();
+    }
+
+    #[test]
+    fn memory_a_site_refuses_a_second_self_type() {
+        static DEFAULT_METHOD: Site = Site::new("t.rs:3:3");
+        DEFAULT_METHOD.check("scope-test.method", Some("a::Stripe")).unwrap();
+        DEFAULT_METHOD.check("scope-test.method", Some("a::Stripe")).unwrap();
+        let Err(Error::ScopeCollision { first, second, .. }) =
+            DEFAULT_METHOD.check("scope-test.method", Some("a::Adyen"))
+        else {
+            panic!("a second Self type shared the default method's scope")
+        };
+        assert_eq!((first.as_str(), second.as_str()), ("t.rs:3:3 (for `a::Stripe`)", "t.rs:3:3 (for `a::Adyen`)"));
     }
 }

@@ -4,6 +4,8 @@ use std::future::Future;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
+use bytes::Bytes;
+
 use crate::{Detached, Fingerprint, Key, StoreError};
 
 /// The largest encoded result a store records by default (1 MiB).
@@ -17,22 +19,30 @@ pub const DEFAULT_MAX_RECORD_BYTES: usize = 1024 * 1024;
 ///
 /// 1. [`claim`](Store::claim): take the key for this caller's [`Token`] with a lease, unless a live
 ///    record exists, in which case return it (completed: for replay; in progress: to wait or fail).
-///    An expired lease or an expired completed record counts as absent.
+///    An expired lease or an expired completed record counts as absent. A claim that finds the
+///    key already claimed by *its own* token (a resent request whose first reply was lost) is
+///    [`Claim::Claimed`].
 /// 2. [`extend`](Store::extend): the lease heartbeat. If the key is still claimed by this token
 ///    and its lease has not ended, the lease now ends `lease` from now.
-/// 3. [`complete`](Store::complete): if the key is still claimed by this token and its lease has
-///    not ended, store the encoded outcome and make the record live for `retention`. A completion
-///    repeated by the token that already completed the record succeeds and changes nothing, so a
-///    retried completion whose first reply was lost is told apart from a lost lease.
+/// 3. [`complete`](Store::complete): store the encoded outcome and make the record live for the
+///    retention, **unless another token holds a live claim or record on the key**. So a
+///    completion is accepted when the key still carries this token (its lease may have ended:
+///    nobody took the key over), when the key is gone or expired (nobody holds it now), and, without
+///    changing anything, when this token already completed it (a retried completion whose first
+///    reply was lost). It is refused only when another caller took the key over.
 /// 4. [`release`](Store::release): if the key is still claimed by this token and its lease has not
 ///    ended, delete it, so a retry may run.
 ///
-/// Steps 2 to 4 fail with [`StoreError::NotOwner`] otherwise, and change nothing: once a lease has
-/// ended, even if nobody has claimed the key since, its owner can no longer act on it. Every
-/// expiry is decided by the store's own clock (the database's or Redis's), never the caller's.
+/// Refused steps fail with [`StoreError::NotOwner`] and change nothing. Renewal and release are
+/// fenced by the lease: once it has ended, even if nobody has claimed the key since, its owner can
+/// no longer renew or release it. Completion is fenced only by other owners, because refusing a
+/// finished body's result that nobody contested would make the next retry run the body again.
+/// Every expiry is decided by the store's own clock (the database's or Redis's, or Tokio's for
+/// in-process stores), never the caller's.
 ///
 /// Implementations for `&S`, `Box<S>`, `Arc<S>` and `LazyLock<S>` forward to `S`, so the attribute's
-/// `store = ...` accepts a store, a reference to one, an `Arc`, or a `static` `LazyLock`.
+/// `store = ...` accepts a store, a reference to one, an `Arc`, or a `static` `LazyLock`. To hold
+/// any store chosen at run time, use [`AnyStore`](crate::AnyStore).
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not an idempotency store",
     label = "`store = ...` must name a store",
@@ -42,14 +52,9 @@ pub trait Store: Send + Sync {
     /// Claims `request.key` for `request.token`, or returns the live record that prevents it.
     fn claim(&self, request: &ClaimRequest<'_>) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
-    /// Records `outcome` for a key this token claimed, live for `retention`.
-    fn complete(
-        &self,
-        key: &Key,
-        token: &Token,
-        outcome: &[u8],
-        retention: Duration,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Records `completion.outcome` for its key, live for `completion.retention`, unless another
+    /// token holds the key (see the trait docs for the rule).
+    fn complete(&self, completion: &Completion<'_>) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Deletes the claim this token holds, so that a retry may run the body.
     fn release(&self, key: &Key, token: &Token) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -65,11 +70,11 @@ pub trait Store: Send + Sync {
     /// while it released or recorded.
     ///
     /// It cannot wait: in-memory stores finish the step at once, remote stores spawn it on the
-    /// current Tokio runtime with [`spawn_detached`](crate::stores::spawn_detached). The default
-    /// does nothing and the claim ends with its lease.
-    fn detach(&self, step: Detached) {
-        drop(step);
-    }
+    /// current Tokio runtime with [`spawn_detached`](crate::stores::spawn_detached), and a store
+    /// whose claims live in a transaction that rolls back when dropped does nothing. There is no
+    /// default: a store that dropped the step would lose a result that was meant to be recorded
+    /// in the background.
+    fn detach(&self, step: Detached);
 
     /// Deletes expired claims and records now and returns how many it deleted.
     ///
@@ -84,10 +89,17 @@ pub trait Store: Send + Sync {
     fn max_record_bytes(&self) -> usize {
         DEFAULT_MAX_RECORD_BYTES
     }
+
+    /// A short name for the store in metrics and logs, such as `memory`, `redis` or `postgres`
+    /// (the `store` label of `idempotent_store_step_seconds`). The default is `custom`.
+    fn name(&self) -> &'static str {
+        "custom"
+    }
 }
 
 /// The arguments of [`Store::claim`].
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct ClaimRequest<'a> {
     /// The key to claim.
     pub key: &'a Key,
@@ -99,8 +111,48 @@ pub struct ClaimRequest<'a> {
     pub lease: Duration,
 }
 
+impl<'a> ClaimRequest<'a> {
+    /// A claim of `key` for `token`, with `fingerprint`, lasting `lease` unless renewed.
+    #[must_use]
+    pub fn new(key: &'a Key, token: &'a Token, fingerprint: Option<&'a Fingerprint>, lease: Duration) -> Self {
+        ClaimRequest { key, token, fingerprint, lease }
+    }
+}
+
+/// The arguments of [`Store::complete`].
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct Completion<'a> {
+    /// The claimed key.
+    pub key: &'a Key,
+    /// The token of the claim whose body produced the outcome.
+    pub token: &'a Token,
+    /// The request's fingerprint, as claimed (written with the record when the store no longer
+    /// holds the claim, so that a reused key with another request is still refused).
+    pub fingerprint: Option<&'a Fingerprint>,
+    /// The encoded outcome.
+    pub outcome: &'a [u8],
+    /// How long the record is replayed.
+    pub retention: Duration,
+}
+
+impl<'a> Completion<'a> {
+    /// The completion of `token`'s claim on `key` with `outcome`, replayed for `retention`.
+    #[must_use]
+    pub fn new(
+        key: &'a Key,
+        token: &'a Token,
+        fingerprint: Option<&'a Fingerprint>,
+        outcome: &'a [u8],
+        retention: Duration,
+    ) -> Self {
+        Completion { key, token, fingerprint, outcome, retention }
+    }
+}
+
 /// What [`Store::claim`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Claim {
     /// The key is now this caller's: run the body.
     Claimed,
@@ -117,11 +169,21 @@ pub enum Claim {
 
 /// A completed call, as recorded.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Record {
     /// The fingerprint of the request that produced it.
     pub fingerprint: Option<Fingerprint>,
-    /// The encoded outcome (JSON: see the crate docs for its shape).
-    pub outcome: Vec<u8>,
+    /// The encoded outcome (JSON: see the crate docs for its shape). Shared, not copied, by the
+    /// in-process stores' replays.
+    pub outcome: Bytes,
+}
+
+impl Record {
+    /// A record of `outcome`, produced by a request with `fingerprint`.
+    #[must_use]
+    pub fn new(fingerprint: Option<Fingerprint>, outcome: impl Into<Bytes>) -> Self {
+        Record { fingerprint, outcome: outcome.into() }
+    }
 }
 
 /// The owner token of one claim: random, unique per call; completion and release are fenced by it.
@@ -170,14 +232,8 @@ macro_rules! forward_store {
                 (**self).claim(request)
             }
 
-            fn complete(
-                &self,
-                key: &Key,
-                token: &Token,
-                outcome: &[u8],
-                retention: Duration,
-            ) -> impl Future<Output = Result<(), StoreError>> + Send {
-                (**self).complete(key, token, outcome, retention)
+            fn complete(&self, completion: &Completion<'_>) -> impl Future<Output = Result<(), StoreError>> + Send {
+                (**self).complete(completion)
             }
 
             fn release(&self, key: &Key, token: &Token) -> impl Future<Output = Result<(), StoreError>> + Send {
@@ -198,6 +254,10 @@ macro_rules! forward_store {
 
             fn max_record_bytes(&self) -> usize {
                 (**self).max_record_bytes()
+            }
+
+            fn name(&self) -> &'static str {
+                (**self).name()
             }
         }
     )*};

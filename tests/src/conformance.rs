@@ -19,9 +19,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idempotent_runtime::{
-    Call, Claim, ClaimRequest, Detached, Error, Fingerprint, Key, OnCancel, Record, Store, StoreError, Token,
-    idempotent,
+    Call, Claim, ClaimRequest, Completion, Detached, Error, Fingerprint, Key, OnCancel, Record, Store, StoreError,
+    Token, idempotent,
 };
+
+use crate::StoreSteps;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Barrier;
@@ -56,7 +58,8 @@ macro_rules! conformance_suite {
                 scopes_keep_equal_keys_apart,
                 invalid_keys_never_reach_the_body,
                 oversized_results_are_never_run_twice,
-                undecodable_records_are_a_typed_error
+                undecodable_records_are_a_typed_error,
+                a_resent_claim_finds_its_own_claim
             );
         }
     };
@@ -77,7 +80,11 @@ macro_rules! conformance_suite {
                 cancellation_with_release_policy_frees_the_key,
                 a_live_body_keeps_its_claim_past_the_lease,
                 a_crashed_owners_claim_frees_after_its_lease,
-                late_steps_after_the_lease_are_refused,
+                a_late_completion_nobody_contested_is_recorded,
+                a_late_completion_after_the_claim_was_dropped_is_recorded,
+                a_late_completion_after_a_takeover_is_refused,
+                a_body_whose_heartbeat_failed_is_still_recorded,
+                a_resent_claim_finds_its_own_claim,
                 a_call_dropped_while_recording_is_still_recorded,
                 a_call_dropped_while_claiming_does_not_strand_the_key,
                 invalid_durations_are_refused_before_claiming,
@@ -471,29 +478,118 @@ pub async fn a_crashed_owners_claim_frees_after_its_lease<S: Store + 'static>(st
     tokio::time::sleep(Duration::from_millis(700)).await;
     assert_eq!(quick(&*store, &ledger, &key).await.unwrap(), (1, "p#1".to_owned()), "after the lease a duplicate runs");
     assert!(matches!(store.extend(&stored, &dead, Duration::from_secs(30)).await, Err(StoreError::NotOwner)));
-    assert!(matches!(store.complete(&stored, &dead, b"{}", Duration::from_secs(60)).await, Err(StoreError::NotOwner)));
+    assert!(matches!(
+        store.complete_as(&stored, &dead, b"{}", Duration::from_secs(60)).await,
+        Err(StoreError::NotOwner)
+    ));
     assert!(matches!(store.release(&stored, &dead).await, Err(StoreError::NotOwner)));
     assert_eq!(quick(&*store, &ledger, &key).await.unwrap(), (1, "p#1".to_owned()), "the new owner's record stands");
 }
 
-/// Steps that arrive after the lease ended are refused even when nobody took the key over: every
-/// store behaves the same way, and the key stays free for the next caller.
-pub async fn late_steps_after_the_lease_are_refused<S: Store + 'static>(store: Arc<S>, _: Expiry) {
+/// A completion that arrives after the lease ended, when nobody took the key over, is recorded:
+/// refusing it would make the next retry run the body again. Renewal and release stay fenced by
+/// the lease. The record keeps the request's fingerprint.
+pub async fn a_late_completion_nobody_contested_is_recorded<S: Store + 'static>(store: Arc<S>, _: Expiry) {
     let key = Key::new(&unique("late"), &"k").unwrap();
+    let (owner, next) = (Token::new(), Token::new());
+    let fp = Fingerprint::of(&("alice", 100)).unwrap();
+    assert_eq!(store.claim(&claim_request(&key, &owner, Some(&fp), 150)).await.unwrap(), Claim::Claimed);
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    assert!(matches!(store.extend(&key, &owner, Duration::from_secs(30)).await, Err(StoreError::NotOwner)));
+    assert!(matches!(store.release(&key, &owner).await, Err(StoreError::NotOwner)));
+    let late = Completion::new(&key, &owner, Some(&fp), br#"{"Ok":1}"#, Duration::from_secs(60));
+    store.complete(&late).await.expect("nobody contested the key: the late completion is recorded");
+    store.complete(&late).await.expect("and repeating it succeeds");
+    let recorded = Claim::Completed(Record::new(Some(fp), br#"{"Ok":1}"#.to_vec()));
+    assert_eq!(store.claim(&claim_request(&key, &next, None, 30_000)).await.unwrap(), recorded, "replayed");
+}
+
+/// The same when the store has dropped the expired claim (Redis does by itself; the others when
+/// purged): nobody holds the key, so the late completion writes the record, fingerprint included.
+pub async fn a_late_completion_after_the_claim_was_dropped_is_recorded<S: Store + 'static>(store: Arc<S>, _: Expiry) {
+    let key = Key::new(&unique("dropped"), &"k").unwrap();
+    let owner = Token::new();
+    let fp = Fingerprint::of(&("bob", 7)).unwrap();
+    assert_eq!(store.claim(&claim_request(&key, &owner, Some(&fp), 150)).await.unwrap(), Claim::Claimed);
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    store.purge_expired().await.unwrap();
+    let late = Completion::new(&key, &owner, Some(&fp), br#"{"Ok":"late"}"#, Duration::from_secs(60));
+    store.complete(&late).await.expect("nobody holds the key: the late completion is recorded");
+    match store.claim(&claim_request(&key, &Token::new(), None, 30_000)).await.unwrap() {
+        Claim::Completed(record) => {
+            assert_eq!(record.outcome, &br#"{"Ok":"late"}"#[..]);
+            assert_eq!(record.fingerprint, Some(fp), "the request's fingerprint travels with the completion");
+        }
+        other => panic!("expected the late record, got {other:?}"),
+    }
+}
+
+/// A completion after another caller took the key over is refused, and the new owner's record
+/// stands.
+pub async fn a_late_completion_after_a_takeover_is_refused<S: Store + 'static>(store: Arc<S>, _: Expiry) {
+    let key = Key::new(&unique("taken"), &"k").unwrap();
     let (owner, next) = (Token::new(), Token::new());
     assert_eq!(store.claim(&claim_request(&key, &owner, None, 150)).await.unwrap(), Claim::Claimed);
     tokio::time::sleep(Duration::from_millis(450)).await;
-    assert!(matches!(store.extend(&key, &owner, Duration::from_secs(30)).await, Err(StoreError::NotOwner)));
-    assert!(matches!(
-        store.complete(&key, &owner, br#"{"Ok":1}"#, Duration::from_secs(60)).await,
-        Err(StoreError::NotOwner)
-    ));
-    assert!(matches!(store.release(&key, &owner).await, Err(StoreError::NotOwner)));
-    assert_eq!(
-        store.claim(&claim_request(&key, &next, None, 30_000)).await.unwrap(),
-        Claim::Claimed,
-        "nothing was recorded late"
-    );
+    assert_eq!(store.claim(&claim_request(&key, &next, None, 30_000)).await.unwrap(), Claim::Claimed);
+    let late = |token| Completion::new(&key, token, None, br#"{"Ok":"late"}"#, Duration::from_secs(60));
+    assert!(matches!(store.complete(&late(&owner)).await, Err(StoreError::NotOwner)), "the new owner runs");
+    store.complete_as(&key, &next, br#"{"Ok":"new"}"#, Duration::from_secs(60)).await.unwrap();
+    assert!(matches!(store.complete(&late(&owner)).await, Err(StoreError::NotOwner)), "the new owner recorded");
+    let recorded = Claim::Completed(Record::new(None, br#"{"Ok":"new"}"#.to_vec()));
+    assert_eq!(store.claim(&claim_request(&key, &Token::new(), None, 30_000)).await.unwrap(), recorded);
+}
+
+/// A claim sent again by its own caller (a client that resent the request after losing the first
+/// reply) finds its own claim: it is `Claimed`, not `InProgress`, so the key is not stranded.
+pub async fn a_resent_claim_finds_its_own_claim<S: Store + 'static>(store: Arc<S>, _: Expiry) {
+    let key = Key::new(&unique("resent"), &"k").unwrap();
+    let (owner, other) = (Token::new(), Token::new());
+    let fp = Fingerprint::of(&1).unwrap();
+    assert_eq!(store.claim(&claim_request(&key, &owner, Some(&fp), 30_000)).await.unwrap(), Claim::Claimed);
+    assert_eq!(store.claim(&claim_request(&key, &owner, Some(&fp), 30_000)).await.unwrap(), Claim::Claimed);
+    assert!(matches!(store.claim(&claim_request(&key, &other, None, 30_000)).await.unwrap(), Claim::InProgress { .. }));
+    store.complete(&Completion::new(&key, &owner, Some(&fp), br#"{"Ok":1}"#, Duration::from_secs(60))).await.unwrap();
+}
+
+/// A real store whose lease heartbeat never reaches it: every `extend` fails.
+struct NoHeartbeat<S> {
+    inner: Arc<S>,
+}
+
+impl<S: Store> Store for NoHeartbeat<S> {
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        self.inner.claim(request).await
+    }
+
+    async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
+        self.inner.complete(completion).await
+    }
+
+    async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
+        self.inner.release(key, token).await
+    }
+
+    async fn extend(&self, _: &Key, _: &Token, _: Duration) -> Result<(), StoreError> {
+        Err(StoreError::backend("test", "the heartbeat cannot reach the store"))
+    }
+
+    fn detach(&self, step: Detached) {
+        self.inner.detach(step);
+    }
+}
+
+/// A body that outlives its lease while the heartbeat cannot reach the store, with nobody else
+/// claiming the key, is recorded when it finishes: the caller gets its result, the retry replays
+/// it, and the body ran once.
+pub async fn a_body_whose_heartbeat_failed_is_still_recorded<S: Store + 'static>(store: Arc<S>, _: Expiry) {
+    let ledger = Ledger::default();
+    let key = unique("blip");
+    let blip = NoHeartbeat { inner: store.clone() };
+    let first = counted(&blip, &ledger, &key, "p", Duration::from_millis(900), Duration::from_millis(300)).await;
+    assert_eq!(first.expect("the uncontested result is recorded"), (1, "p#1".to_owned()));
+    assert_eq!(quick(&*store, &ledger, &key).await.unwrap(), (1, "p#1".to_owned()), "the retry replays it");
+    assert_eq!(ledger.count(&key), 1, "the body ran once");
 }
 
 /// A real store with a pause in chosen steps, to drop a call at a chosen point.
@@ -512,9 +608,9 @@ impl<S: Store> Store for Paused<S> {
         claim
     }
 
-    async fn complete(&self, key: &Key, token: &Token, outcome: &[u8], retention: Duration) -> Result<(), StoreError> {
+    async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
         tokio::time::sleep(self.before_complete).await;
-        self.inner.complete(key, token, outcome, retention).await
+        self.inner.complete(completion).await
     }
 
     async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
@@ -725,7 +821,7 @@ pub fn claim_request<'a>(
     fingerprint: Option<&'a Fingerprint>,
     lease_ms: u64,
 ) -> ClaimRequest<'a> {
-    ClaimRequest { key, token, fingerprint, lease: Duration::from_millis(lease_ms) }
+    ClaimRequest::new(key, token, fingerprint, Duration::from_millis(lease_ms))
 }
 
 /// The store's three steps, called directly: only the claimant's token completes or releases; a
@@ -749,16 +845,18 @@ pub async fn store_steps_are_fenced_by_the_token<S: Store + 'static>(store: Arc<
     }
     // Only the owner may renew, complete or release.
     assert!(matches!(store.extend(&key, &second, retention).await, Err(StoreError::NotOwner)));
-    assert!(matches!(store.complete(&key, &second, b"{}", retention).await, Err(StoreError::NotOwner)));
+    assert!(matches!(store.complete_as(&key, &second, b"{}", retention).await, Err(StoreError::NotOwner)));
     assert!(matches!(store.release(&key, &second).await, Err(StoreError::NotOwner)));
-    store.complete(&key, &first, br#"{"Ok":1}"#, retention).await.unwrap();
+    // A completion carries the fingerprint its claim was made with.
+    let done = Completion::new(&key, &first, Some(&fp), br#"{"Ok":1}"#, retention);
+    store.complete(&done).await.unwrap();
     // Completed: replayed. Its owner's repeated completion succeeds and changes nothing (a retry
     // whose first reply was lost); anything else is refused.
     let replay = store.claim(&claim_request(&key, &second, None, 30_000)).await.unwrap();
-    let recorded = Claim::Completed(Record { fingerprint: Some(fp), outcome: br#"{"Ok":1}"#.to_vec() });
+    let recorded = Claim::Completed(Record::new(Some(fp.clone()), br#"{"Ok":1}"#.to_vec()));
     assert_eq!(replay, recorded);
-    store.complete(&key, &first, br#"{"Ok":1}"#, retention).await.expect("a repeated completion succeeds");
-    assert!(matches!(store.complete(&key, &second, b"{}", retention).await, Err(StoreError::NotOwner)));
+    store.complete(&done).await.expect("a repeated completion succeeds");
+    assert!(matches!(store.complete_as(&key, &second, b"{}", retention).await, Err(StoreError::NotOwner)));
     assert!(matches!(store.release(&key, &first).await, Err(StoreError::NotOwner)));
     assert!(matches!(store.extend(&key, &first, retention).await, Err(StoreError::NotOwner)));
     assert_eq!(store.claim(&claim_request(&key, &second, None, 30_000)).await.unwrap(), recorded, "unchanged");
@@ -784,14 +882,14 @@ pub async fn store_steps_are_fenced_by_the_token<S: Store + 'static>(store: Arc<
     assert_eq!(store.claim(&claim_request(&leased, &first, None, 100)).await.unwrap(), Claim::Claimed);
     tokio::time::sleep(Duration::from_millis(250)).await;
     assert_eq!(store.claim(&claim_request(&leased, &second, None, 30_000)).await.unwrap(), Claim::Claimed);
-    assert!(matches!(store.complete(&leased, &first, b"{}", retention).await, Err(StoreError::NotOwner)));
+    assert!(matches!(store.complete_as(&leased, &first, b"{}", retention).await, Err(StoreError::NotOwner)));
     assert!(matches!(store.release(&leased, &first).await, Err(StoreError::NotOwner)));
-    store.complete(&leased, &second, br#"{"Ok":2}"#, retention).await.unwrap();
+    store.complete_as(&leased, &second, br#"{"Ok":2}"#, retention).await.unwrap();
 
     // A completed record whose retention ended is claimable again.
     let retained = Key::new(&scope, &"k4").unwrap();
     assert_eq!(store.claim(&claim_request(&retained, &first, None, 30_000)).await.unwrap(), Claim::Claimed);
-    store.complete(&retained, &first, b"{}", Duration::from_millis(100)).await.unwrap();
+    store.complete_as(&retained, &first, b"{}", Duration::from_millis(100)).await.unwrap();
     tokio::time::sleep(Duration::from_millis(250)).await;
     assert_eq!(store.claim(&claim_request(&retained, &second, None, 30_000)).await.unwrap(), Claim::Claimed);
 }

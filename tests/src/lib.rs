@@ -10,3 +10,24 @@ pub mod fresh;
 pub mod proxy;
 pub mod services;
 pub mod stress;
+
+use std::future::Future;
+use std::time::Duration;
+
+use idempotent_runtime::{Completion, Key, Store, StoreError, Token};
+
+/// Direct store steps in the short form the tests use.
+pub trait StoreSteps: Store {
+    /// [`Store::complete`] of `token`'s claim on `key` with `outcome`, without a fingerprint.
+    fn complete_as<'a>(
+        &'a self,
+        key: &'a Key,
+        token: &'a Token,
+        outcome: &'a [u8],
+        retention: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        async move { self.complete(&Completion::new(key, token, None, outcome, retention)).await }
+    }
+}
+
+impl<S: Store + ?Sized> StoreSteps for S {}

@@ -42,7 +42,7 @@ use std::sync::{Arc, Mutex, Once};
 use std::time::{Duration, Instant};
 
 use idempotent_runtime::{
-    Call, Claim, ClaimRequest, Detached, Error, Key, OnCancel, RecordErrorsIf, Store, StoreError, Token,
+    Call, Claim, ClaimRequest, Completion, Detached, Error, Key, OnCancel, RecordErrorsIf, Store, StoreError, Token,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Semaphore, oneshot};
@@ -450,7 +450,8 @@ impl<S: Store> Store for Counted<S> {
         result
     }
 
-    async fn complete(&self, key: &Key, token: &Token, outcome: &[u8], retention: Duration) -> Result<(), StoreError> {
+    async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
+        let key = completion.key;
         let drop_here = hooks().filter(|h| h.plan == Plan::CancelWhileRecording);
         if let Some(hooks) = &drop_here
             && !hooks.complete_first
@@ -460,7 +461,7 @@ impl<S: Store> Store for Counted<S> {
             std::future::pending::<()>().await;
         }
         self.ops.completes.fetch_add(1, Ordering::Relaxed);
-        let result = self.inner.complete(key, token, outcome, retention).await;
+        let result = self.inner.complete(completion).await;
         self.count(&result);
         match &result {
             Ok(()) => {
@@ -516,6 +517,10 @@ impl<S: Store> Store for Counted<S> {
 
     fn max_record_bytes(&self) -> usize {
         self.inner.max_record_bytes()
+    }
+
+    fn name(&self) -> &'static str {
+        self.inner.name()
     }
 }
 

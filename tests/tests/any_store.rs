@@ -1,19 +1,14 @@
-//! A store chosen at run time: `AnyStore` and `Arc<dyn DynStore>` pass the conformance suite
+//! A store chosen at run time: `AnyStore` passes the conformance suite
 //! over the memory store and Redis, `AnyStore::from_url` opens every backend from its URL
 //! (against the real servers), and bad URLs are typed errors that name the fix.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use idempotent_runtime::stores::{AnyStore, DynStore, StoreUrlError};
+use idempotent_runtime::stores::{AnyStore, StoreUrlError};
 use idempotent_runtime::{Call, Error, MemoryStore, Store};
 
 idempotent_tests::conformance_suite!(conformance_any_memory, async { Some(AnyStore::new(MemoryStore::new())) });
-
-idempotent_tests::conformance_suite!(conformance_dyn_memory, async {
-    Some(Arc::new(MemoryStore::new()) as Arc<dyn DynStore>)
-});
 
 #[cfg(feature = "redis")]
 idempotent_tests::conformance_suite!(
@@ -50,14 +45,18 @@ async fn runs_once_then_replays(store: &AnyStore) -> String {
 async fn memory_any_store_from_url() {
     let store = AnyStore::from_url("memory://").await.expect("memory:// opens");
     assert!(store.type_name().ends_with("MemoryStore"), "{store:?}");
+    assert_eq!(store.name(), "memory");
     runs_once_then_replays(&store).await;
     assert_eq!(store.max_record_bytes(), idempotent_runtime::DEFAULT_MAX_RECORD_BYTES);
 
     // The wrapped store's own limit comes through, and is enforced on the erased store.
     let small = AnyStore::new(MemoryStore::with_max_record_bytes(16));
     assert_eq!(small.max_record_bytes(), 16);
-    let dyn_small: Arc<dyn DynStore> = Arc::new(MemoryStore::with_max_record_bytes(16));
-    assert_eq!(dyn_small.max_record_bytes(), 16);
+    // An `AnyStore` wrapped again is the same store, not a store of a store (which would box
+    // every step twice).
+    let again = AnyStore::new(small.clone());
+    assert!(again.type_name().ends_with("MemoryStore"), "{again:?}");
+    assert_eq!(again.max_record_bytes(), 16);
     let result = Call::new("any-limit", "k").run(&small, async { Ok::<_, Error>("x".repeat(100)) }).await;
     assert_eq!(result.expect("the first caller gets its value").len(), 100);
     let replay = Call::new("any-limit", "k").run(&small, async { Ok::<_, Error>(String::new()) }).await;
@@ -74,6 +73,7 @@ async fn sqlite_any_store_from_url_keeps_records_in_the_file() {
         store.type_name().ends_with("SqlStore<idempotent_runtime::stores::sql::sqlite::SqliteDialect>"),
         "{store:?}"
     );
+    assert_eq!(store.name(), "sqlite");
     let scope = runs_once_then_replays(&store).await;
     drop(store);
 

@@ -890,6 +890,6 @@ fn http_metrics_are_served_in_the_prometheus_text_format() {
     assert!(line("executed").is_some_and(|l| l.ends_with(" 1")), "{body}");
     assert!(line("replayed").is_some_and(|l| l.ends_with(" 1")), "{body}");
     assert!(body.contains("# TYPE idempotent_calls_total counter"), "{body}");
-    assert!(body.contains("idempotent_store_step_seconds_count{store=\"MemoryStore\",step=\"claim\"} 2"), "{body}");
-    assert!(body.contains("idempotent_store_step_seconds_count{store=\"MemoryStore\",step=\"complete\"} 1"), "{body}");
+    assert!(body.contains("idempotent_store_step_seconds_count{store=\"memory\",step=\"claim\"} 2"), "{body}");
+    assert!(body.contains("idempotent_store_step_seconds_count{store=\"memory\",step=\"complete\"} 1"), "{body}");
 }

@@ -9,6 +9,7 @@
 //! seed (`IDEMPOTENT_PROPTEST_SEED=<u64>` picks another, to explore), so whether CI passes never
 //! depends on luck. An input that once failed is kept below as an explicit regression case.
 
+use idempotent_tests::StoreSteps;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -249,19 +250,18 @@ fn raw_bytes_round_trip<S: Store>(rt: &tokio::runtime::Runtime, store: &S, name:
                 let key = Key::new("prop-raw", &uuid::Uuid::new_v4()).unwrap();
                 let token = Token::new();
                 let fp = fingerprint.map(|request| Fingerprint::of_bytes(&request));
-                let request =
-                    ClaimRequest { key: &key, token: &token, fingerprint: fp.as_ref(), lease: Duration::from_secs(30) };
+                let request = ClaimRequest::new(&key, &token, fp.as_ref(), Duration::from_secs(30));
                 match store.claim(&request).await {
                     Ok(Claim::Claimed) => {}
                     other => prop_assert!(false, "claim of a fresh key: {:?}", other),
                 }
                 let other = Token::new();
-                let again = ClaimRequest { token: &other, ..request };
+                let again = ClaimRequest::new(request.key, &other, request.fingerprint, request.lease);
                 match store.claim(&again).await {
                     Ok(Claim::InProgress { fingerprint, .. }) => prop_assert_eq!(fingerprint, fp.clone()),
                     other => prop_assert!(false, "second claim: {:?}", other),
                 }
-                match store.complete(&key, &token, &outcome, Duration::from_secs(60)).await {
+                match store.complete_as(&key, &token, &outcome, Duration::from_secs(60)).await {
                     Ok(()) => match store.claim(&again).await {
                         Ok(Claim::Completed(record)) => {
                             prop_assert_eq!(record.fingerprint, fp);
@@ -270,7 +270,7 @@ fn raw_bytes_round_trip<S: Store>(rt: &tokio::runtime::Runtime, store: &S, name:
                         }
                         other => prop_assert!(false, "claim after complete: {:?}", other),
                     },
-                    Err(e @ (StoreError::Backend { .. } | StoreError::Corrupt(_))) => {
+                    Err(e @ (StoreError::Backend { .. } | StoreError::Rejected { .. } | StoreError::Corrupt(_))) => {
                         typed_error("complete", &e);
                         prop_assert!(store.release(&key, &token).await.is_ok(), "a failed completion keeps the claim");
                     }
@@ -307,15 +307,14 @@ fn stored_fingerprints_round_trip<S: Store>(rt: &tokio::runtime::Runtime, store:
             let fp = Fingerprint::of_bytes(request);
             let key = Key::new("prop-fp-regression", &uuid::Uuid::new_v4()).unwrap();
             let (token, other) = (Token::new(), Token::new());
-            let claim =
-                ClaimRequest { key: &key, token: &token, fingerprint: Some(&fp), lease: Duration::from_secs(30) };
+            let claim = ClaimRequest::new(&key, &token, Some(&fp), Duration::from_secs(30));
             assert_eq!(store.claim(&claim).await.unwrap(), Claim::Claimed);
-            let again = ClaimRequest { token: &other, ..claim };
+            let again = ClaimRequest::new(claim.key, &other, claim.fingerprint, claim.lease);
             match store.claim(&again).await.unwrap() {
                 Claim::InProgress { fingerprint, .. } => assert_eq!(fingerprint.as_ref(), Some(&fp), "{request:?}"),
                 other => panic!("second claim: {other:?}"),
             }
-            store.complete(&key, &token, b"{\"Ok\":1}", Duration::from_secs(60)).await.unwrap();
+            store.complete_as(&key, &token, b"{\"Ok\":1}", Duration::from_secs(60)).await.unwrap();
             match store.claim(&again).await.unwrap() {
                 Claim::Completed(record) => assert_eq!(record.fingerprint.as_ref(), Some(&fp), "{request:?}"),
                 other => panic!("claim after complete: {other:?}"),

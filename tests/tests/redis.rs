@@ -4,6 +4,7 @@
 //!
 //! Every test works under its own random prefix and deletes its keys at the end.
 
+use idempotent_tests::StoreSteps;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -64,7 +65,7 @@ async fn cleanup(raw: &mut redis::aio::MultiplexedConnection, prefix: &str) {
 }
 
 async fn claim(store: &RedisStore, key: &Key, token: &Token, fp: Option<&Fingerprint>, lease: Duration) -> Claim {
-    store.claim(&ClaimRequest { key, token, fingerprint: fp, lease }).await.expect("claim")
+    store.claim(&ClaimRequest::new(key, token, fp, lease)).await.expect("claim")
 }
 
 /// Long enough that no record expires while a test SCANs a large keyspace.
@@ -90,16 +91,16 @@ async fn redis_claim_complete_and_replay() {
 
     // Completion is fenced by the token.
     let outcome = br#"{"Ok":"receipt"}"#;
-    assert!(matches!(store.complete(&key, &other, outcome, LEASE).await, Err(StoreError::NotOwner)));
+    assert!(matches!(store.complete_as(&key, &other, outcome, LEASE).await, Err(StoreError::NotOwner)));
     assert!(matches!(store.release(&key, &other).await, Err(StoreError::NotOwner)));
-    store.complete(&key, &owner, outcome, Duration::from_secs(60)).await.unwrap();
+    store.complete_as(&key, &owner, outcome, Duration::from_secs(60)).await.unwrap();
 
     let replay = claim(&store, &key, &Token::new(), None, LEASE).await;
-    assert_eq!(replay, Claim::Completed(Record { fingerprint: Some(fp.clone()), outcome: outcome.to_vec() }));
+    assert_eq!(replay, Claim::Completed(Record::new(Some(fp.clone()), outcome.to_vec())));
     // Once completed, a repeated completion by the same token succeeds and changes nothing (its
     // first reply may have been lost); nobody else can complete it, and nobody can release it.
-    store.complete(&key, &owner, b"{}", LEASE).await.unwrap();
-    assert!(matches!(store.complete(&key, &other, b"{}", LEASE).await, Err(StoreError::NotOwner)));
+    store.complete_as(&key, &owner, b"{}", LEASE).await.unwrap();
+    assert!(matches!(store.complete_as(&key, &other, b"{}", LEASE).await, Err(StoreError::NotOwner)));
     assert!(matches!(store.release(&key, &owner).await, Err(StoreError::NotOwner)));
     assert!(matches!(store.extend(&key, &owner, LEASE).await, Err(StoreError::NotOwner)));
     assert_eq!(claim(&store, &key, &Token::new(), None, LEASE).await, replay);
@@ -137,16 +138,23 @@ async fn redis_expired_lease_is_taken_over_and_fences_the_old_owner() {
     assert_eq!(claim(&store, &key, &old, None, Duration::from_millis(50)).await, Claim::Claimed);
     tokio::time::sleep(Duration::from_millis(120)).await;
     assert_eq!(claim(&store, &key, &new, None, LEASE).await, Claim::Claimed, "an expired lease counts as absent");
-    assert!(matches!(store.complete(&key, &old, b"{}", LEASE).await, Err(StoreError::NotOwner)));
+    assert!(matches!(store.complete_as(&key, &old, b"{}", LEASE).await, Err(StoreError::NotOwner)));
     assert!(matches!(store.release(&key, &old).await, Err(StoreError::NotOwner)));
-    store.complete(&key, &new, br#"{"Ok":2}"#, LEASE).await.unwrap();
-    assert!(matches!(claim(&store, &key, &old, None, LEASE).await, Claim::Completed(r) if r.outcome == br#"{"Ok":2}"#));
+    store.complete_as(&key, &new, br#"{"Ok":2}"#, LEASE).await.unwrap();
+    assert!(
+        matches!(claim(&store, &key, &old, None, LEASE).await, Claim::Completed(r) if r.outcome == br#"{"Ok":2}"#[..])
+    );
 
-    // A claim whose lease ran out with nobody taking over cannot be completed either: Redis dropped it.
+    // A claim whose lease ran out with nobody taking over: Redis dropped it, so nobody holds the
+    // key, and the late completion writes the record (refusing it would run the body again).
     let lapsed = Key::new("pay", &"req-3b").unwrap();
     assert_eq!(claim(&store, &lapsed, &old, None, Duration::from_millis(30)).await, Claim::Claimed);
     tokio::time::sleep(Duration::from_millis(80)).await;
-    assert!(matches!(store.complete(&lapsed, &old, b"{}", LEASE).await, Err(StoreError::NotOwner)));
+    assert!(matches!(store.release(&lapsed, &old).await, Err(StoreError::NotOwner)), "release stays fenced");
+    store.complete_as(&lapsed, &old, br#"{"Ok":3}"#, LEASE).await.expect("the uncontested late completion");
+    assert!(
+        matches!(claim(&store, &lapsed, &new, None, LEASE).await, Claim::Completed(r) if r.outcome == br#"{"Ok":3}"#[..])
+    );
     cleanup(&mut raw, store.prefix()).await;
 }
 
@@ -173,7 +181,7 @@ async fn redis_key_layout_is_one_readable_string() {
     // Completion swaps the lease for the retention, keeps the token and the fingerprint, and
     // stores the outcome bytes exactly (they need not be UTF-8).
     let outcome: &[u8] = b"{\"Ok\":\"\xff\x00\"}";
-    store.complete(&key, &token, outcome, Duration::from_secs(3600)).await.unwrap();
+    store.complete_as(&key, &token, outcome, Duration::from_secs(3600)).await.unwrap();
     let value: Vec<u8> = raw.get(&name).await.unwrap();
     let mut expected = format!("idempotent/1 done {} {}\n", token.as_str(), fp.as_str()).into_bytes();
     expected.extend_from_slice(outcome);
@@ -185,11 +193,11 @@ async fn redis_key_layout_is_one_readable_string() {
     let bare = Key::new("payments", &"req-43").unwrap();
     let token = Token::new();
     assert_eq!(claim(&store, &bare, &token, None, LEASE).await, Claim::Claimed);
-    store.complete(&bare, &token, b"{\"Ok\":null}", LEASE).await.unwrap();
+    store.complete_as(&bare, &token, b"{\"Ok\":null}", LEASE).await.unwrap();
     let value: String = raw.get(store.redis_key(&bare)).await.unwrap();
     assert_eq!(value, format!("idempotent/1 done {} -\n{{\"Ok\":null}}", token.as_str()));
     let replay = claim(&store, &bare, &Token::new(), None, LEASE).await;
-    assert_eq!(replay, Claim::Completed(Record { fingerprint: None, outcome: b"{\"Ok\":null}".to_vec() }));
+    assert_eq!(replay, Claim::Completed(Record::new(None, b"{\"Ok\":null}".to_vec())));
 
     assert_eq!(keys_under(&mut raw, store.prefix()).await, vec![name, store.redis_key(&bare)]);
     cleanup(&mut raw, store.prefix()).await;
@@ -237,7 +245,7 @@ async fn redis_prefixes_isolate_stores_and_odd_keys_stay_inside() {
         let key = Key::new("odd", &text).unwrap();
         let token = Token::new();
         assert_eq!(claim(&a, &key, &token, None, LEASE).await, Claim::Claimed, "{text:?}");
-        a.complete(&key, &token, text.as_bytes(), LEASE).await.unwrap();
+        a.complete_as(&key, &token, text.as_bytes(), LEASE).await.unwrap();
         let name = a.redis_key(&key);
         assert_eq!(name, format!("{}odd:{text}", a.prefix()));
         let exists: bool = raw.exists(&name).await.unwrap();
@@ -286,14 +294,16 @@ async fn redis_foreign_data_is_reported_not_overwritten() {
 
     for key in [&string_key, &hash_key] {
         let token = Token::new();
-        let request = ClaimRequest { key, token: &token, fingerprint: None, lease: LEASE };
+        let request = ClaimRequest::new(key, &token, None, LEASE);
         match store.claim(&request).await {
             Err(StoreError::Corrupt(message)) => {
                 assert!(message.contains(&store.redis_key(key)), "{message}");
             }
             other => panic!("expected Corrupt for {key}, got {other:?}"),
         }
-        assert!(matches!(store.complete(key, &token, b"{}", LEASE).await, Err(StoreError::NotOwner)));
+        // Not ours: a completion never overwrites it (a value of another type is reported as such).
+        let completed = store.complete_as(key, &token, b"{}", LEASE).await;
+        assert!(matches!(completed, Err(StoreError::NotOwner | StoreError::Corrupt(_))), "{completed:?}");
         assert!(matches!(store.release(key, &token).await, Err(StoreError::NotOwner)));
     }
     let value: String = raw.get(store.redis_key(&string_key)).await.unwrap();
@@ -363,7 +373,7 @@ async fn redis_hung_server_gives_a_timeout_error() {
         let store = RedisStore::connect(&format!("redis://{address}")).await?;
         let key = Key::new("hung", &"k").unwrap();
         let token = Token::new();
-        store.claim(&ClaimRequest { key: &key, token: &token, fingerprint: None, lease: LEASE }).await
+        store.claim(&ClaimRequest::new(&key, &token, None, LEASE)).await
     })
     .await
     .expect("a hung server must not hang the call");

@@ -4,6 +4,7 @@
 //! every master, the record format through the cluster connection, and failover: a master killed
 //! with SIGKILL in the middle of a stress run, with and without `WAIT` for a replica.
 
+use idempotent_tests::StoreSteps;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -76,19 +77,16 @@ async fn redis_cluster_records_are_readable_and_scripts_are_reloaded() {
     for i in 0..20 {
         let key = Key::new("format", &i).unwrap();
         let token = Token::new();
-        let request = ClaimRequest { key: &key, token: &token, fingerprint: None, lease };
+        let request = ClaimRequest::new(&key, &token, None, lease);
         assert_eq!(store.claim(&request).await.unwrap(), Claim::Claimed);
         if i % 5 == 0 {
             let () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut raw).await.unwrap();
         }
-        store.complete(&key, &token, format!("{{\"Ok\":{i}}}").as_bytes(), lease).await.unwrap();
+        store.complete_as(&key, &token, format!("{{\"Ok\":{i}}}").as_bytes(), lease).await.unwrap();
         let value: String = raw.get(store.redis_key(&key)).await.unwrap();
         assert_eq!(value, format!("idempotent/1 done {} -\n{{\"Ok\":{i}}}", token.as_str()));
-        let replay = store.claim(&ClaimRequest { key: &key, token: &Token::new(), fingerprint: None, lease }).await;
-        assert_eq!(
-            replay.unwrap(),
-            Claim::Completed(Record { fingerprint: None, outcome: format!("{{\"Ok\":{i}}}").into_bytes() })
-        );
+        let replay = store.claim(&ClaimRequest::new(&key, &Token::new(), None, lease)).await;
+        assert_eq!(replay.unwrap(), Claim::Completed(Record::new(None, format!("{{\"Ok\":{i}}}").into_bytes())));
     }
     cluster.delete_prefix(&prefix);
 }

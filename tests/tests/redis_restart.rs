@@ -257,9 +257,7 @@ async fn redis_paused_server_gives_a_timeout_error() {
         async move {
             let key = Key::new("paused", &name).unwrap();
             let token = Token::new();
-            store
-                .claim(&ClaimRequest { key: &key, token: &token, fingerprint: None, lease: Duration::from_secs(30) })
-                .await
+            store.claim(&ClaimRequest::new(&key, &token, None, Duration::from_secs(30))).await
         }
     };
     assert_eq!(claim("before").await.unwrap(), Claim::Claimed);

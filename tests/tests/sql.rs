@@ -11,6 +11,7 @@
 
 #![allow(clippy::items_after_statements, reason = "test helpers stay next to their one use")]
 
+use idempotent_tests::StoreSteps;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -148,7 +149,7 @@ macro_rules! sql_tests {
             let key = Key::new("orders", &"A-1").unwrap();
             let token = Token::new();
             store.claim(&request(&key, &token, None, 30_000)).await.unwrap();
-            store.complete(&key, &token, br#"{"Ok":{"id":7,"name":"x"}}"#, Duration::from_secs(3600)).await.unwrap();
+            store.complete_as(&key, &token, br#"{"Ok":{"id":7,"name":"x"}}"#, Duration::from_secs(3600)).await.unwrap();
             let sql = SHELL.replace("{t}", store.table());
             let (state, name, later): (String, String, i64) =
                 sqlx::query_as(AssertSqlSafe(sql)).fetch_one(store.pool()).await.unwrap();
@@ -171,7 +172,7 @@ macro_rules! sql_tests {
             let key = Key::new("s", &"k").unwrap();
             let token = Token::new();
             assert_eq!(store.claim(&request(&key, &token, None, 30_000)).await.unwrap(), Claim::Claimed);
-            store.complete(&key, &token, b"{}", Duration::from_secs(60)).await.unwrap();
+            store.complete_as(&key, &token, b"{}", Duration::from_secs(60)).await.unwrap();
             sqlx::raw_sql(AssertSqlSafe(cleanup)).execute(store.pool()).await.unwrap();
             fresh.cleanup().await;
         }
@@ -187,7 +188,7 @@ macro_rules! sql_tests {
                 store.claim(&request(&key, &token, None, 30_000)).await.unwrap();
                 // Even keys expire at once, odd ones live for an hour.
                 let retention = if i % 2 == 0 { Duration::from_millis(1) } else { Duration::from_secs(3600) };
-                store.complete(&key, &token, b"{}", retention).await.unwrap();
+                store.complete_as(&key, &token, b"{}", retention).await.unwrap();
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
             assert_eq!(store.purge_expired().await.unwrap(), 5);
@@ -236,7 +237,7 @@ macro_rules! sql_tests {
                             let claim = store.claim(&request(&key, &token, None, 60_000)).await;
                             latencies.push(t.elapsed());
                             assert_eq!(claim.unwrap(), Claim::Claimed, "a claim during the purge");
-                            store.complete(&key, &token, b"{}", Duration::from_secs(3600)).await.unwrap();
+                            store.complete_as(&key, &token, b"{}", Duration::from_secs(3600)).await.unwrap();
                             i += 1;
                         }
                         latencies
@@ -306,21 +307,24 @@ macro_rules! sql_tests {
                 Claim::InProgress { lease_remaining: Some(left), .. } => assert!(left <= Duration::from_millis(301), "{left:?}"),
                 found => panic!("the extended lease is live: {found:?}"),
             }
-            // The lease ends; nobody takes over; every late step is refused.
+            // The lease ends; nobody takes over: renewal and release are refused, and the late
+            // completion is recorded (refusing it would run the body again).
             tokio::time::sleep(Duration::from_millis(450)).await;
             assert!(matches!(store.extend(&key, &mine, retention).await, Err(StoreError::NotOwner)));
-            assert!(matches!(store.complete(&key, &mine, b"{}", retention).await, Err(StoreError::NotOwner)));
             assert!(matches!(store.release(&key, &mine).await, Err(StoreError::NotOwner)));
             assert_eq!(count(store).await, 1, "the expired claim is still there, unchanged");
-            assert_eq!(store.claim(&request(&key, &other, None, 30_000)).await.unwrap(), Claim::Claimed);
+            store.complete_as(&key, &mine, br#"{"Ok":0}"#, retention).await.expect("the uncontested late completion");
+            assert!(matches!(store.claim(&request(&key, &other, None, 30_000)).await.unwrap(), Claim::Completed(_)));
 
             // A repeated completion (its reply was lost) is Ok for the same token only.
-            store.complete(&key, &other, br#"{"Ok":1}"#, retention).await.unwrap();
-            store.complete(&key, &other, br#"{"Ok":2}"#, retention).await.expect("the same token again");
-            assert!(matches!(store.complete(&key, &mine, b"{}", retention).await, Err(StoreError::NotOwner)));
+            let key = Key::new("lease", &"k2").unwrap();
+            assert_eq!(store.claim(&request(&key, &other, None, 30_000)).await.unwrap(), Claim::Claimed);
+            store.complete_as(&key, &other, br#"{"Ok":1}"#, retention).await.unwrap();
+            store.complete_as(&key, &other, br#"{"Ok":2}"#, retention).await.expect("the same token again");
+            assert!(matches!(store.complete_as(&key, &mine, b"{}", retention).await, Err(StoreError::NotOwner)));
             assert!(matches!(store.extend(&key, &other, retention).await, Err(StoreError::NotOwner)));
             match store.claim(&request(&key, &mine, None, 30_000)).await.unwrap() {
-                Claim::Completed(record) => assert_eq!(record.outcome, br#"{"Ok":1}"#, "the first completion stands"),
+                Claim::Completed(record) => assert_eq!(record.outcome, &br#"{"Ok":1}"#[..], "the first completion stands"),
                 found => panic!("{found:?}"),
             }
             let missing = Key::new("lease", &"missing").unwrap();
@@ -738,7 +742,7 @@ macro_rules! network_tests {
             let other = Key::new("stall", &"other").unwrap();
             let steps: [(&str, std::pin::Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send + '_>>); 4] = [
                 ("claim", Box::pin(async { store.claim(&request(&other, &token, None, 60_000)).await.map(drop) })),
-                ("complete", Box::pin(store.complete(&key, &token, b"{}", Duration::from_secs(60)))),
+                ("complete", Box::pin(store.complete_as(&key, &token, b"{}", Duration::from_secs(60)))),
                 ("extend", Box::pin(store.extend(&key, &token, Duration::from_secs(60)))),
                 ("purge", Box::pin(async { store.purge_expired().await.map(drop) })),
             ];
@@ -763,7 +767,7 @@ macro_rules! network_tests {
             assert!(timed_out >= 1, "the statement on the idle connection timed out");
 
             proxy.set_mode(idempotent_tests::proxy::Mode::Pass);
-            store.complete(&key, &token, br#"{"Ok":1}"#, Duration::from_secs(60)).await.expect("the pool recovered");
+            store.complete_as(&key, &token, br#"{"Ok":1}"#, Duration::from_secs(60)).await.expect("the pool recovered");
             let replay = store.claim(&request(&key, &Token::new(), None, 60_000)).await.unwrap();
             assert!(matches!(replay, Claim::Completed(_)), "{replay:?}");
             store.pool().close().await;

@@ -133,7 +133,9 @@ mod racy {
     use std::sync::Mutex;
     use std::time::Duration;
 
-    use idempotent_runtime::{Claim, ClaimRequest, Detached, Fingerprint, Key, Record, Store, StoreError, Token};
+    use idempotent_runtime::{
+        Claim, ClaimRequest, Completion, Detached, Fingerprint, Key, Record, Store, StoreError, Token,
+    };
 
     enum Entry {
         Running(Token, Option<Fingerprint>),
@@ -149,9 +151,7 @@ mod racy {
                 Some(Entry::Running(_, fp)) => {
                     Some(Claim::InProgress { fingerprint: fp.clone(), lease_remaining: None })
                 }
-                Some(Entry::Done(fp, outcome)) => {
-                    Some(Claim::Completed(Record { fingerprint: fp.clone(), outcome: outcome.clone() }))
-                }
+                Some(Entry::Done(fp, outcome)) => Some(Claim::Completed(Record::new(fp.clone(), outcome.clone()))),
                 None => None,
             };
             if let Some(found) = found {
@@ -164,7 +164,8 @@ mod racy {
             Ok(Claim::Claimed)
         }
 
-        async fn complete(&self, key: &Key, token: &Token, outcome: &[u8], _: Duration) -> Result<(), StoreError> {
+        async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
+            let (key, token, outcome) = (completion.key, completion.token, completion.outcome);
             let mut map = self.0.lock().unwrap();
             match map.get(key.as_str()) {
                 Some(Entry::Running(owner, fp)) if owner == token => {
@@ -221,7 +222,7 @@ mod racy {
 mod broken {
     use std::time::Duration;
 
-    use idempotent_runtime::{Claim, ClaimRequest, Detached, Key, MemoryStore, Store, StoreError, Token};
+    use idempotent_runtime::{Claim, ClaimRequest, Completion, Detached, Key, MemoryStore, Store, StoreError, Token};
 
     /// Forwards everything except `detach`, which drops the step.
     pub struct NoDetach(pub MemoryStore);
@@ -231,14 +232,8 @@ mod broken {
             self.0.claim(request).await
         }
 
-        async fn complete(
-            &self,
-            key: &Key,
-            token: &Token,
-            outcome: &[u8],
-            retention: Duration,
-        ) -> Result<(), StoreError> {
-            self.0.complete(key, token, outcome, retention).await
+        async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
+            self.0.complete(completion).await
         }
 
         async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
@@ -259,17 +254,13 @@ mod broken {
 
     impl Store for ShortLeases {
         async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
-            self.0.claim(&ClaimRequest { lease: request.lease / 10, ..*request }).await
+            let mut shortened = *request;
+            shortened.lease = request.lease / 10;
+            self.0.claim(&shortened).await
         }
 
-        async fn complete(
-            &self,
-            key: &Key,
-            token: &Token,
-            outcome: &[u8],
-            retention: Duration,
-        ) -> Result<(), StoreError> {
-            self.0.complete(key, token, outcome, retention).await
+        async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
+            self.0.complete(completion).await
         }
 
         async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {

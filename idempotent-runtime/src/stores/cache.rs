@@ -49,16 +49,17 @@
 //! [`invalidate`](CachedStore::invalidate) (or [`invalidate_all`](CachedStore::invalidate_all)) in
 //! every process, or restart them.
 
-use std::collections::HashMap;
-use std::hash::BuildHasher as _;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::time::Instant;
 
 use moka::Expiry;
 use moka::sync::Cache;
 
-use crate::{Claim, ClaimRequest, Detached, Fingerprint, Key, Record, Store, StoreError, Token};
+use crate::{Claim, ClaimRequest, Completion, Detached, Fingerprint, Key, Record, Store, StoreError, Token};
 
 /// The default bound on cached records: 10,000.
 pub const DEFAULT_MAX_ENTRIES: u64 = 10_000;
@@ -83,9 +84,9 @@ pub struct CachedStore<S> {
 
 struct Shared {
     records: Cache<Box<str>, Arc<Cached>>,
-    /// This process's live claims: what `complete` needs to cache the record it writes.
-    claims: Claims,
     learned_ttl: Duration,
+    /// `cache+<the inner store's name>`, made once.
+    name: OnceLock<&'static str>,
     max_entries: u64,
     max_bytes: u64,
     hits: AtomicU64,
@@ -94,13 +95,9 @@ struct Shared {
 
 struct Cached {
     fingerprint: Option<Fingerprint>,
-    outcome: Vec<u8>,
-    expires: Instant,
-}
-
-struct Pending {
-    token: Token,
-    fingerprint: Option<Fingerprint>,
+    outcome: Bytes,
+    /// When the copy stops being replayed, on Tokio's clock (moka's own expiry, on the system
+    /// clock, only evicts it from memory).
     expires: Instant,
 }
 
@@ -120,76 +117,24 @@ struct UntilExpiry;
 
 impl UntilExpiry {
     #[allow(clippy::unnecessary_wraps)] // what `Expiry` returns
-    fn left(expires: Instant, now: Instant) -> Option<Duration> {
-        Some(expires.saturating_duration_since(now))
+    fn left(expires: Instant) -> Option<Duration> {
+        Some(expires.saturating_duration_since(Instant::now()))
     }
 }
 
 impl Expiry<Box<str>, Arc<Cached>> for UntilExpiry {
-    fn expire_after_create(&self, _: &Box<str>, value: &Arc<Cached>, created_at: Instant) -> Option<Duration> {
-        Self::left(value.expires, created_at)
+    fn expire_after_create(&self, _: &Box<str>, value: &Arc<Cached>, _: std::time::Instant) -> Option<Duration> {
+        Self::left(value.expires)
     }
 
     fn expire_after_update(
         &self,
         _: &Box<str>,
         value: &Arc<Cached>,
-        updated_at: Instant,
+        _: std::time::Instant,
         _: Option<Duration>,
     ) -> Option<Duration> {
-        Self::left(value.expires, updated_at)
-    }
-}
-
-const CLAIM_SHARDS: usize = 16;
-
-/// The fingerprints of this process's live claims, until they complete: 16 locked maps, each
-/// swept of ended leases when it outgrows its share of `max_entries`, and cleared past twice that
-/// (a claim forgotten early only means its record is not cached).
-type ClaimShard = Mutex<HashMap<Box<str>, Pending>>;
-
-struct Claims {
-    shards: Box<[ClaimShard]>,
-    hasher: std::hash::RandomState,
-    per_shard: usize,
-}
-
-impl Claims {
-    fn new(max_entries: u64) -> Self {
-        let per_shard = usize::try_from(max_entries).unwrap_or(usize::MAX) / CLAIM_SHARDS + 1;
-        Claims {
-            shards: (0..CLAIM_SHARDS).map(|_| Mutex::default()).collect(),
-            hasher: std::hash::RandomState::new(),
-            per_shard,
-        }
-    }
-
-    fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, HashMap<Box<str>, Pending>> {
-        #[allow(clippy::cast_possible_truncation)] // the low bits pick a shard
-        let index = (self.hasher.hash_one(key) as usize) % CLAIM_SHARDS;
-        self.shards[index].lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    fn insert(&self, key: &str, pending: Pending) {
-        let mut shard = self.shard(key);
-        if shard.len() >= self.per_shard {
-            let now = Instant::now();
-            shard.retain(|_, p| p.expires > now);
-            if shard.len() >= self.per_shard * 2 {
-                shard.clear();
-            }
-        }
-        shard.insert(key.into(), pending);
-    }
-
-    fn remove(&self, key: &str) -> Option<Pending> {
-        self.shard(key).remove(key)
-    }
-
-    fn renew(&self, key: &str, token: &Token, expires: Instant) {
-        if let Some(pending) = self.shard(key).get_mut(key).filter(|p| p.token == *token) {
-            pending.expires = expires;
-        }
+        Self::left(value.expires)
     }
 }
 
@@ -210,11 +155,10 @@ impl Shared {
             })
             .expire_after(UntilExpiry)
             .build();
-        let claims = Claims::new(max_entries);
         Shared {
             records,
-            claims,
             learned_ttl,
+            name: OnceLock::new(),
             max_entries,
             max_bytes,
             hits: AtomicU64::new(0),
@@ -330,73 +274,44 @@ impl<S: Store> Store for CachedStore<S> {
         if let Some(cached) = self.cached(request.key, now) {
             self.shared.hits.fetch_add(1, Ordering::Relaxed);
             count("hit");
-            return Ok(Claim::Completed(Record {
-                fingerprint: cached.fingerprint.clone(),
-                outcome: cached.outcome.clone(),
-            }));
+            return Ok(Claim::Completed(Record::new(cached.fingerprint.clone(), cached.outcome.clone())));
         }
         self.shared.misses.fetch_add(1, Ordering::Relaxed);
         count("miss");
         let claim = self.inner.claim(request).await?;
-        match &claim {
-            Claim::Claimed => {
-                let pending = Pending {
-                    token: request.token.clone(),
-                    fingerprint: request.fingerprint.cloned(),
-                    expires: now + request.lease,
-                };
-                self.shared.claims.insert(request.key.as_str(), pending);
-            }
-            Claim::Completed(record) if !self.shared.learned_ttl.is_zero() => {
-                let cached = Cached {
-                    fingerprint: record.fingerprint.clone(),
-                    outcome: record.outcome.clone(),
-                    expires: now + self.shared.learned_ttl,
-                };
-                self.cache(request.key, cached);
-            }
-            Claim::Completed(_) | Claim::InProgress { .. } => {}
+        if let Claim::Completed(record) = &claim
+            && let Some(expires) = now.checked_add(self.shared.learned_ttl)
+        {
+            let cached = Cached { fingerprint: record.fingerprint.clone(), outcome: record.outcome.clone(), expires };
+            self.cache(request.key, cached);
         }
         Ok(claim)
     }
 
-    async fn complete(&self, key: &Key, token: &Token, outcome: &[u8], retention: Duration) -> Result<(), StoreError> {
+    async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
         // Counted from before the request: the cached copy never outlives the store's record.
         let sent = Instant::now();
-        let result = self.inner.complete(key, token, outcome, retention).await;
-        let pending = self.shared.claims.remove(key.as_str());
-        if result.is_ok()
-            && let Some(pending) = pending.filter(|p| p.token == *token)
-        {
+        self.inner.complete(completion).await?;
+        if let Some(expires) = sent.checked_add(completion.retention) {
             let cached = Cached {
-                fingerprint: pending.fingerprint.clone(),
-                outcome: outcome.to_vec(),
-                expires: sent + retention,
+                fingerprint: completion.fingerprint.cloned(),
+                outcome: Bytes::copy_from_slice(completion.outcome),
+                expires,
             };
-            self.cache(key, cached);
+            self.cache(completion.key, cached);
         }
-        result
+        Ok(())
     }
 
     async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
-        self.shared.claims.remove(key.as_str());
         self.inner.release(key, token).await
     }
 
     async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
-        let sent = Instant::now();
-        let result = self.inner.extend(key, token, lease).await;
-        if result.is_ok() {
-            self.shared.claims.renew(key.as_str(), token, sent + lease);
-        }
-        result
+        self.inner.extend(key, token, lease).await
     }
 
     fn detach(&self, step: Detached) {
-        let key = match &step {
-            Detached::Release { key, .. } | Detached::Complete { key, .. } => key,
-        };
-        self.shared.claims.remove(key.as_str());
         self.inner.detach(step);
     }
 
@@ -408,4 +323,24 @@ impl<S: Store> Store for CachedStore<S> {
     fn max_record_bytes(&self) -> usize {
         self.inner.max_record_bytes()
     }
+
+    fn name(&self) -> &'static str {
+        self.shared.name.get_or_init(|| intern(&format!("cache+{}", self.inner.name())))
+    }
+}
+
+/// `name` as a `&'static str` for metric labels, leaked once per distinct text (store names are
+/// few: one per store type in a process).
+fn intern(name: &str) -> &'static str {
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+    static NAMES: Mutex<Option<HashSet<&'static str>>> = Mutex::new(None);
+    let mut names = NAMES.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let names = names.get_or_insert_with(HashSet::new);
+    if let Some(known) = names.get(name) {
+        return known;
+    }
+    let leaked: &'static str = Box::leak(name.to_owned().into_boxed_str());
+    names.insert(leaked);
+    leaked
 }

@@ -3,10 +3,13 @@
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::time::Instant;
 
 use crate::store::DEFAULT_MAX_RECORD_BYTES;
-use crate::{Claim, ClaimRequest, Detached, Fingerprint, Key, Record, Store, StoreError, Token};
+use crate::{Claim, ClaimRequest, Completion, Detached, Fingerprint, Key, Record, Store, StoreError, Token};
 
 const SHARDS: usize = 64;
 /// A shard sweeps out expired entries after this many inserts, or after as many inserts as half
@@ -62,7 +65,7 @@ enum State {
     InProgress(Token),
     /// The outcome, and the token of the call that recorded it (a repeated completion by that
     /// token succeeds).
-    Completed(Token, Arc<[u8]>),
+    Completed(Token, Bytes),
 }
 
 impl MemoryStore {
@@ -113,23 +116,43 @@ impl MemoryStore {
         }
     }
 
-    fn complete_now(&self, key: &Key, token: &Token, outcome: &[u8], retention: Duration) -> Result<(), StoreError> {
+    fn complete_now(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
         let now = Instant::now();
-        let mut shard = self.shard(key);
-        match shard.entries.get_mut(key.as_str()) {
-            Some(entry) if entry.claimed_by(token, now) => {
-                entry.state = State::Completed(token.clone(), outcome.into());
-                entry.expires = now + retention;
+        // Computed before anything changes: an entry is never left half-written.
+        let expires = expiry(now, completion.retention)?;
+        let mut shard = self.shard(completion.key);
+        let entry = shard.entries.get_mut(completion.key.as_str());
+        match entry {
+            // Another caller holds the key (its claim or its record is live): refused.
+            Some(entry) if entry.expires > now && entry.token() != completion.token => Err(StoreError::NotOwner),
+            // This token completed it already (an earlier attempt whose reply was lost).
+            Some(Entry { state: State::Completed(..), expires: until, .. }) if *until > now => Ok(()),
+            // Ours, live or lapsed: record, keeping the fingerprint it was claimed with.
+            Some(entry) if entry.token() == completion.token => {
+                let fingerprint = entry.fingerprint.take();
+                *entry = Entry { fingerprint, ..Entry::completed(completion, expires) };
                 Ok(())
             }
-            Some(Entry { state: State::Completed(recorder, _), expires, .. })
-                if recorder == token && *expires > now =>
-            {
+            // An expired entry of another token: nobody holds the key, record.
+            Some(entry) => {
+                *entry = Entry::completed(completion, expires);
                 Ok(())
             }
-            _ => Err(StoreError::NotOwner),
+            // Gone (swept after its lease ended): nobody holds it, record.
+            None => {
+                shard.entries.insert(completion.key.as_str().into(), Entry::completed(completion, expires));
+                shard.note_insert(now);
+                Ok(())
+            }
         }
     }
+}
+
+/// `now + duration`, or a refusal when that cannot be represented.
+fn expiry(now: Instant, duration: Duration) -> Result<Instant, StoreError> {
+    now.checked_add(duration).ok_or_else(|| {
+        StoreError::rejected("memory", format!("a lease or retention of {duration:?} is too long to be represented"))
+    })
 }
 
 impl Default for MemoryStore {
@@ -146,7 +169,8 @@ impl std::fmt::Debug for MemoryStore {
 
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
     // A panic while a shard was locked cannot leave an entry half-written: every critical section
-    // is a single map operation. Carry on with the data as it is.
+    // computes what it writes (expiries included) before it changes the map, then makes one map
+    // operation. Carry on with the data as it is.
     shard.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
@@ -169,13 +193,16 @@ impl Shard {
 impl Store for MemoryStore {
     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         let now = Instant::now();
+        let expires = expiry(now, request.lease)?;
         let mut shard = self.shard(request.key);
         if let Some(entry) = shard.entries.get_mut(request.key.as_str()) {
             if entry.expires > now {
                 return Ok(match &entry.state {
                     State::Completed(_, outcome) => {
-                        Claim::Completed(Record { fingerprint: entry.fingerprint.clone(), outcome: outcome.to_vec() })
+                        Claim::Completed(Record::new(entry.fingerprint.clone(), outcome.clone()))
                     }
+                    // Our own claim, asked for again: it is ours.
+                    State::InProgress(owner) if owner == request.token => Claim::Claimed,
                     State::InProgress(_) => Claim::InProgress {
                         fingerprint: entry.fingerprint.clone(),
                         lease_remaining: Some(entry.expires - now),
@@ -183,16 +210,16 @@ impl Store for MemoryStore {
                 });
             }
             // Expired: take it over in place.
-            *entry = Entry::claimed(request, now);
+            *entry = Entry::claimed(request, expires);
             return Ok(Claim::Claimed);
         }
-        shard.entries.insert(request.key.as_str().into(), Entry::claimed(request, now));
+        shard.entries.insert(request.key.as_str().into(), Entry::claimed(request, expires));
         shard.note_insert(now);
         Ok(Claim::Claimed)
     }
 
-    async fn complete(&self, key: &Key, token: &Token, outcome: &[u8], retention: Duration) -> Result<(), StoreError> {
-        self.complete_now(key, token, outcome, retention)
+    async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
+        self.complete_now(completion)
     }
 
     async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
@@ -201,10 +228,11 @@ impl Store for MemoryStore {
 
     async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
         let now = Instant::now();
+        let expires = expiry(now, lease)?;
         let mut shard = self.shard(key);
         match shard.entries.get_mut(key.as_str()) {
             Some(entry) if entry.claimed_by(token, now) => {
-                entry.expires = now + lease;
+                entry.expires = expires;
                 Ok(())
             }
             _ => Err(StoreError::NotOwner),
@@ -215,9 +243,7 @@ impl Store for MemoryStore {
         // Every step is a map operation: do it now, no runtime needed.
         let result = match &step {
             Detached::Release { key, token } => self.release_now(key, token),
-            Detached::Complete { key, token, outcome, retention, .. } => {
-                self.complete_now(key, token, outcome, *retention)
-            }
+            Detached::Complete { .. } => step.completion().map_or(Ok(()), |completion| self.complete_now(&completion)),
         };
         if let Err(e) = result {
             tracing::debug!(target: "idempotent", scope = step.key().scope(), error = %e, "detached step refused");
@@ -232,6 +258,10 @@ impl Store for MemoryStore {
     fn max_record_bytes(&self) -> usize {
         self.inner.max_record_bytes
     }
+
+    fn name(&self) -> &'static str {
+        "memory"
+    }
 }
 
 impl Entry {
@@ -240,11 +270,22 @@ impl Entry {
         self.expires > now && matches!(&self.state, State::InProgress(owner) if owner == token)
     }
 
-    fn claimed(request: &ClaimRequest<'_>, now: Instant) -> Self {
+    /// The token that claimed or completed the entry.
+    fn token(&self) -> &Token {
+        match &self.state {
+            State::InProgress(token) | State::Completed(token, _) => token,
+        }
+    }
+
+    fn claimed(request: &ClaimRequest<'_>, expires: Instant) -> Self {
+        Entry { fingerprint: request.fingerprint.cloned(), expires, state: State::InProgress(request.token.clone()) }
+    }
+
+    fn completed(completion: &Completion<'_>, expires: Instant) -> Self {
         Entry {
-            fingerprint: request.fingerprint.cloned(),
-            expires: now + request.lease,
-            state: State::InProgress(request.token.clone()),
+            fingerprint: completion.fingerprint.cloned(),
+            expires,
+            state: State::Completed(completion.token.clone(), Bytes::copy_from_slice(completion.outcome)),
         }
     }
 }

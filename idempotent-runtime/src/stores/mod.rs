@@ -10,4 +10,4 @@ pub mod redis;
 pub mod sql;
 
 pub use crate::detached::spawn_detached;
-pub use any::{AnyStore, BoxFuture, DynStore, StoreUrlError};
+pub use any::{AnyStore, StoreUrlError};

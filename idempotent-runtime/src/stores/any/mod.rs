@@ -1,10 +1,10 @@
-//! A store chosen at run time: [`AnyStore`], the type-erased [`Store`], and [`DynStore`], the
-//! object-safe form of the trait behind it.
+//! A store chosen at run time: [`AnyStore`], the one type-erased [`Store`].
 //!
-//! `Store`'s methods return `impl Future`, so `dyn Store` does not exist. [`DynStore`] has the
-//! same methods returning boxed futures; every `Store` is a `DynStore`, and `dyn DynStore`,
-//! `Arc<dyn DynStore>` and [`AnyStore`] are `Store`s again. The cost is one allocation and one
-//! indirect call per step (measured in `benches/any_store.rs`).
+//! `Store`'s methods return `impl Future`, so `dyn Store` does not exist. `AnyStore` holds any
+//! store behind a private object-safe shim whose methods return boxed futures: the cost is one
+//! allocation and one indirect call per step (measured in `benches/any_store.rs`). There is no
+//! other erased form to choose between, and wrapping an `AnyStore` in another `AnyStore` (which
+//! would box every step twice) hands back the same store.
 //!
 //! [`AnyStore::from_url`] opens the store a configuration names:
 //!
@@ -27,122 +27,60 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::Detached;
-use crate::{Claim, ClaimRequest, Key, Store, StoreError, Token};
+use crate::{Claim, ClaimRequest, Completion, Detached, Key, Store, StoreError, Token};
 
 pub use url::StoreUrlError;
 
-/// A boxed, `Send` future: what [`DynStore`]'s methods return.
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// [`Store`] in object-safe form: the same steps, returning boxed futures.
-///
-/// Implemented for every `Store`; use it as `Arc<dyn DynStore>` or through [`AnyStore`]. Its
-/// methods carry a `dyn_` prefix so that they never shadow `Store`'s on a concrete store.
-pub trait DynStore: Send + Sync {
-    /// [`Store::claim`].
-    fn dyn_claim<'a>(&'a self, request: &'a ClaimRequest<'_>) -> BoxFuture<'a, Result<Claim, StoreError>>;
-    /// [`Store::complete`].
-    fn dyn_complete<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-        outcome: &'a [u8],
-        retention: Duration,
-    ) -> BoxFuture<'a, Result<(), StoreError>>;
-    /// [`Store::release`].
-    fn dyn_release<'a>(&'a self, key: &'a Key, token: &'a Token) -> BoxFuture<'a, Result<(), StoreError>>;
-    /// [`Store::extend`].
-    fn dyn_extend<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<(), StoreError>>;
-    /// [`Store::detach`].
-    fn dyn_detach(&self, step: Detached);
-    /// [`Store::purge_expired`].
-    fn dyn_purge_expired(&self) -> BoxFuture<'_, Result<u64, StoreError>>;
-    /// [`Store::max_record_bytes`].
-    fn dyn_max_record_bytes(&self) -> usize;
-    /// The concrete store's type name, for `Debug`.
-    fn dyn_type_name(&self) -> &'static str;
+/// [`Store`] in object-safe form, implemented for every `Store`; private to [`AnyStore`].
+trait Erased: Send + Sync {
+    fn claim<'a>(&'a self, request: &'a ClaimRequest<'_>) -> BoxFuture<'a, Result<Claim, StoreError>>;
+    fn complete<'a>(&'a self, completion: &'a Completion<'_>) -> BoxFuture<'a, Result<(), StoreError>>;
+    fn release<'a>(&'a self, key: &'a Key, token: &'a Token) -> BoxFuture<'a, Result<(), StoreError>>;
+    fn extend<'a>(&'a self, key: &'a Key, token: &'a Token, lease: Duration) -> BoxFuture<'a, Result<(), StoreError>>;
+    fn detach(&self, step: Detached);
+    fn purge_expired(&self) -> BoxFuture<'_, Result<u64, StoreError>>;
+    fn max_record_bytes(&self) -> usize;
+    fn name(&self) -> &'static str;
+    fn type_name(&self) -> &'static str;
 }
 
-impl<S: Store> DynStore for S {
-    fn dyn_claim<'a>(&'a self, request: &'a ClaimRequest<'_>) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        Box::pin(self.claim(request))
+impl<S: Store> Erased for S {
+    fn claim<'a>(&'a self, request: &'a ClaimRequest<'_>) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        Box::pin(Store::claim(self, request))
     }
 
-    fn dyn_complete<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-        outcome: &'a [u8],
-        retention: Duration,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(self.complete(key, token, outcome, retention))
+    fn complete<'a>(&'a self, completion: &'a Completion<'_>) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(Store::complete(self, completion))
     }
 
-    fn dyn_release<'a>(&'a self, key: &'a Key, token: &'a Token) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(self.release(key, token))
+    fn release<'a>(&'a self, key: &'a Key, token: &'a Token) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(Store::release(self, key, token))
     }
 
-    fn dyn_extend<'a>(
-        &'a self,
-        key: &'a Key,
-        token: &'a Token,
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(self.extend(key, token, lease))
-    }
-
-    fn dyn_detach(&self, step: Detached) {
-        self.detach(step);
-    }
-
-    fn dyn_purge_expired(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
-        Box::pin(self.purge_expired())
-    }
-
-    fn dyn_max_record_bytes(&self) -> usize {
-        self.max_record_bytes()
-    }
-
-    fn dyn_type_name(&self) -> &'static str {
-        std::any::type_name::<S>()
-    }
-}
-
-// The futures are awaited inside `async fn`s rather than returned: a boxed future borrows
-// `self` and the arguments for one lifetime, which `Store`'s signatures cannot name.
-impl Store for dyn DynStore {
-    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        self.dyn_claim(request).await
-    }
-
-    async fn complete(&self, key: &Key, token: &Token, outcome: &[u8], retention: Duration) -> Result<(), StoreError> {
-        self.dyn_complete(key, token, outcome, retention).await
-    }
-
-    async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
-        self.dyn_release(key, token).await
-    }
-
-    async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
-        self.dyn_extend(key, token, lease).await
+    fn extend<'a>(&'a self, key: &'a Key, token: &'a Token, lease: Duration) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(Store::extend(self, key, token, lease))
     }
 
     fn detach(&self, step: Detached) {
-        self.dyn_detach(step);
+        Store::detach(self, step);
     }
 
-    async fn purge_expired(&self) -> Result<u64, StoreError> {
-        self.dyn_purge_expired().await
+    fn purge_expired(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        Box::pin(Store::purge_expired(self))
     }
 
     fn max_record_bytes(&self) -> usize {
-        self.dyn_max_record_bytes()
+        Store::max_record_bytes(self)
+    }
+
+    fn name(&self) -> &'static str {
+        Store::name(self)
+    }
+
+    fn type_name(&self) -> &'static str {
+        std::any::type_name::<S>()
     }
 }
 
@@ -168,19 +106,17 @@ impl Store for dyn DynStore {
 /// ```
 #[derive(Clone)]
 pub struct AnyStore {
-    inner: Arc<dyn DynStore>,
+    inner: Arc<dyn Erased>,
 }
 
 impl AnyStore {
-    /// Wraps `store`.
-    pub fn new(store: impl Store + 'static) -> Self {
-        AnyStore { inner: Arc::new(store) }
-    }
-
-    /// Wraps a shared store.
-    #[must_use]
-    pub fn from_arc(store: Arc<dyn DynStore>) -> Self {
-        AnyStore { inner: store }
+    /// Wraps `store` (an `AnyStore` is returned as it is, not wrapped again).
+    pub fn new<S: Store + 'static>(store: S) -> Self {
+        let mut slot = Some(store);
+        if let Some(any) = (&mut slot as &mut dyn std::any::Any).downcast_mut::<Option<AnyStore>>() {
+            return any.take().unwrap_or_else(|| unreachable!("filled above"));
+        }
+        AnyStore { inner: Arc::new(slot.take().unwrap_or_else(|| unreachable!("filled above"))) }
     }
 
     /// Opens the store `url` names (see the [module docs](self) for the schemes): `memory://`,
@@ -194,19 +130,11 @@ impl AnyStore {
         url::open(url).await
     }
 
-    /// The store, as a trait object.
-    ///
-    /// (Calling through it, not through the `Arc`, matters: `Arc<dyn DynStore>` is a `Store`
-    /// too, hence a `DynStore`, and its methods would box the boxed futures once more.)
-    #[must_use]
-    pub fn as_dyn(&self) -> &dyn DynStore {
-        &*self.inner
-    }
-
-    /// The concrete store's type name (such as `idempotent_runtime::stores::memory::MemoryStore`).
+    /// The concrete store's type name (such as `idempotent_runtime::stores::memory::MemoryStore`),
+    /// for diagnostics; [`Store::name`] is the short name.
     #[must_use]
     pub fn type_name(&self) -> &'static str {
-        self.as_dyn().dyn_type_name()
+        self.inner.type_name()
     }
 }
 
@@ -216,32 +144,38 @@ impl std::fmt::Debug for AnyStore {
     }
 }
 
+// The futures are awaited inside `async fn`s rather than returned: a boxed future borrows
+// `self` and the arguments for one lifetime, which `Store`'s signatures cannot name.
 impl Store for AnyStore {
     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        self.as_dyn().dyn_claim(request).await
+        self.inner.claim(request).await
     }
 
-    async fn complete(&self, key: &Key, token: &Token, outcome: &[u8], retention: Duration) -> Result<(), StoreError> {
-        self.as_dyn().dyn_complete(key, token, outcome, retention).await
+    async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
+        self.inner.complete(completion).await
     }
 
     async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
-        self.as_dyn().dyn_release(key, token).await
+        self.inner.release(key, token).await
     }
 
     async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
-        self.as_dyn().dyn_extend(key, token, lease).await
+        self.inner.extend(key, token, lease).await
     }
 
     fn detach(&self, step: Detached) {
-        self.as_dyn().dyn_detach(step);
+        self.inner.detach(step);
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
-        self.as_dyn().dyn_purge_expired().await
+        self.inner.purge_expired().await
     }
 
     fn max_record_bytes(&self) -> usize {
-        self.as_dyn().dyn_max_record_bytes()
+        self.inner.max_record_bytes()
+    }
+
+    fn name(&self) -> &'static str {
+        self.inner.name()
     }
 }

@@ -55,5 +55,7 @@ impl RedisStore<ClusterConnection> {
     }
 }
 
-impl sealed::Sealed for ClusterConnection {}
+impl sealed::Sealed for ClusterConnection {
+    const NAME: &'static str = "redis-cluster";
+}
 impl RedisConnection for ClusterConnection {}

@@ -9,8 +9,13 @@ use redis::aio::{ConnectionLike, ConnectionManager};
 pub trait RedisConnection: ConnectionLike + Clone + Send + Sync + 'static + sealed::Sealed {}
 
 pub(super) mod sealed {
-    pub trait Sealed {}
+    pub trait Sealed {
+        /// The store's name in metrics and logs.
+        const NAME: &'static str;
+    }
 }
 
-impl sealed::Sealed for ConnectionManager {}
+impl sealed::Sealed for ConnectionManager {
+    const NAME: &'static str = "redis";
+}
 impl RedisConnection for ConnectionManager {}

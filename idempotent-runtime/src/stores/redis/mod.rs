@@ -42,8 +42,12 @@
 //!   once, compares its start with `idempotent/1 running <token> `, and then makes one write (`SET
 //!   ... PX <retention>`, `DEL`, `PEXPIRE`). So each is atomic and fenced by the owner token. A
 //!   completion finding the record already completed *by the same token* succeeds without writing
-//!   (its earlier attempt's reply was lost); anything else is [`StoreError::NotOwner`]. A lease
-//!   that ran out is Redis's own expiry: the key is gone, and a late step gets `NotOwner`.
+//!   (its earlier attempt's reply was lost). A lease that ran out is Redis's own expiry: the key
+//!   is gone, so a late renewal or release gets [`StoreError::NotOwner`], while a late completion
+//!   writes its record (nobody holds the key; the request's fingerprint travels with the
+//!   completion for that case). A completion is refused only when another token holds the key.
+//!   A claim whose `SET` finds the caller's *own* running record (the client resent it after
+//!   losing the first reply, as the cluster client does) is that caller's claim.
 //!
 //! A first execution costs two round trips (claim, complete), a replay one. When a server does not
 //! know a script yet (after a restart, a failover or `SCRIPT FLUSH`), the step is sent once more
@@ -106,7 +110,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, RedisError, RedisResult, RedisWrite, ToRedisArgs, Value};
 
 use crate::store::DEFAULT_MAX_RECORD_BYTES;
-use crate::{Claim, ClaimRequest, Detached, Key, Store, StoreError, Token};
+use crate::{Claim, ClaimRequest, Completion, Detached, Key, Store, StoreError, Token};
 
 #[cfg(feature = "redis-cluster")]
 pub use cluster::{DEFAULT_CLUSTER_RETRIES, RedisClusterStore};
@@ -131,11 +135,17 @@ pub const DEFAULT_RECONNECT_RETRIES: usize = 3;
 const MAX_EXPIRY_MILLIS: u64 = 1_000_000_000_000_000;
 
 /// `KEYS[1]`: the record. `ARGV`: `idempotent/1 running <token> `, `idempotent/1 done <token> `,
-/// the outcome, the retention in ms. Returns 1 when recorded (now, or by this token before), 0 if
-/// the token does not own the key.
+/// the outcome, the retention in ms, the whole header of a completed record
+/// (`idempotent/1 done <token> <fp|->\n`). Returns 1 when recorded (now, or by this token
+/// before), 0 if another token holds the key, -1 if the key holds another type than a string.
+/// A key that is gone (its lease ended and Redis dropped it) is nobody's: the record is written.
 const COMPLETE_LUA: &str = r"
 local v = redis.pcall('GET', KEYS[1])
-if type(v) ~= 'string' then return 0 end
+if v == false then
+  redis.call('SET', KEYS[1], ARGV[5] .. ARGV[3], 'PX', ARGV[4])
+  return 1
+end
+if type(v) ~= 'string' then return -1 end
 local n = #ARGV[1]
 if string.sub(v, 1, n) == ARGV[1] then
   redis.call('SET', KEYS[1], ARGV[2] .. string.sub(v, n + 1) .. ARGV[3], 'PX', ARGV[4])
@@ -406,8 +416,8 @@ impl<C: RedisConnection> RedisStore<C> {
             .map_err(|r| StoreError::Corrupt(format!("unexpected replies to a script and WAIT: {r:?}")))?;
         match waited {
             Value::Int(n) if n >= i64::from(acks.replicas) => Ok(reply),
-            // Not recorded by us (NotOwner): nothing to wait for.
-            Value::Int(_) if reply == Value::Int(0) => Ok(reply),
+            // Not recorded by us (another owner, or another type): nothing to wait for.
+            Value::Int(_) if matches!(reply, Value::Int(0 | -1)) => Ok(reply),
             Value::Int(acknowledged) => Err(StoreError::backend(
                 "redis",
                 ReplicasMissing { acknowledged, wanted: acks.replicas, timeout_ms: acks.timeout_ms },
@@ -474,8 +484,17 @@ fn prefix_problem(prefix: &str) -> Option<&'static str> {
     }
 }
 
+/// A Redis error as a store error: a refusal of the command itself (`ERR ...`, such as a value
+/// over `proto-max-bulk-len`, or a missing ACL permission) cannot succeed when sent again and is
+/// [`StoreError::Rejected`]; everything else (I/O, timeouts, `LOADING`, `TRYAGAIN`, `OOM`, a
+/// failover's `READONLY` or `CLUSTERDOWN`) may, and is [`StoreError::Backend`].
 fn backend(error: RedisError) -> StoreError {
-    StoreError::backend("redis", error)
+    let refused = error.code() == Some("ERR")
+        || matches!(
+            error.kind(),
+            redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm | redis::ServerErrorKind::CrossSlot)
+        );
+    if refused { StoreError::rejected("redis", error) } else { StoreError::backend("redis", error) }
 }
 
 /// Milliseconds for `PX`/`PEXPIRE`: rounded up (Redis refuses 0) and capped.
@@ -494,10 +513,10 @@ fn owner_reply(value: &Value) -> Result<(), StoreError> {
 }
 
 /// The reply of the claiming `SET ... NX PX ... GET`.
-fn parse_claim(reply: RedisResult<Value>, key: &KeyArg<'_>) -> Result<Claim, StoreError> {
+fn parse_claim(reply: RedisResult<Value>, key: &KeyArg<'_>, ours: &Token) -> Result<Claim, StoreError> {
     match reply {
         Ok(Value::Nil) => Ok(Claim::Claimed),
-        Ok(Value::BulkString(value)) => Ok(record::parse(value, &key.bytes())?.into_claim()),
+        Ok(Value::BulkString(value)) => Ok(record::parse(value, &key.bytes())?.into_claim(ours)),
         Ok(other) => Err(StoreError::Corrupt(format!(
             "unexpected reply to SET ... GET on Redis key {:?}: {other:?}",
             String::from_utf8_lossy(&key.bytes())
@@ -510,7 +529,7 @@ fn parse_claim(reply: RedisResult<Value>, key: &KeyArg<'_>) -> Result<Claim, Sto
 }
 
 /// The probe's reply: the record with its remaining lease, or `None` if the key is gone.
-fn parse_probe(reply: Value, key: &KeyArg<'_>) -> Result<Option<Claim>, StoreError> {
+fn parse_probe(reply: Value, key: &KeyArg<'_>, ours: &Token) -> Result<Option<Claim>, StoreError> {
     let unexpected = |reply: &dyn std::fmt::Debug| {
         StoreError::Corrupt(format!(
             "unexpected reply from the Redis probe of key {:?}: {reply:?}",
@@ -522,7 +541,7 @@ fn parse_probe(reply: Value, key: &KeyArg<'_>) -> Result<Option<Claim>, StoreErr
     match (items.next(), items.next(), items.next()) {
         (Some(Value::Nil | Value::Boolean(false)), Some(_), None) => Ok(None),
         (Some(Value::BulkString(value)), Some(Value::Int(pttl)), None) => {
-            match record::parse(value, &key.bytes())?.into_claim() {
+            match record::parse(value, &key.bytes())?.into_claim(ours) {
                 Claim::InProgress { fingerprint, .. } => {
                     // -1 (no expiry) cannot happen with this store's writes; report it as unknown.
                     let lease_remaining = u64::try_from(pttl).ok().map(Duration::from_millis);
@@ -545,33 +564,41 @@ impl<C: RedisConnection> Store for RedisStore<C> {
         };
         let mut cmd = redis::cmd("SET");
         cmd.arg(&key).arg(&running).arg("NX").arg("PX").arg(expiry_millis(request.lease)).arg("GET");
-        let mut claim = parse_claim(self.query(&cmd).await, &key)?;
+        let mut claim = parse_claim(self.query(&cmd).await, &key, request.token)?;
         // Rare path: another call runs. Read its remaining lease (and the value again, in the same
         // instant, since it may have finished meanwhile); if the key is gone by now, claim again.
         for _ in 0..3 {
             let Claim::InProgress { .. } = claim else { return Ok(claim) };
             let probe = self.eval(&PROBE, &key, |_| {}).await.map_err(backend)?;
-            match parse_probe(probe, &key)? {
+            match parse_probe(probe, &key, request.token)? {
                 Some(found) => return Ok(found),
-                None => claim = parse_claim(self.query(&cmd).await, &key)?,
+                None => claim = parse_claim(self.query(&cmd).await, &key, request.token)?,
             }
         }
         Ok(claim)
     }
 
-    async fn complete(&self, key: &Key, token: &Token, outcome: &[u8], retention: Duration) -> Result<(), StoreError> {
-        let key = self.key_arg(key);
-        let running = record::Owned { state: record::RUNNING, token: token.as_str() };
-        let done = record::Owned { state: record::DONE, token: token.as_str() };
-        let retention = expiry_millis(retention);
+    async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
+        let token = completion.token.as_str();
+        record::check_fields(completion.token, completion.fingerprint)?;
+        let key = self.key_arg(completion.key);
+        let running = record::Owned { state: record::RUNNING, token };
+        let done = record::Owned { state: record::DONE, token };
+        let header = record::DoneHeader { token, fingerprint: completion.fingerprint.map(crate::Fingerprint::as_str) };
+        let retention = expiry_millis(completion.retention);
         let args = |cmd: &mut Cmd| {
-            cmd.arg(&running).arg(&done).arg(outcome).arg(retention);
+            cmd.arg(&running).arg(&done).arg(completion.outcome).arg(retention).arg(&header);
         };
         let reply = match self.replica_acks {
             None => self.eval(&COMPLETE, &key, args).await.map_err(backend)?,
             Some(acks) => self.eval_and_wait(&COMPLETE, &key, acks, args).await?,
         };
-        owner_reply(&reply)
+        match reply {
+            Value::Int(-1) => {
+                Err(record::corrupt(&key.bytes(), b"", "holds another type than a string (see `redis-cli TYPE`)"))
+            }
+            reply => owner_reply(&reply),
+        }
     }
 
     async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
@@ -605,6 +632,10 @@ impl<C: RedisConnection> Store for RedisStore<C> {
     fn max_record_bytes(&self) -> usize {
         self.max_record_bytes
     }
+
+    fn name(&self) -> &'static str {
+        <C as connection::sealed::Sealed>::NAME
+    }
 }
 
 #[cfg(test)]
@@ -623,22 +654,26 @@ mod tests {
     #[test]
     fn redis_claim_replies_are_parsed_strictly() {
         let key = KeyArg { prefix: "idempotent:", key: "s:k" };
-        assert_eq!(parse_claim(Ok(Value::Nil), &key).unwrap(), Claim::Claimed);
+        let ours = Token::from_stored("0b");
+        assert_eq!(parse_claim(Ok(Value::Nil), &key, &ours).unwrap(), Claim::Claimed);
         let done = b"idempotent/1 done 0a -\n{\"Ok\":1}".to_vec();
         assert_eq!(
-            parse_claim(Ok(Value::BulkString(done)), &key).unwrap(),
-            Claim::Completed(crate::Record { fingerprint: None, outcome: b"{\"Ok\":1}".to_vec() })
+            parse_claim(Ok(Value::BulkString(done)), &key, &ours).unwrap(),
+            Claim::Completed(crate::Record::new(None, b"{\"Ok\":1}".to_vec()))
         );
         let running = format!("idempotent/1 running 0a {}\n", "ab".repeat(32)).into_bytes();
         assert_eq!(
-            parse_claim(Ok(Value::BulkString(running)), &key).unwrap(),
+            parse_claim(Ok(Value::BulkString(running.clone())), &key, &ours).unwrap(),
             Claim::InProgress {
                 fingerprint: Some(crate::Fingerprint::parse("ab".repeat(32)).unwrap()),
                 lease_remaining: None
             }
         );
+        // A resent claim that finds its own running record has the key.
+        let mine = Token::from_stored("0a");
+        assert_eq!(parse_claim(Ok(Value::BulkString(running)), &key, &mine).unwrap(), Claim::Claimed);
         for bad in [Value::Int(1), Value::Okay, Value::BulkString(b"1".to_vec())] {
-            let Err(StoreError::Corrupt(message)) = parse_claim(Ok(bad), &key) else { panic!() };
+            let Err(StoreError::Corrupt(message)) = parse_claim(Ok(bad), &key, &ours) else { panic!() };
             assert!(message.contains("idempotent:s:k"), "{message}");
         }
     }

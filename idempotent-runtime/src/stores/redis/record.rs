@@ -48,6 +48,25 @@ impl ToRedisArgs for Running<'_> {
     }
 }
 
+/// The header of a completed record, `idempotent/1 done <token> <fp|->\n`: what a completion
+/// writes when the key no longer holds its claim.
+pub(super) struct DoneHeader<'a> {
+    pub token: &'a str,
+    pub fingerprint: Option<&'a str>,
+}
+
+impl ToRedisArgs for DoneHeader<'_> {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        use std::io::Write as _;
+        let mut arg = out.writer_for_next_arg();
+        let _ = arg.write_all(DONE.as_bytes());
+        let _ = arg.write_all(self.token.as_bytes());
+        let _ = arg.write_all(b" ");
+        let _ = arg.write_all(self.fingerprint.unwrap_or("-").as_bytes());
+        let _ = arg.write_all(b"\n");
+    }
+}
+
 /// `<prefix> <token> `: what a fenced script compares the start of the stored value with.
 pub(super) struct Owned<'a> {
     pub state: &'static str,
@@ -90,15 +109,18 @@ pub(super) fn check_fields(token: &Token, fingerprint: Option<&Fingerprint>) -> 
 /// A record as read back.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Parsed {
-    Running { fingerprint: Option<Fingerprint> },
+    Running { token: Token, fingerprint: Option<Fingerprint> },
     Done(Record),
 }
 
 impl Parsed {
-    pub(super) fn into_claim(self) -> Claim {
+    /// What the record means to a claim by `ours`: its own running record (a resent claim whose
+    /// first reply was lost) is its claim.
+    pub(super) fn into_claim(self, ours: &Token) -> Claim {
         match self {
+            Parsed::Running { token, .. } if token == *ours => Claim::Claimed,
             // `SET ... GET` returns the value, not its time to live.
-            Parsed::Running { fingerprint } => Claim::InProgress { fingerprint, lease_remaining: None },
+            Parsed::Running { fingerprint, .. } => Claim::InProgress { fingerprint, lease_remaining: None },
             Parsed::Done(record) => Claim::Completed(record),
         }
     }
@@ -127,11 +149,13 @@ pub(super) fn parse(mut value: Vec<u8>, redis_key: &[u8]) -> Result<Parsed, Stor
         _ => return Err(corrupt(redis_key, &value, "has a malformed fingerprint")),
     };
     match state {
-        "running" if value.len() == newline + 1 => Ok(Parsed::Running { fingerprint }),
+        "running" if value.len() == newline + 1 => {
+            Ok(Parsed::Running { token: Token::from_stored(token), fingerprint })
+        }
         "running" => Err(corrupt(redis_key, &value, "is a running record with bytes after its header")),
         "done" => {
             value.drain(..=newline);
-            Ok(Parsed::Done(Record { fingerprint, outcome: value }))
+            Ok(Parsed::Done(Record::new(fingerprint, value)))
         }
         _ => Err(corrupt(redis_key, &value, "has an unknown state")),
     }
@@ -176,16 +200,19 @@ mod tests {
         let running = written(&Running { token: TOKEN, fingerprint: Some(&fp) });
         assert_eq!(
             parse(running, b"k").unwrap(),
-            Parsed::Running { fingerprint: Some(Fingerprint::parse(fp.as_str()).unwrap()) }
+            Parsed::Running {
+                token: Token::from_stored(TOKEN),
+                fingerprint: Some(Fingerprint::parse(fp.as_str()).unwrap())
+            }
         );
         let done = format!("idempotent/1 done {TOKEN} -\n{{\"Ok\":\"a\nb\"}}").into_bytes();
-        let record = Record { fingerprint: None, outcome: b"{\"Ok\":\"a\nb\"}".to_vec() };
+        let record = Record::new(None, b"{\"Ok\":\"a\nb\"}".to_vec());
         assert_eq!(parse(done, b"k").unwrap(), Parsed::Done(record));
         // The outcome is kept byte for byte, even when it is not UTF-8.
         let mut binary = format!("idempotent/1 done {TOKEN} {fp}\n").into_bytes();
         binary.extend_from_slice(b"\xff\x00");
         let Parsed::Done(record) = parse(binary, b"k").unwrap() else { panic!() };
-        assert_eq!(record.outcome, b"\xff\x00");
+        assert_eq!(record.outcome, &b"\xff\x00"[..]);
     }
 
     #[test]

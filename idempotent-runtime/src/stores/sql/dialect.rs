@@ -50,6 +50,31 @@ pub trait Backend: Debug + Send + Sync + Sized + 'static {
         let _ = error;
         false
     }
+
+    /// `true` for an error after which the same statement cannot succeed: the server refused the
+    /// statement or its values (SQLSTATE classes 22 data, 23 integrity, 25 transaction state,
+    /// 42 syntax or missing objects, 0A unsupported, 45 and P0 raised by a trigger or
+    /// procedure), or the row could not be decoded. I/O, pool, TLS errors and the other
+    /// database errors (connection, resources, operator intervention, lock timeouts) may pass.
+    fn refused(error: &sqlx::Error) -> bool {
+        match error {
+            sqlx::Error::Database(e) => {
+                e.kind() != sqlx::error::ErrorKind::Other
+                    || e.code().is_some_and(|code| {
+                        ["22", "23", "25", "42", "0A", "45", "P0"].iter().any(|class| code.starts_with(class))
+                    })
+            }
+            sqlx::Error::ColumnDecode { .. }
+            | sqlx::Error::ColumnNotFound(_)
+            | sqlx::Error::ColumnIndexOutOfBounds { .. }
+            | sqlx::Error::Decode(_)
+            | sqlx::Error::Encode(_)
+            | sqlx::Error::TypeNotFound { .. }
+            | sqlx::Error::InvalidArgument(_)
+            | sqlx::Error::Configuration(_) => true,
+            _ => false,
+        }
+    }
 }
 
 /// How a backend's claim statement tells the caller that it won the key.
@@ -151,6 +176,9 @@ pub struct Statements {
     pub fenced: Fenced,
     /// Run in order on one connection; the last one deletes a batch and its affected rows count.
     pub purge: Vec<Statement>,
+    /// Run before a transactional store commits (PostgreSQL: a statement that fails in an aborted
+    /// transaction, whose `COMMIT` would otherwise report a rollback as success).
+    pub check_before_commit: Option<Statement>,
 }
 
 /// The column types of the table, in the dialect's words.
@@ -184,16 +212,22 @@ impl Columns<'_> {
     }
 }
 
-/// The steps fenced by the token and the lease, written alike for every dialect.
+/// The steps fenced by the token (and, for renewal and release, the lease), written alike for
+/// every dialect but the completion's upsert.
 #[derive(Debug)]
 pub struct Fenced {
+    /// Completes the row this token holds, its lease live or lapsed (a row this token completed
+    /// already is written back unchanged). Also inside a transaction, where the transaction's row
+    /// lock keeps every other caller out for as long as it lasts.
     pub complete: Statement,
+    /// Writes the completed record over a row that is gone or expired (a late completion that
+    /// nobody contested); leaves a live row alone. Binds key, token, fingerprint, outcome and
+    /// the retention; reports through [`Ran::won`].
+    pub adopt: Statement,
     pub extend: Statement,
     pub release: Statement,
-    /// Completion and release inside a transaction of the caller's: fenced by the token only.
-    /// The transaction's row lock keeps every other caller out for as long as it lasts, so the
-    /// lease does not fence there (see `SqlTxStore`, "Leases").
-    pub complete_in_tx: Statement,
+    /// Release inside a transaction of the caller's: fenced by the token only (see `SqlTxStore`,
+    /// "Leases").
     pub release_in_tx: Statement,
 }
 
@@ -211,13 +245,29 @@ pub struct Fencing<'a> {
     /// The heartbeat's new `expires_at` (now + the lease).
     pub leased_until: String,
     pub extend_args: &'static [Arg],
+    /// The completion's upsert over a gone or expired row (see [`Fenced::adopt`]).
+    pub adopt: Statement,
 }
 
 impl Fencing<'_> {
     /// For the dialects with numbered placeholders (`$1`, `?1`): key 1, token 2, then the
     /// outcome 3 and the retention 4 of a completion, or the lease 3 of a heartbeat.
     pub fn numbered(table: &str, now: &str, placeholder: char, until: impl Fn(u8) -> String) -> Fenced {
+        // Key 1, token 2, fingerprint 3, outcome 4, retention 5; the row is taken over only
+        // when it has expired.
+        let adopt = Statement::exec(
+            format!(
+                "INSERT INTO {table} AS r (idempotency_key, state, token, fingerprint, outcome, expires_at) \
+                 VALUES ({placeholder}1, 'completed', {placeholder}2, {placeholder}3, {placeholder}4, {until5}) \
+                 ON CONFLICT (idempotency_key) DO UPDATE SET state = 'completed', token = excluded.token, \
+                 fingerprint = excluded.fingerprint, outcome = excluded.outcome, expires_at = excluded.expires_at \
+                 WHERE r.expires_at <= {now}",
+                until5 = until(5)
+            ),
+            &[Arg::Key, Arg::Token, Arg::Fingerprint, Arg::Outcome, Arg::Duration],
+        );
         Fencing {
+            adopt,
             table,
             key_and_token: &format!("idempotency_key = {placeholder}1 AND token = {placeholder}2"),
             now,
@@ -231,25 +281,25 @@ impl Fencing<'_> {
     }
 
     pub fn statements(self) -> Fenced {
-        let Fencing { table: t, key_and_token, now, outcome, retained_until, leased_until, .. } = self;
+        let Fencing { table: t, key_and_token, now, outcome, retained_until, leased_until, adopt, .. } = self;
         let owned = format!("{key_and_token} AND state = 'in_progress'");
         let live = format!("{owned} AND expires_at > {now}");
         // A row this token already completed matches too, and is written back unchanged (a
         // completion repeated after a lost reply). `state` is assigned last: MySQL assigns left to
         // right, each assignment seeing the ones before.
-        let complete = |fence: &str| {
-            let sql = format!(
+        let complete = Statement::exec(
+            format!(
                 "UPDATE {t} SET outcome = CASE WHEN state = 'in_progress' THEN {outcome} ELSE outcome END, \
                  expires_at = CASE WHEN state = 'in_progress' THEN {retained_until} ELSE expires_at END, \
-                 state = 'completed' WHERE {key_and_token}{fence}"
-            );
-            Statement::exec(sql, self.complete_args)
-        };
+                 state = 'completed' WHERE {key_and_token}"
+            ),
+            self.complete_args,
+        );
         let release =
             |condition: &str| Statement::exec(format!("DELETE FROM {t} WHERE {condition}"), &[Arg::Key, Arg::Token]);
         Fenced {
-            complete: complete(&format!(" AND expires_at > {now}")),
-            complete_in_tx: complete(""),
+            complete,
+            adopt,
             extend: Statement::exec(
                 format!("UPDATE {t} SET expires_at = {leased_until} WHERE {live}"),
                 self.extend_args,
@@ -392,9 +442,7 @@ impl Found {
                 lease_remaining: Some(Duration::from_micros(self.remaining_micros.unsigned_abs())),
             })),
             COMPLETED => match self.outcome {
-                Some(outcome) => {
-                    Ok(Verdict::Live(Claim::Completed(Record { fingerprint, outcome: outcome.into_bytes() })))
-                }
+                Some(outcome) => Ok(Verdict::Live(Claim::Completed(Record::new(fingerprint, outcome.into_bytes())))),
                 None => Err(StoreError::Corrupt("a completed record has no outcome (NULL)".into())),
             },
             other => Err(StoreError::Corrupt(format!(

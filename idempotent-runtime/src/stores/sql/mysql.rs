@@ -190,12 +190,28 @@ impl Backend for MySqlDialect {
                 complete_args: &[Arg::Outcome, Arg::Duration, Arg::Key, Arg::Token],
                 leased_until: until.clone(),
                 extend_args: &[Arg::Duration, Arg::Key, Arg::Token],
+                // Takes over only an expired row, `expires_at` assigned last (MySQL assigns left
+                // to right); a live row is left alone and sets `LAST_INSERT_ID(1)`, as the claim.
+                adopt: Statement::exec(
+                    format!(
+                        "INSERT INTO {t} (idempotency_key, state, token, fingerprint, outcome, expires_at) \
+                         VALUES (?, 'completed', ?, ?, ?, {until}) \
+                         ON DUPLICATE KEY UPDATE \
+                         state = IF({expired}, VALUES(state), state), \
+                         token = IF({expired}, VALUES(token), token), \
+                         fingerprint = IF({expired}, VALUES(fingerprint), fingerprint), \
+                         outcome = IF({expired}, VALUES(outcome), IF(LAST_INSERT_ID(1), outcome, outcome)), \
+                         expires_at = IF({expired}, VALUES(expires_at), expires_at)"
+                    ),
+                    &[Arg::Key, Arg::Token, Arg::Fingerprint, Arg::Outcome, Arg::Duration],
+                ),
             }
             .statements(),
             purge: vec![
                 Statement::exec("SET TRANSACTION ISOLATION LEVEL READ COMMITTED".to_owned(), &[]),
                 Statement::exec(format!("DELETE FROM {t} WHERE {expired} ORDER BY expires_at LIMIT ?"), &[Arg::Limit]),
             ],
+            check_before_commit: None,
             table: table.clone(),
         }
     }

@@ -169,6 +169,9 @@ impl Backend for PostgresDialect {
                 ),
                 &[Arg::Limit],
             )],
+            // An aborted transaction answers `COMMIT` with `ROLLBACK`, which sqlx reports as
+            // success; this statement fails there instead (SQLSTATE 25P02).
+            check_before_commit: Some(Statement::exec("SELECT 1".to_owned(), &[])),
             table: table.clone(),
         }
     }

@@ -164,6 +164,7 @@ impl Backend for SqliteDialect {
                 format!("DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} WHERE expires_at <= {NOW} LIMIT ?1)"),
                 &[Arg::Limit],
             )],
+            check_before_commit: None,
             table: table.clone(),
         }
     }

@@ -8,7 +8,7 @@ use sqlx::Database;
 use super::CLAIM_ATTEMPTS;
 use super::dialect::Verdict;
 use super::dialect::{Backend, ClaimReport, Params, Ran, Statement, Statements};
-use crate::{Claim, ClaimRequest, Fingerprint, Key, StoreError, Token};
+use crate::{Claim, ClaimRequest, Completion, Fingerprint, Key, StoreError, Token};
 
 type Conn<D> = <<D as Backend>::Db as Database>::Connection;
 
@@ -21,9 +21,10 @@ pub struct Session<'c, D: Backend> {
     pub autocommit: bool,
 }
 
-/// The `StoreError` of a failed statement.
+/// The `StoreError` of a failed statement: [`StoreError::Rejected`] when the same statement
+/// cannot succeed if sent again ([`Backend::refused`]), else [`StoreError::Backend`].
 pub fn backend<D: Backend>(error: sqlx::Error) -> StoreError {
-    StoreError::backend(D::NAME, error)
+    if D::refused(&error) { StoreError::rejected(D::NAME, error) } else { StoreError::backend(D::NAME, error) }
 }
 
 async fn run<D: Backend>(
@@ -83,25 +84,32 @@ pub async fn claim<D: Backend>(
     Ok(Claim::InProgress { fingerprint: last_seen.map(Fingerprint::parse).transpose()?, lease_remaining: None })
 }
 
-/// Records the outcome if `token` still holds a live claim on `key`; `Ok` too when the key
-/// already holds the record this token completed (an earlier attempt whose reply was lost).
+/// Records the outcome unless another token holds the key: the row still carries this token (in
+/// progress, its lease live or lapsed: one `UPDATE`), or, in autocommit mode only, it is gone or
+/// expired (then one upsert writes the record). `Ok` too when this token completed the row
+/// already (an earlier attempt whose reply was lost); the row is left as it is.
 pub async fn complete<D: Backend>(
     session: &mut Session<'_, D>,
     sql: &Statements,
-    key: &Key,
-    token: &Token,
-    outcome: &[u8],
-    retention: Duration,
+    completion: &Completion<'_>,
 ) -> Result<(), StoreError> {
     let params = Params {
-        key: key.as_str(),
-        token: token.as_str(),
-        outcome: super::outcome_text(outcome)?,
-        duration: Some(D::duration(retention)),
+        key: completion.key.as_str(),
+        token: completion.token.as_str(),
+        fingerprint: completion.fingerprint.map(Fingerprint::as_str),
+        outcome: super::outcome_text(completion.outcome)?,
+        duration: Some(D::duration(completion.retention)),
         ..Params::default()
     };
-    let statement = if session.autocommit { &sql.fenced.complete } else { &sql.fenced.complete_in_tx };
-    owned(&run::<D>(session, statement, &params).await?)
+    if run::<D>(session, &sql.fenced.complete, &params).await?.affected == 1 {
+        return Ok(());
+    }
+    // Not this token's row. Inside a transaction the claim is a row it holds locked, so that
+    // cannot be a lapsed lease; outside, the row may be gone (purged) or expired: adopt it.
+    if session.autocommit && run::<D>(session, &sql.fenced.adopt, &params).await?.won() {
+        return Ok(());
+    }
+    Err(StoreError::NotOwner)
 }
 
 /// Moves the end of the live lease `token` holds on `key` to `lease` from now.

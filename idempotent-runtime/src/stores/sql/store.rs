@@ -11,7 +11,7 @@ use super::dialect::TableName;
 use super::steps::{self, Session};
 use super::{DEFAULT_TABLE, Dialect, PurgeTask, SqlTxStore, TableNameError, TimedOut};
 use crate::store::DEFAULT_MAX_RECORD_BYTES;
-use crate::{Claim, ClaimRequest, Detached, Key, Store, StoreError, Token};
+use crate::{Claim, ClaimRequest, Completion, Detached, Key, Store, StoreError, Token};
 
 /// How long the statements of one store call may take before it fails with [`TimedOut`] (change
 /// it with [`SqlStore::with_timeout`]).
@@ -197,8 +197,8 @@ impl<D: Dialect> Store for SqlStore<D> {
         self.step("claim", async |s| steps::claim(s, &self.sql, request).await).await
     }
 
-    async fn complete(&self, key: &Key, token: &Token, outcome: &[u8], retention: Duration) -> Result<(), StoreError> {
-        self.step("complete", async |s| steps::complete(s, &self.sql, key, token, outcome, retention).await).await
+    async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
+        self.step("complete", async |s| steps::complete(s, &self.sql, completion).await).await
     }
 
     async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
@@ -229,5 +229,9 @@ impl<D: Dialect> Store for SqlStore<D> {
 
     fn max_record_bytes(&self) -> usize {
         self.max_record_bytes
+    }
+
+    fn name(&self) -> &'static str {
+        D::NAME
     }
 }

@@ -1,6 +1,7 @@
 //! The transactional SQL store: claims and records inside one transaction of the caller's.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use sqlx::{Database, Transaction};
@@ -8,7 +9,7 @@ use sqlx::{Database, Transaction};
 use super::Dialect;
 use super::dialect::Statements;
 use super::steps::{self, Session};
-use crate::{Claim, ClaimRequest, Key, Store, StoreError, Token};
+use crate::{Claim, ClaimRequest, Completion, Detached, Key, Store, StoreError, Token};
 
 /// A SQL store working inside one transaction: the key is claimed and the result recorded in the
 /// same transaction as the body's own writes, so they commit together or not at all. The one
@@ -21,6 +22,20 @@ use crate::{Claim, ClaimRequest, Key, Store, StoreError, Token};
 /// [`commit`](Self::commit) or [`rollback`](Self::rollback); dropping it rolls back. An `Err` from
 /// the body deletes the claim inside the transaction; a panic or a dropped future leaves it there:
 /// roll the transaction back (dropping it does).
+///
+/// # Recording is committing
+///
+/// The record is a row of this transaction, so the call's `Ok` is only true once the
+/// transaction commits. If the completion statement fails inside the transaction (a trigger or
+/// constraint refuses it, the transaction was already aborted by a failed statement of the
+/// body's, the connection is lost), the call does **not** return the body's `Ok`: it returns
+/// [`Error::Store`](crate::Error::Store) at `complete`, whose source is [`StoreError::Aborted`],
+/// at once (it is not retried for a lease: nothing in this transaction can succeed any more).
+/// Roll back and retry in a new transaction; the body runs again there, since nothing of the
+/// first attempt was committed. After such a failure [`commit`](Self::commit) refuses: it rolls
+/// back and returns an error. On PostgreSQL, `commit` also checks first that the transaction
+/// was not aborted by any failed statement (whose `COMMIT` the server answers with `ROLLBACK`,
+/// which sqlx reports as success), and returns that statement's error instead.
 ///
 /// # Duplicates wait on the row
 ///
@@ -53,6 +68,8 @@ pub struct SqlTxStore<D: Dialect> {
     tx: tokio::sync::Mutex<Transaction<'static, D::Db>>,
     sql: Arc<Statements>,
     max_record_bytes: usize,
+    /// A step of ours failed in the transaction: it must not commit.
+    failed: AtomicBool,
 }
 
 impl<D: Dialect> std::fmt::Debug for SqlTxStore<D> {
@@ -66,7 +83,7 @@ impl<D: Dialect> std::fmt::Debug for SqlTxStore<D> {
 
 impl<D: Dialect> SqlTxStore<D> {
     pub(super) fn new(tx: Transaction<'static, D::Db>, sql: Arc<Statements>, max_record_bytes: usize) -> Self {
-        SqlTxStore { tx: tokio::sync::Mutex::new(tx), sql, max_record_bytes }
+        SqlTxStore { tx: tokio::sync::Mutex::new(tx), sql, max_record_bytes, failed: AtomicBool::new(false) }
     }
 
     /// The transaction's connection, for the body's own queries: `.execute(&mut *tx.conn().await)`.
@@ -78,8 +95,31 @@ impl<D: Dialect> SqlTxStore<D> {
     }
 
     /// Commits the transaction: the body's writes and the recorded result become visible together.
+    ///
+    /// # Errors
+    ///
+    /// The commit's own error; or, without committing (the transaction is rolled back), an
+    /// [`sqlx::Error::InvalidArgument`] when a completion failed in this transaction (see
+    /// [Recording is committing](Self#recording-is-committing)), or on PostgreSQL the error of
+    /// the check that the transaction is not aborted.
     pub async fn commit(self) -> Result<(), sqlx::Error> {
-        self.tx.into_inner().commit().await
+        let mut tx = self.tx.into_inner();
+        if self.failed.load(Ordering::Acquire) {
+            tx.rollback().await?;
+            return Err(sqlx::Error::InvalidArgument(
+                "the transaction was rolled back, not committed: an idempotent call in it could not record its \
+                 result (it returned Error::Store with StoreError::Aborted); run the whole transaction again"
+                    .to_owned(),
+            ));
+        }
+        if let Some(check) = &self.sql.check_before_commit {
+            let checked = D::run(&mut tx, check, &super::dialect::Params::default()).await;
+            if let Err(e) = checked {
+                tx.rollback().await?;
+                return Err(e);
+            }
+        }
+        tx.commit().await
     }
 
     /// Rolls the transaction back: neither the body's writes nor the claim remain.
@@ -94,28 +134,44 @@ impl<D: Dialect> SqlTxStore<D> {
     }
 }
 
+impl<D: Dialect> SqlTxStore<D> {
+    /// Marks the transaction as not committable when a step failed in it.
+    fn note<T>(&self, result: Result<T, StoreError>) -> Result<T, StoreError> {
+        if result.is_err() {
+            self.failed.store(true, Ordering::Release);
+        }
+        result
+    }
+}
+
 impl<D: Dialect> Store for SqlTxStore<D> {
     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         let mut tx = self.tx.lock().await;
-        steps::claim::<D>(&mut Session { conn: &mut tx, autocommit: false }, &self.sql, request).await
+        let result = steps::claim::<D>(&mut Session { conn: &mut tx, autocommit: false }, &self.sql, request).await;
+        self.note(result)
     }
 
-    async fn complete(&self, key: &Key, token: &Token, outcome: &[u8], retention: Duration) -> Result<(), StoreError> {
+    /// Every failure is [`StoreError::Aborted`]: the record is part of this transaction, which
+    /// cannot commit this call's work any more (see [Recording is committing](Self#recording-is-committing)).
+    async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
         let mut tx = self.tx.lock().await;
-        steps::complete::<D>(
-            &mut Session { conn: &mut tx, autocommit: false },
-            &self.sql,
-            key,
-            token,
-            outcome,
-            retention,
-        )
-        .await
+        let result =
+            steps::complete::<D>(&mut Session { conn: &mut tx, autocommit: false }, &self.sql, completion).await;
+        result.map_err(|error| {
+            self.failed.store(true, Ordering::Release);
+            let source: Box<dyn std::error::Error + Send + Sync> = match error {
+                StoreError::Backend { source, .. } | StoreError::Rejected { source, .. } => source,
+                other => Box::new(other),
+            };
+            StoreError::Aborted { backend: D::NAME, source }
+        })
     }
 
     async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
         let mut tx = self.tx.lock().await;
-        steps::release::<D>(&mut Session { conn: &mut tx, autocommit: false }, &self.sql, key, token).await
+        let result =
+            steps::release::<D>(&mut Session { conn: &mut tx, autocommit: false }, &self.sql, key, token).await;
+        self.note(result)
     }
 
     /// `Ok(())` at once, without a round trip: the claim lasts as long as the transaction (see
@@ -124,10 +180,19 @@ impl<D: Dialect> Store for SqlTxStore<D> {
         Ok(())
     }
 
-    // detach: the default, nothing. The claim lives only in this transaction, which rolls back
-    // when dropped uncommitted.
+    /// Nothing reaches the database: the claim lives only in this transaction. A call that left
+    /// a step undone (it was dropped or its body panicked) leaves the transaction with partial
+    /// work, so [`commit`](Self::commit) refuses from now on; roll it back.
+    fn detach(&self, step: Detached) {
+        self.failed.store(true, Ordering::Release);
+        drop(step);
+    }
 
     fn max_record_bytes(&self) -> usize {
         self.max_record_bytes
+    }
+
+    fn name(&self) -> &'static str {
+        D::NAME
     }
 }

@@ -24,6 +24,8 @@ pub struct Args {
     pub record_err: RecordErr,
     pub on_cancel: Option<OnCancel>,
     pub krate: Option<Path>,
+    /// The `Self` type's name, passed down by `#[idempotent]` on the enclosing impl (hidden).
+    pub self_type: Option<LitStr>,
 }
 
 /// A duration given as a literal (checked here) or as an expression (checked by the type system).
@@ -65,7 +67,7 @@ pub fn parse(tokens: TokenStream) -> Result<Args, syn::Error> {
     let mut errors = Errors::default();
     let (mut key, mut store, mut scope, mut fingerprint, mut record_err, mut on_cancel, mut krate) =
         (None, None, None, None, None, None, None);
-    let (mut lease, mut retention, mut wait) = (None, None, None);
+    let (mut lease, mut retention, mut wait, mut self_type) = (None, None, None, None);
 
     syn::meta::parser(|meta: ParseNestedMeta| {
         let path = &meta.path;
@@ -109,21 +111,14 @@ pub fn parse(tokens: TokenStream) -> Result<Args, syn::Error> {
             "record_err" => once!(record_err, record_err_arg(value, span, &mut errors)),
             "on_cancel" => once!(on_cancel, on_cancel_arg(&value, &mut errors)),
             "crate" => once!(krate, crate_arg(&value, &mut errors)),
+            SELF_TYPE => once!(self_type, self_type_arg(&value)),
             unknown => errors.push(span, unknown_option(unknown)),
         }
         Ok(())
     })
     .parse2(tokens)?;
 
-    if let (Some(DurationArg::Millis(lease, _)), Some(DurationArg::Millis(retention, span))) = (&lease, &retention)
-        && retention < lease
-    {
-        errors.push(
-            *span,
-            "`retention` is shorter than `lease`: a result would be forgotten sooner than a crashed call's \
-             claim; make `retention` at least as long as `lease`",
-        );
-    }
+    check_durations(lease.as_ref(), retention.as_ref(), wait.as_ref(), &mut errors);
     if key.is_none() {
         errors.push(
             Span::call_site(),
@@ -150,7 +145,74 @@ pub fn parse(tokens: TokenStream) -> Result<Args, syn::Error> {
         record_err: record_err.unwrap_or(RecordErr::Never),
         on_cancel,
         krate,
+        self_type,
     })
+}
+
+/// The hidden option through which `#[idempotent]` on an impl names its `Self` type.
+pub const SELF_TYPE: &str = "__self_type";
+
+/// The runtime's bounds (`MAX_LEASE`, `MAX_RETENTION`, `MAX_WAIT`, the default lease; a zero
+/// duration is refused by the parser),
+/// checked on literals so a call that would always be refused does not compile.
+const DEFAULT_LEASE_MS: u64 = 60_000;
+const MAX_LEASE_MS: u64 = 24 * 3_600_000;
+const MAX_RETENTION_MS: u64 = 3650 * 24 * 3_600_000;
+const MAX_WAIT_MS: u64 = MAX_LEASE_MS;
+
+fn check_durations(
+    lease: Option<&DurationArg>,
+    retention: Option<&DurationArg>,
+    wait: Option<&DurationArg>,
+    errors: &mut Errors,
+) {
+    let literal = |arg: Option<&DurationArg>| match arg {
+        Some(DurationArg::Millis(millis, span)) => Some((*millis, *span)),
+        _ => None,
+    };
+    if let Some((millis, span)) = literal(lease)
+        && millis > MAX_LEASE_MS
+    {
+        errors.push(
+            span,
+            "`lease` is longer than the maximum of 24h: it is how long a crashed call blocks its key, not how \
+             long the body may run (the lease is renewed while the body runs); use seconds or minutes",
+        );
+    }
+    if let Some((millis, span)) = literal(retention) {
+        if millis > MAX_RETENTION_MS {
+            errors.push(span, "`retention` is longer than the maximum of 3650d; keep records for days or weeks");
+        }
+        let (lease_ms, from_default) = match lease {
+            None => (Some(DEFAULT_LEASE_MS), true),
+            Some(DurationArg::Millis(millis, _)) => (Some(*millis), false),
+            Some(DurationArg::Expr(_)) => (None, false),
+        };
+        if let Some(lease_ms) = lease_ms.filter(|lease_ms| millis < *lease_ms) {
+            let lease = if from_default { "the default `lease` of 60s" } else { "`lease`" };
+            errors.push(
+                span,
+                format_args!(
+                    "`retention` ({millis} ms) is shorter than {lease} ({lease_ms} ms): a result would be forgotten \
+                     sooner than a crashed call's claim, and every call would be refused; make `retention` at \
+                     least as long as the lease"
+                ),
+            );
+        }
+    }
+    if let Some((millis, span)) = literal(wait)
+        && millis > MAX_WAIT_MS
+    {
+        errors
+            .push(span, "`wait` is longer than the maximum of 24h; a duplicate should wait seconds for the first call");
+    }
+}
+
+fn self_type_arg(value: &Expr) -> Option<LitStr> {
+    match value {
+        Expr::Lit(ExprLit { lit: Lit::Str(text), .. }) => Some(text.clone()),
+        _ => None,
+    }
 }
 
 fn unknown_option(name: &str) -> String {

@@ -9,7 +9,7 @@ use proc_macro2::{Span, TokenStream, TokenTree};
 use quote::{ToTokens, quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::{
-    Block, Expr, ExprAsync, GenericArgument, ItemFn, Pat, PathArguments, ReturnType, Signature, Stmt, Type,
+    Block, Expr, ExprAsync, GenericArgument, ItemFn, ItemImpl, Pat, PathArguments, ReturnType, Signature, Stmt, Type,
     TypeParamBound,
 };
 
@@ -20,7 +20,21 @@ use crate::args::{self, Args, DurationArg, OnCancel, RecordErr};
 pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     let function: ItemFn = match syn::parse2(item.clone()) {
         Ok(function) => function,
-        Err(error) => return with_error(item, &error),
+        Err(error) => {
+            if let Ok(block) = syn::parse2::<ItemImpl>(item.clone()) {
+                return crate::impl_block::name_methods(&args, block);
+            }
+            if let Ok(def) = syn::parse2::<syn::ItemTrait>(item.clone()) {
+                let error = syn::Error::new(
+                    def.ident.span(),
+                    "`#[idempotent]` on a trait cannot give its default methods a scope of their own per \
+                     implementor; give each `#[idempotent]` default method an explicit `scope = \"...\"` \
+                     (every implementor then shares its records: put what tells them apart into the `key`)",
+                );
+                return with_error(item, &error);
+            }
+            return with_error(item, &error);
+        }
     };
     let args = args::parse(args);
     let output = output_type(&function);
@@ -186,16 +200,24 @@ fn run(args: &Args, sig: &Signature, output: &Type, body: &TokenStream, renamed:
     let private = quote!(#krate::__private);
     let user = |expr: &Expr| if renamed { rename_self(expr.to_token_stream()) } else { expr.to_token_stream() };
 
-    // Without `scope`, the runtime derives one from the module path, or from the `Self` type for
-    // a method with a receiver, and the site lets it refuse two functions that arrive at the same
-    // one. An explicit scope is a decision to share (or not): no site, no check.
-    let name = sig.ident.to_string();
+    // Without `scope`, the default is the module path and the name, with the `Self` type's name
+    // in between when `#[idempotent]` on the impl passed it down: text the compiler cannot change.
+    // The site lets the runtime refuse two functions that arrive at one default, and, for a
+    // method, two `Self` types that share one site (a trait's default method). An explicit
+    // scope is a decision to share (or not): no site, no check.
+    let name = match &args.self_type {
+        Some(ty) => format!("{}.{}", ty.value(), sig.ident),
+        None => sig.ident.to_string(),
+    };
     let (scope, site) = match (&args.scope, sig.receiver()) {
         (Some(scope), _) => (scope.to_token_stream(), None),
         (None, None) => {
             (quote!(&#private::fn_scope(::core::module_path!(), #name)), Some(quote!(.site(&__IDEMPOTENT_SITE))))
         }
-        (None, Some(_)) => (quote!(&#private::method_scope::<Self>(#name)), Some(quote!(.site(&__IDEMPOTENT_SITE)))),
+        (None, Some(_)) => (
+            quote!(&#private::fn_scope(::core::module_path!(), #name)),
+            Some(quote!(.site_for::<Self>(&__IDEMPOTENT_SITE))),
+        ),
     };
     let key = user(&args.key);
     let mut call = quote_spanned!(args.key.span()=> #private::Call::new(#scope, &(#key))#site);
@@ -325,7 +347,7 @@ mod tests {
         assert!(out.starts_with("# [doc = r\" Docs.\"] # [allow (dead_code)] pub async fn pay (& self , id : & str) -> Result < u32 , E >"), "{out}");
         assert!(
             out.contains(
-                "Call :: new (& :: idempotent_runtime :: __private :: method_scope :: < Self > (\"pay\") , & (id)) . site (& __IDEMPOTENT_SITE)"
+                "Call :: new (& :: idempotent_runtime :: __private :: fn_scope (:: core :: module_path ! () , \"pay\") , & (id)) . site_for :: < Self > (& __IDEMPOTENT_SITE)"
             ),
             "{out}"
         );
@@ -375,7 +397,7 @@ mod tests {
         .to_string();
         let bindings = out.find("let __self = self ;").expect(&out);
         let call = out
-            .find("Call :: new (& :: idempotent_runtime :: __private :: method_scope :: < Self > (\"pay\") , & (id))")
+            .find("Call :: new (& :: idempotent_runtime :: __private :: fn_scope (:: core :: module_path ! () , \"pay\") , & (id))")
             .expect(&out);
         let body = out.find("async { let __ret : Result < u32 , E > = { Ok (__self . n) } ;").expect(&out);
         assert!(bindings < call && call < body, "{out}");

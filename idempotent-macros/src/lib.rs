@@ -3,6 +3,7 @@
 mod args;
 mod duration;
 mod expand;
+mod impl_block;
 
 use proc_macro::TokenStream;
 

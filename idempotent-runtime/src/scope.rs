@@ -26,14 +26,6 @@ pub fn fn_scope(module_path: &str, name: &str) -> String {
     dotted([module_path, name])
 }
 
-/// The former default scope of a method, from `std::any::type_name` (removed with the next
-/// commit's macro change).
-#[doc(hidden)]
-#[must_use]
-pub fn method_scope<T: ?Sized>(name: &str) -> String {
-    dotted([std::any::type_name::<T>(), name])
-}
-
 fn dotted<const N: usize>(parts: [&str; N]) -> String {
     let mut scope = String::with_capacity(parts.iter().map(|p| p.len() + 1).sum());
     for part in parts {

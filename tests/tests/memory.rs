@@ -4,6 +4,9 @@ use idempotent_runtime::{MemoryStore, Store};
 
 idempotent_tests::conformance_suite!(conformance_memory, async { Some(MemoryStore::new()) });
 
+// The same cases on Tokio's paused clock: the memory store expires leases and records by it.
+idempotent_tests::conformance_suite!(conformance_memory_paused, async { Some(MemoryStore::new()) }, paused);
+
 // The local replay cache over the memory store. Here rather than in `cache.rs`: its CPU-heavy
 // cases would slow the Redis cases running there in parallel past the client's response timeout.
 #[cfg(feature = "cache")]
@@ -64,4 +67,145 @@ async fn memory_heartbeat_renews_only_bodies_longer_than_a_third_of_their_lease(
     assert_eq!(long.run(&store, body).await.unwrap(), 2);
     // Renewals at 100, 200, ..., 1000 ms of a 1050 ms body.
     assert_eq!(ops(&store), (2, 2, 10), "claims, completes, renewals after a body of 3.5 leases");
+}
+
+/// Under `tokio::time::pause`, the way users test time-dependent code, leases and records expire
+/// by the paused clock (the store used `std::time::Instant` and never expired anything).
+#[tokio::test(start_paused = true)]
+async fn memory_store_expires_by_tokios_paused_clock() {
+    use std::time::Duration;
+
+    use idempotent_runtime::{Claim, ClaimRequest, Key, Token};
+
+    let store = MemoryStore::new();
+    let key = Key::new("paused", &"k").unwrap();
+    let (first, second) = (Token::new(), Token::new());
+    let claim = |token| ClaimRequest::new(&key, token, None, Duration::from_secs(1));
+    assert_eq!(store.claim(&claim(&first)).await.unwrap(), Claim::Claimed);
+    assert!(matches!(store.claim(&claim(&second)).await.unwrap(), Claim::InProgress { .. }));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(store.claim(&claim(&second)).await.unwrap(), Claim::Claimed, "the 1 s lease ended 4 s ago");
+}
+
+mod bounded {
+    use std::time::Duration;
+
+    use idempotent_runtime::stores::memory::{MemoryLimits, WhenFull};
+    use idempotent_runtime::{Call, Claim, ClaimRequest, Error, Key, MemoryStore, Store, StoreError, Token};
+
+    async fn run(store: &MemoryStore, key: u32, retention: Duration) -> Result<u32, Error> {
+        Call::new("bounded", &key)
+            .lease(retention.min(Duration::from_secs(60)))
+            .retention(retention)
+            .run(store, async move { Ok::<_, Error>(key) })
+            .await
+    }
+
+    fn full(result: &Result<u32, Error>) -> bool {
+        matches!(result, Err(Error::Store { operation: "claim", source: StoreError::Full(_), .. }))
+    }
+
+    /// Full by entries: a new key is refused with a typed error, nothing stored is forgotten, the
+    /// keys it holds keep replaying, and a claim in progress keeps its claim.
+    #[tokio::test]
+    async fn memory_store_full_refuses_new_keys_and_forgets_nothing() {
+        let store = MemoryStore::with_limits(MemoryLimits::default().max_entries(100));
+        for k in 0..99 {
+            assert_eq!(run(&store, k, Duration::from_secs(60)).await.unwrap(), k);
+        }
+        let key = Key::new("bounded", &"running").unwrap();
+        let owner = Token::new();
+        assert_eq!(
+            store.claim(&ClaimRequest::new(&key, &owner, None, Duration::from_secs(60))).await.unwrap(),
+            Claim::Claimed
+        );
+        assert_eq!(store.len(), 100);
+        let refused = run(&store, 1000, Duration::from_secs(60)).await;
+        assert!(full(&refused), "{refused:?}");
+        let message = refused.unwrap_err().to_string();
+        assert!(message.contains("full") && message.contains("100 entries"), "{message}");
+        for k in 0..99 {
+            assert_eq!(run(&store, k, Duration::from_secs(60)).await.unwrap(), k, "key {k} still replays");
+        }
+        assert!(matches!(
+            store.claim(&ClaimRequest::new(&key, &Token::new(), None, Duration::from_secs(60))).await.unwrap(),
+            Claim::InProgress { .. }
+        ));
+        assert_eq!(store.len(), 100);
+    }
+
+    /// Full by bytes: each entry is charged its key, its outcome and 384 bytes.
+    #[tokio::test]
+    async fn memory_store_full_by_bytes_refuses_new_keys() {
+        let store = MemoryStore::with_limits(MemoryLimits::default().max_bytes(64 * 1024));
+        let big = |k: u32| Call::new("bytes", &k).run(&store, async move { Ok::<_, Error>("x".repeat(4000)) });
+        let mut admitted = 0;
+        while big(admitted).await.is_ok() {
+            admitted += 1;
+            assert!(admitted < 100, "the byte bound did not hold");
+        }
+        assert!((12..=15).contains(&admitted), "{admitted} records of ~4.4 KB in 64 KiB");
+        assert!(store.bytes() <= 64 * 1024 + 4400, "{} bytes charged", store.bytes());
+        assert!(matches!(big(0).await, Ok(s) if s.len() == 4000), "a stored record still replays");
+    }
+
+    /// Expired entries make room before anything is refused, on the paused clock too.
+    #[tokio::test(start_paused = true)]
+    async fn memory_store_full_of_expired_entries_admits_new_keys() {
+        let store = MemoryStore::with_limits(MemoryLimits::default().max_entries(50));
+        for k in 0..50 {
+            run(&store, k, Duration::from_secs(2)).await.unwrap();
+        }
+        assert!(full(&run(&store, 50, Duration::from_secs(2)).await));
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        for k in 50..100 {
+            assert_eq!(run(&store, k, Duration::from_secs(60)).await.unwrap(), k, "key {k} after the others expired");
+        }
+        assert!(store.len() <= 50, "{}", store.len());
+    }
+
+    /// With `EvictOldestCompleted`, the records that expire first make room; claims in progress
+    /// are never evicted, and an evicted key runs again (the documented cost).
+    #[tokio::test]
+    async fn memory_store_evicts_the_oldest_completed_records_when_asked() {
+        let limits = MemoryLimits::default().max_entries(64).when_full(WhenFull::EvictOldestCompleted);
+        let store = MemoryStore::with_limits(limits);
+        let key = Key::new("bounded", &"running").unwrap();
+        let owner = Token::new();
+        assert_eq!(
+            store.claim(&ClaimRequest::new(&key, &owner, None, Duration::from_secs(60))).await.unwrap(),
+            Claim::Claimed
+        );
+        for k in 0..1000 {
+            // Increasing retentions: the first keys expire first, so they are evicted first.
+            run(&store, k, Duration::from_secs(60 + u64::from(k))).await.unwrap();
+            assert!(store.len() <= 64, "{} entries", store.len());
+        }
+        assert!(
+            matches!(
+                store.claim(&ClaimRequest::new(&key, &Token::new(), None, Duration::from_secs(60))).await.unwrap(),
+                Claim::InProgress { .. }
+            ),
+            "the claim in progress survived every eviction"
+        );
+        let latest = Call::new("bounded", &999u32).run(&store, async { Ok::<u32, Error>(7) }).await.unwrap();
+        assert_eq!(latest, 999, "the newest record is replayed");
+        let evicted = Call::new("bounded", &0u32).run(&store, async { Ok::<u32, Error>(7) }).await.unwrap();
+        assert_eq!(evicted, 7, "the oldest record was evicted: its key ran again");
+    }
+
+    /// The counters follow every change: claims, completions, releases, sweeps, purges.
+    #[tokio::test(start_paused = true)]
+    async fn memory_store_counts_entries_and_bytes_exactly() {
+        let store = MemoryStore::new();
+        assert_eq!((store.len(), store.bytes()), (0, 0));
+        run(&store, 1, Duration::from_secs(10)).await.unwrap();
+        let one = store.bytes();
+        assert!(one > 384, "{one}");
+        let _ = Call::new("bounded", &2u32).run(&store, async { Err::<u32, _>(Error::Fingerprint("x".into())) }).await;
+        assert_eq!((store.len(), store.bytes()), (1, one), "a released claim is gone from the counters");
+        tokio::time::sleep(Duration::from_secs(11)).await;
+        assert_eq!(store.purge_expired().await.unwrap(), 1);
+        assert_eq!((store.len(), store.bytes()), (0, 0));
+    }
 }

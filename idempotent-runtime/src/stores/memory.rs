@@ -1,7 +1,8 @@
-//! The in-memory store: sharded, lease- and TTL-expiring, purged as it goes.
+//! The in-memory store: sharded, lease- and TTL-expiring, purged as it goes, bounded.
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -15,6 +16,15 @@ const SHARDS: usize = 64;
 /// A shard sweeps out expired entries after this many inserts, or after as many inserts as half
 /// its size if that is more: sweeping costs O(1) per insert, amortised.
 const MIN_INSERTS_BETWEEN_SWEEPS: usize = 64;
+/// The bytes an entry is charged beyond its key and outcome: the map slot, the entry, its token
+/// and fingerprint, and the allocator's rounding (measured: see `MemoryStore`'s docs).
+const ENTRY_OVERHEAD: usize = 384;
+
+/// The default bound on entries (claims and records): 1,000,000.
+pub const DEFAULT_MAX_ENTRIES: usize = 1_000_000;
+/// The default bound on the bytes entries are charged (keys, outcomes and a fixed overhead per
+/// entry): 64 MiB.
+pub const DEFAULT_MAX_BYTES: usize = 64 << 20;
 
 /// A store in this process's memory: the embedded default, and the store for tests.
 ///
@@ -23,8 +33,30 @@ const MIN_INSERTS_BETWEEN_SWEEPS: usize = 64;
 /// claims and records are swept out as new keys arrive, so memory follows what is live.
 /// Cloning gives another handle to the same records.
 ///
+/// # Bounded
+///
+/// The store holds at most [`MemoryLimits::max_entries`] entries and charges them at most
+/// [`MemoryLimits::max_bytes`] (each entry is charged its key, its outcome and a fixed 384 bytes
+/// for its bookkeeping); the defaults are [`DEFAULT_MAX_ENTRIES`] and [`DEFAULT_MAX_BYTES`].
+/// A client that sends a fresh key with every request can therefore not exhaust the process's
+/// memory. When a new key would pass a bound, the store first sweeps out what has expired, then
+/// applies [`MemoryLimits::when_full`]:
+///
+/// - [`WhenFull::Refuse`] (the default): the claim fails with [`StoreError::Full`] (the caller
+///   gets [`Error::Store`](crate::Error::Store), the HTTP layer answers 503), and nothing that
+///   is stored is forgotten. Keys already claimed or recorded keep working.
+/// - [`WhenFull::EvictOldestCompleted`]: completed records are dropped to make room, those that
+///   expire first first (within each of the store's 64 shards, starting with the new key's). A retry of an evicted key
+///   runs its body again, so choose it only where that is acceptable. Claims in progress are
+///   never evicted.
+///
+/// A completion is never refused for room: its key was admitted when it was claimed, and its
+/// result must not be lost. So the bytes charged can pass `max_bytes` by the outcomes of the
+/// calls in flight; new keys are refused (or make room) until they are back under it.
+///
 /// ```
 /// use idempotent_runtime::{idempotent, Error, MemoryStore};
+/// use idempotent_runtime::stores::memory::{MemoryLimits, WhenFull};
 ///
 /// #[idempotent(key = order, store = store)]
 /// async fn ship(store: &MemoryStore, order: u64) -> Result<String, Error> {
@@ -36,6 +68,15 @@ const MIN_INSERTS_BETWEEN_SWEEPS: usize = 64;
 /// let store = MemoryStore::new();
 /// assert_eq!(ship(&store, 7).await.unwrap(), "shipped 7");
 /// assert_eq!(store.len(), 1);
+///
+/// let small = MemoryStore::with_limits(MemoryLimits::default().max_entries(1));
+/// ship(&small, 1).await.unwrap();
+/// assert!(matches!(ship(&small, 2).await, Err(Error::Store { .. }))); // full: refused, not forgotten
+/// assert_eq!(ship(&small, 1).await.unwrap(), "shipped 1"); // the record is still replayed
+///
+/// let evicting = MemoryStore::with_limits(MemoryLimits::default().max_entries(1).when_full(WhenFull::EvictOldestCompleted));
+/// ship(&evicting, 1).await.unwrap();
+/// assert_eq!(ship(&evicting, 2).await.unwrap(), "shipped 2"); // order 1's record made room
 /// # }
 /// ```
 #[derive(Clone)]
@@ -43,16 +84,89 @@ pub struct MemoryStore {
     inner: Arc<Inner>,
 }
 
+/// The bounds of a [`MemoryStore`] and what it does at them (see [Bounded](MemoryStore#bounded)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MemoryLimits {
+    /// The most entries (claims and records) held at once.
+    pub max_entries: usize,
+    /// The most bytes charged to entries at once (keys, outcomes, 384 bytes each).
+    pub max_bytes: usize,
+    /// The largest encoded outcome recorded; larger results replay as
+    /// [`Error::Unrecordable`](crate::Error::Unrecordable).
+    pub max_record_bytes: usize,
+    /// What a new key gets when a bound is reached.
+    pub when_full: WhenFull,
+}
+
+/// What a full [`MemoryStore`] does with a new key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum WhenFull {
+    /// Refuse its claim with [`StoreError::Full`]; forget nothing.
+    #[default]
+    Refuse,
+    /// Drop the completed records that expire first (their keys would run again) to make room.
+    EvictOldestCompleted,
+}
+
+impl Default for MemoryLimits {
+    fn default() -> Self {
+        MemoryLimits {
+            max_entries: DEFAULT_MAX_ENTRIES,
+            max_bytes: DEFAULT_MAX_BYTES,
+            max_record_bytes: DEFAULT_MAX_RECORD_BYTES,
+            when_full: WhenFull::Refuse,
+        }
+    }
+}
+
+impl MemoryLimits {
+    /// At most `entries` entries (at least 1).
+    #[must_use]
+    pub fn max_entries(mut self, entries: usize) -> Self {
+        self.max_entries = entries.max(1);
+        self
+    }
+
+    /// At most `bytes` charged in all.
+    #[must_use]
+    pub fn max_bytes(mut self, bytes: usize) -> Self {
+        self.max_bytes = bytes;
+        self
+    }
+
+    /// Outcomes of at most `bytes` are recorded.
+    #[must_use]
+    pub fn max_record_bytes(mut self, bytes: usize) -> Self {
+        self.max_record_bytes = bytes;
+        self
+    }
+
+    /// What a new key gets when a bound is reached.
+    #[must_use]
+    pub fn when_full(mut self, when_full: WhenFull) -> Self {
+        self.when_full = when_full;
+        self
+    }
+}
+
 struct Inner {
     shards: Box<[Mutex<Shard>]>,
     hasher: std::hash::RandomState,
-    max_record_bytes: usize,
+    limits: MemoryLimits,
+    /// Entries held, and the bytes they are charged, over all shards (changed under the lock of
+    /// the shard whose entry changes).
+    entries: AtomicUsize,
+    bytes: AtomicUsize,
 }
 
 #[derive(Default)]
 struct Shard {
     entries: HashMap<Box<str>, Entry>,
     inserts_since_sweep: usize,
+    /// No entry of the shard expires before this (a lower bound): sweeping earlier finds nothing.
+    earliest_expiry: Option<Instant>,
 }
 
 struct Entry {
@@ -69,25 +183,36 @@ enum State {
 }
 
 impl MemoryStore {
-    /// An empty store.
+    /// An empty store with the default [`MemoryLimits`].
     #[must_use]
     pub fn new() -> Self {
-        Self::with_max_record_bytes(DEFAULT_MAX_RECORD_BYTES)
+        Self::with_limits(MemoryLimits::default())
     }
 
     /// An empty store that records outcomes of at most `limit` encoded bytes.
     #[must_use]
     pub fn with_max_record_bytes(limit: usize) -> Self {
+        Self::with_limits(MemoryLimits::default().max_record_bytes(limit))
+    }
+
+    /// An empty store with these bounds.
+    #[must_use]
+    pub fn with_limits(limits: MemoryLimits) -> Self {
         let shards = (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect();
-        MemoryStore {
-            inner: Arc::new(Inner { shards, hasher: std::hash::RandomState::new(), max_record_bytes: limit }),
-        }
+        let inner = Inner {
+            shards,
+            hasher: std::hash::RandomState::new(),
+            limits,
+            entries: AtomicUsize::new(0),
+            bytes: AtomicUsize::new(0),
+        };
+        MemoryStore { inner: Arc::new(inner) }
     }
 
     /// How many entries (claims and records, live or expired but not yet swept) the store holds.
     #[must_use]
     pub fn len(&self) -> usize {
-        self.inner.shards.iter().map(|s| lock(s).entries.len()).sum()
+        self.inner.entries.load(Ordering::Relaxed)
     }
 
     /// `true` when the store holds no entries.
@@ -96,12 +221,28 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn shard(&self, key: &Key) -> MutexGuard<'_, Shard> {
+    /// The bytes the entries are charged (see [Bounded](MemoryStore#bounded)).
+    #[must_use]
+    pub fn bytes(&self) -> usize {
+        self.inner.bytes.load(Ordering::Relaxed)
+    }
+
+    /// The store's bounds.
+    #[must_use]
+    pub fn limits(&self) -> MemoryLimits {
+        self.inner.limits
+    }
+
+    fn shard_index(&self, key: &Key) -> usize {
         let hash = self.inner.hasher.hash_one(key.as_str());
         // The shard count is a power of two; the low bits of the hash pick one.
         #[allow(clippy::cast_possible_truncation)]
         let index = (hash as usize) & (SHARDS - 1);
-        lock(&self.inner.shards[index])
+        index
+    }
+
+    fn shard(&self, key: &Key) -> MutexGuard<'_, Shard> {
+        lock(&self.inner.shards[self.shard_index(key)])
     }
 
     fn release_now(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
@@ -109,7 +250,7 @@ impl MemoryStore {
         let mut shard = self.shard(key);
         match shard.entries.get(key.as_str()) {
             Some(entry) if entry.claimed_by(token, now) => {
-                shard.entries.remove(key.as_str());
+                shard.remove(key.as_str(), &self.inner);
                 Ok(())
             }
             _ => Err(StoreError::NotOwner),
@@ -120,31 +261,32 @@ impl MemoryStore {
         let now = Instant::now();
         // Computed before anything changes: an entry is never left half-written.
         let expires = expiry(now, completion.retention)?;
+        let key = completion.key.as_str();
         let mut shard = self.shard(completion.key);
-        let entry = shard.entries.get_mut(completion.key.as_str());
-        match entry {
+        let entry = match shard.entries.get(key) {
             // Another caller holds the key (its claim or its record is live): refused.
-            Some(entry) if entry.expires > now && entry.token() != completion.token => Err(StoreError::NotOwner),
+            Some(entry) if entry.expires > now && entry.token() != completion.token => {
+                return Err(StoreError::NotOwner);
+            }
             // This token completed it already (an earlier attempt whose reply was lost).
-            Some(Entry { state: State::Completed(..), expires: until, .. }) if *until > now => Ok(()),
+            Some(Entry { state: State::Completed(..), expires: until, .. }) if *until > now => return Ok(()),
             // Ours, live or lapsed: record, keeping the fingerprint it was claimed with.
             Some(entry) if entry.token() == completion.token => {
-                let fingerprint = entry.fingerprint.take();
-                *entry = Entry { fingerprint, ..Entry::completed(completion, expires) };
-                Ok(())
+                Entry { fingerprint: entry.fingerprint.clone(), ..Entry::completed(completion, expires) }
             }
-            // An expired entry of another token: nobody holds the key, record.
-            Some(entry) => {
-                *entry = Entry::completed(completion, expires);
-                Ok(())
-            }
-            // Gone (swept after its lease ended): nobody holds it, record.
-            None => {
-                shard.entries.insert(completion.key.as_str().into(), Entry::completed(completion, expires));
-                shard.note_insert(now);
-                Ok(())
-            }
+            // Expired and another token's, or gone (swept after its lease ended): nobody holds
+            // the key, record. A completion is never refused for room (see "Bounded").
+            _ => Entry::completed(completion, expires),
+        };
+        let inserted = !shard.entries.contains_key(key);
+        shard.put(key, entry, &self.inner);
+        if self.inner.over(0) && self.inner.limits.when_full == WhenFull::EvictOldestCompleted {
+            shard.evict_completed(0, &self.inner, Some(key));
         }
+        if inserted {
+            shard.note_insert(now, &self.inner);
+        }
+        Ok(())
     }
 }
 
@@ -155,6 +297,48 @@ fn expiry(now: Instant, duration: Duration) -> Result<Instant, StoreError> {
     })
 }
 
+impl Inner {
+    /// Makes room for one more entry charged `weight`, or fails with [`StoreError::Full`]: sweeps
+    /// out what has expired in every shard (a shard whose entries cannot have expired yet costs a
+    /// lock and a comparison), then, if the limits say so, drops the completed records that
+    /// expire first, shard by shard from `first`. Called with no shard locked.
+    fn make_room(&self, now: Instant, weight: usize, first: usize) -> Result<(), StoreError> {
+        if !self.over(weight) {
+            return Ok(());
+        }
+        for shard in &self.shards {
+            lock(shard).sweep(now, self);
+        }
+        if self.over(weight) && self.limits.when_full == WhenFull::EvictOldestCompleted {
+            for index in (0..SHARDS).map(|i| (first + i) % SHARDS) {
+                if !self.over(weight) {
+                    break;
+                }
+                lock(&self.shards[index]).evict_completed(weight, self, None);
+            }
+        }
+        if self.over(weight) { Err(self.full()) } else { Ok(()) }
+    }
+
+    /// Whether one more entry charged `weight` would pass a bound (`weight` 0: whether a bound is
+    /// passed now).
+    fn over(&self, weight: usize) -> bool {
+        let entries = self.entries.load(Ordering::Relaxed) + usize::from(weight > 0);
+        let bytes = self.bytes.load(Ordering::Relaxed).saturating_add(weight);
+        entries > self.limits.max_entries || bytes > self.limits.max_bytes
+    }
+
+    fn full(&self) -> StoreError {
+        StoreError::Full(format!(
+            "{} entries charged {} bytes, limits {} entries and {} bytes",
+            self.entries.load(Ordering::Relaxed),
+            self.bytes.load(Ordering::Relaxed),
+            self.limits.max_entries,
+            self.limits.max_bytes
+        ))
+    }
+}
+
 impl Default for MemoryStore {
     fn default() -> Self {
         Self::new()
@@ -163,29 +347,106 @@ impl Default for MemoryStore {
 
 impl std::fmt::Debug for MemoryStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MemoryStore").field("entries", &self.len()).finish_non_exhaustive()
+        f.debug_struct("MemoryStore")
+            .field("entries", &self.len())
+            .field("bytes", &self.bytes())
+            .field("limits", &self.inner.limits)
+            .finish_non_exhaustive()
     }
 }
 
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
     // A panic while a shard was locked cannot leave an entry half-written: every critical section
-    // computes what it writes (expiries included) before it changes the map, then makes one map
-    // operation. Carry on with the data as it is.
+    // computes what it writes (expiries included) before it changes the map, then changes the
+    // map and the counters together. Carry on with the data as it is.
     shard.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// What an entry is charged against `max_bytes`.
+fn weight(key: &str, entry: &Entry) -> usize {
+    let outcome = match &entry.state {
+        State::InProgress(_) => 0,
+        State::Completed(_, outcome) => outcome.len(),
+    };
+    key.len() + outcome + ENTRY_OVERHEAD
+}
+
 impl Shard {
-    fn sweep(&mut self, now: Instant) -> usize {
-        let before = self.entries.len();
-        self.entries.retain(|_, entry| entry.expires > now);
-        self.inserts_since_sweep = 0;
-        before - self.entries.len()
+    /// Inserts or replaces `key`'s entry, keeping the counters right.
+    fn put(&mut self, key: &str, entry: Entry, inner: &Inner) {
+        let added = weight(key, &entry);
+        self.earliest_expiry = Some(self.earliest_expiry.map_or(entry.expires, |e| e.min(entry.expires)));
+        if let Some(old) = self.entries.get_mut(key) {
+            let removed = weight(key, old);
+            *old = entry;
+            inner.bytes.fetch_add(added, Ordering::Relaxed);
+            inner.bytes.fetch_sub(removed, Ordering::Relaxed);
+        } else {
+            self.entries.insert(key.into(), entry);
+            inner.entries.fetch_add(1, Ordering::Relaxed);
+            inner.bytes.fetch_add(added, Ordering::Relaxed);
+        }
     }
 
-    fn note_insert(&mut self, now: Instant) {
+    fn remove(&mut self, key: &str, inner: &Inner) {
+        if let Some(old) = self.entries.remove(key) {
+            inner.entries.fetch_sub(1, Ordering::Relaxed);
+            inner.bytes.fetch_sub(weight(key, &old), Ordering::Relaxed);
+        }
+    }
+
+    /// Removes the expired entries (only when one can have expired); returns how many.
+    fn sweep(&mut self, now: Instant, inner: &Inner) -> usize {
+        self.inserts_since_sweep = 0;
+        if self.earliest_expiry.is_none_or(|earliest| earliest > now) {
+            return 0;
+        }
+        let (mut removed, mut freed, mut earliest) = (0, 0, None::<Instant>);
+        self.entries.retain(|key, entry| {
+            if entry.expires > now {
+                earliest = Some(earliest.map_or(entry.expires, |e| e.min(entry.expires)));
+                true
+            } else {
+                removed += 1;
+                freed += weight(key, entry);
+                false
+            }
+        });
+        self.earliest_expiry = earliest;
+        inner.entries.fetch_sub(removed, Ordering::Relaxed);
+        inner.bytes.fetch_sub(freed, Ordering::Relaxed);
+        removed
+    }
+
+    fn note_insert(&mut self, now: Instant, inner: &Inner) {
         self.inserts_since_sweep += 1;
         if self.inserts_since_sweep >= MIN_INSERTS_BETWEEN_SWEEPS.max(self.entries.len() / 2) {
-            self.sweep(now);
+            self.sweep(now, inner);
+        }
+    }
+
+    /// Drops this shard's completed records, those that expire first first, until one more entry
+    /// charged `weight` fits, plus a sixteenth of the rest so that the next keys find room
+    /// without another pass.
+    fn evict_completed(&mut self, weight: usize, inner: &Inner, keep: Option<&str>) {
+        let mut completed: Vec<(Instant, Box<str>)> = self
+            .entries
+            .iter()
+            .filter(|(key, entry)| matches!(entry.state, State::Completed(..)) && Some(&***key) != keep)
+            .map(|(key, entry)| (entry.expires, key.clone()))
+            .collect();
+        completed.sort_unstable();
+        let spare = completed.len() / 16;
+        let mut extra = 0;
+        for (_, key) in completed {
+            if inner.over(weight) {
+                self.remove(&key, inner);
+            } else if extra < spare {
+                self.remove(&key, inner);
+                extra += 1;
+            } else {
+                break;
+            }
         }
     }
 }
@@ -194,9 +455,14 @@ impl Store for MemoryStore {
     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         let now = Instant::now();
         let expires = expiry(now, request.lease)?;
-        let mut shard = self.shard(request.key);
-        if let Some(entry) = shard.entries.get_mut(request.key.as_str()) {
-            if entry.expires > now {
+        let key = request.key.as_str();
+        let index = self.shard_index(request.key);
+        let mut made_room = false;
+        loop {
+            let mut shard = lock(&self.inner.shards[index]);
+            if let Some(entry) = shard.entries.get(key)
+                && entry.expires > now
+            {
                 return Ok(match &entry.state {
                     State::Completed(_, outcome) => {
                         Claim::Completed(Record::new(entry.fingerprint.clone(), outcome.clone()))
@@ -209,13 +475,26 @@ impl Store for MemoryStore {
                     },
                 });
             }
-            // Expired: take it over in place.
-            *entry = Entry::claimed(request, expires);
+            let claimed = Entry::claimed(request, expires);
+            let inserted = !shard.entries.contains_key(key);
+            // A new key is admitted only if it fits (an expired entry is taken over in place).
+            // Making room locks every shard, so it runs with this one unlocked, and the claim
+            // then starts over: the key may have been claimed meanwhile.
+            if inserted && self.inner.over(weight(key, &claimed)) {
+                if made_room {
+                    return Err(self.inner.full());
+                }
+                drop(shard);
+                self.inner.make_room(now, weight(key, &claimed), index)?;
+                made_room = true;
+                continue;
+            }
+            shard.put(key, claimed, &self.inner);
+            if inserted {
+                shard.note_insert(now, &self.inner);
+            }
             return Ok(Claim::Claimed);
         }
-        shard.entries.insert(request.key.as_str().into(), Entry::claimed(request, expires));
-        shard.note_insert(now);
-        Ok(Claim::Claimed)
     }
 
     async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
@@ -252,11 +531,11 @@ impl Store for MemoryStore {
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         let now = Instant::now();
-        Ok(self.inner.shards.iter().map(|s| lock(s).sweep(now) as u64).sum())
+        Ok(self.inner.shards.iter().map(|s| lock(s).sweep(now, &self.inner) as u64).sum())
     }
 
     fn max_record_bytes(&self) -> usize {
-        self.inner.max_record_bytes
+        self.inner.limits.max_record_bytes
     }
 
     fn name(&self) -> &'static str {

@@ -42,7 +42,7 @@ fn is_stale(table: &str) -> bool {
 }
 
 fn is_deadlock(error: &StoreError) -> bool {
-    let StoreError::Backend { source, .. } = error else { return false };
+    let (StoreError::Backend { source, .. } | StoreError::Aborted { source, .. }) = error else { return false };
     source
         .downcast_ref::<sqlx::Error>()
         .and_then(sqlx::Error::as_database_error)
@@ -525,6 +525,36 @@ macro_rules! sql_tests {
             fresh.cleanup().await;
         }
 
+        /// In the transactional mode recording is committing: a completion that the database
+        /// refuses inside the transaction (here a trigger) is an error the caller sees at once, not
+        /// the body's `Ok` after a lease of retries, and the transaction refuses to commit.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn tx_completion_refused_in_the_transaction_is_an_error_not_ok() {
+            let Some(fresh) = fresh("txrefused").await else { return };
+            let store = fresh.store.clone();
+            for statement in refuse_completions(store.table()) {
+                sqlx::raw_sql(AssertSqlSafe(statement)).execute(store.pool()).await.unwrap();
+            }
+            let user = new_user(store.pool(), 1_000).await;
+            let tx = store.begin().await.unwrap();
+            let started = std::time::Instant::now();
+            let result = deduct_then(&tx, "req-t", &user, 100, After::Return).await;
+            let elapsed = started.elapsed();
+            assert!(
+                matches!(
+                    &result,
+                    Err(PayError::Idempotency(Error::Store { operation: "complete", source: StoreError::Aborted { .. }, .. }))
+                ),
+                "the refused completion must be an error, not the body's Ok: {result:?}"
+            );
+            assert!(elapsed < Duration::from_secs(5), "refusals are not retried for the 60 s lease ({elapsed:?})");
+            let committed = tx.commit().await;
+            assert!(committed.is_err(), "a transaction whose completion failed does not commit: {committed:?}");
+            assert_eq!(balance(store.pool(), &user).await, 1_000, "nothing was deducted");
+            assert_eq!(key_rows(&store, "deduct_balance:req-t").await, 0, "nothing was recorded");
+            fresh.cleanup().await;
+        }
+
         /// A duplicate waits on the row the first transaction claimed until the server's lock
         /// timeout, then gets a typed store error carrying the server's code; once the first
         /// transaction commits, a new duplicate replays its receipt.
@@ -851,6 +881,58 @@ mod postgres {
         claim_error(result)
     }
 
+    fn refuse_completions(table: &str) -> Vec<String> {
+        let function = format!("{table}_refuse");
+        vec![
+            format!(
+                "CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+                 IF NEW.state = 'completed' THEN RAISE EXCEPTION 'completion refused by a test trigger'; END IF; \
+                 RETURN NEW; END $$"
+            ),
+            format!(
+                "CREATE TRIGGER {function} BEFORE INSERT OR UPDATE ON {table} FOR EACH ROW EXECUTE FUNCTION {function}()"
+            ),
+        ]
+    }
+
+    /// The issue's case: the body swallows the error of a statement of its own, which aborts the
+    /// PostgreSQL transaction; the completion then fails, the call is an error, and `commit`
+    /// refuses (PostgreSQL answers `COMMIT` in an aborted transaction with `ROLLBACK`, which sqlx
+    /// reports as success: the caller saw `Ok(42)` and nothing was stored).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tx_aborted_by_the_body_is_never_reported_as_committed() {
+        let Some(fresh) = fresh("txabort").await else { return };
+        let store = fresh.store.clone();
+        let user = new_user(store.pool(), 1_000).await;
+        let tx = store.begin().await.unwrap();
+        let started = std::time::Instant::now();
+        let result = idempotent_runtime::Call::new("txabort", "k")
+            .run(&tx, async {
+                debit(&tx, &user, 100).await.unwrap();
+                let swallowed = sqlx::query("SELECT 1/0").execute(&mut *tx.conn().await).await;
+                assert!(swallowed.is_err());
+                Ok::<_, Error>(42)
+            })
+            .await;
+        assert!(
+            matches!(&result, Err(Error::Store { operation: "complete", source: StoreError::Aborted { .. }, .. })),
+            "{result:?}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5), "not retried for a lease");
+        assert!(tx.commit().await.is_err(), "an aborted transaction is not reported as committed");
+        assert_eq!(balance(store.pool(), &user).await, 1_000);
+
+        // Aborted by a statement after the call: `commit` still reports it, not success.
+        let tx = store.begin().await.unwrap();
+        let value = idempotent_runtime::Call::new("txabort", "k2").run(&tx, async { Ok::<_, Error>(1) }).await.unwrap();
+        assert_eq!(value, 1);
+        let _ = sqlx::query("SELECT 1/0").execute(&mut *tx.conn().await).await;
+        let committed = tx.commit().await;
+        assert!(committed.is_err(), "{committed:?}");
+        assert_eq!(key_rows(&store, "txabort:k2").await, 0);
+        fresh.cleanup().await;
+    }
+
     sql_tests!();
     network_tests!();
 }
@@ -908,6 +990,14 @@ mod mysql {
         sqlx::raw_sql("SET SESSION innodb_lock_wait_timeout = DEFAULT").execute(&mut *tx.conn().await).await.unwrap();
         tx.rollback().await.unwrap();
         claim_error(result)
+    }
+
+    fn refuse_completions(table: &str) -> Vec<String> {
+        vec![format!(
+            "CREATE TRIGGER {table}_refuse BEFORE UPDATE ON {table} FOR EACH ROW BEGIN \
+             IF NEW.state = 'completed' THEN SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'completion refused by a test trigger'; \
+             END IF; END"
+        )]
     }
 
     sql_tests!();
@@ -991,6 +1081,13 @@ mod sqlite {
             }
             Err(e) => e,
         }
+    }
+
+    fn refuse_completions(table: &str) -> Vec<String> {
+        vec![format!(
+            "CREATE TRIGGER {table}_refuse BEFORE UPDATE ON {table} FOR EACH ROW WHEN NEW.state = 'completed' \
+             BEGIN SELECT RAISE(ABORT, 'completion refused by a test trigger'); END"
+        )]
     }
 
     sql_tests!();

@@ -63,6 +63,51 @@ macro_rules! conformance_suite {
             );
         }
     };
+    // An in-process store on Tokio's paused clock (one thread, time advancing only when every
+    // task waits): every case that does not need a second thread, its leases and retentions
+    // expiring in virtual time.
+    ($name:ident, $make:expr, paused) => {
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+
+            $crate::conformance_suite!(@paused $make;
+                concurrent_duplicates_run_the_body_once,
+                concurrent_duplicates_wait_for_the_first_result,
+                exactly_once_across_many_keys,
+                replays_return_identical_values,
+                errors_release_the_key,
+                recorded_errors_are_replayed,
+                cancellation_keeps_the_claim_until_the_lease_ends,
+                cancellation_with_release_policy_frees_the_key,
+                a_live_body_keeps_its_claim_past_the_lease,
+                a_crashed_owners_claim_frees_after_its_lease,
+                a_late_completion_nobody_contested_is_recorded,
+                a_late_completion_after_the_claim_was_dropped_is_recorded,
+                a_late_completion_after_a_takeover_is_refused,
+                a_body_whose_heartbeat_failed_is_still_recorded,
+                a_resent_claim_finds_its_own_claim,
+                a_call_dropped_while_recording_is_still_recorded,
+                a_call_dropped_while_claiming_does_not_strand_the_key,
+                invalid_durations_are_refused_before_claiming,
+                fingerprint_mismatch_is_refused_on_every_path,
+                retention_expiry_lets_the_key_run_again,
+                purge_removes_expired_records,
+                scopes_keep_equal_keys_apart,
+                invalid_keys_never_reach_the_body,
+                oversized_results_are_never_run_twice,
+                undecodable_records_are_a_typed_error,
+                store_steps_are_fenced_by_the_token
+            );
+        }
+    };
+    (@paused $make:expr; $($case:ident),*) => {$(
+        #[::tokio::test(flavor = "current_thread", start_paused = true)]
+        async fn $case() {
+            let Some(store) = $make.await else { return };
+            $crate::conformance::$case(::std::sync::Arc::new(store), $crate::conformance::Expiry::purges).await;
+        }
+    )*};
     ($name:ident, $make:expr, $expiry:ident) => {
         mod $name {
             #[allow(unused_imports)]
@@ -669,13 +714,39 @@ pub async fn invalid_durations_are_refused_before_claiming<S: Store + 'static>(s
         (Duration::ZERO, Duration::from_secs(60), "lease"),
         (Duration::from_micros(999), Duration::from_secs(60), "lease"),
         (Duration::from_secs(60), Duration::from_secs(59), "retention"),
+        // Without an upper bound these overflowed after the body ran, or claimed a key for ages.
+        (Duration::MAX, Duration::MAX, "lease"),
+        (idempotent_runtime::MAX_LEASE + Duration::from_millis(1), Duration::MAX, "lease"),
+        (Duration::from_secs(60), Duration::MAX, "retention"),
+        (Duration::from_secs(60), idempotent_runtime::MAX_RETENTION + Duration::from_millis(1), "retention"),
     ] {
         match run(lease, retention).await {
             Err(TestError::Idempotency(Error::InvalidOption { option: got, .. })) => assert_eq!(got, option),
             other => panic!("lease {lease:?}, retention {retention:?}: expected InvalidOption, got {other:?}"),
         }
     }
-    assert_eq!(ledger.count(&key), 0);
+    let waited = Call::new("conformance-durations", &key)
+        .wait(Duration::MAX)
+        .run(&*store, async { Ok::<_, TestError>(ledger.hit(&key)) })
+        .await;
+    assert!(matches!(waited, Err(TestError::Idempotency(Error::InvalidOption { option: "wait", .. }))), "{waited:?}");
+    assert_eq!(ledger.count(&key), 0, "no invalid duration ran the body");
+    // The largest accepted ones run, record and replay.
+    let longest = || {
+        Call::new("conformance-durations-max", &key)
+            .lease(idempotent_runtime::MAX_LEASE)
+            .retention(idempotent_runtime::MAX_RETENTION)
+            .wait(idempotent_runtime::MAX_WAIT)
+            .run(&*store, async { Ok::<_, TestError>(ledger.hit(&key)) })
+    };
+    assert_eq!(longest().await.unwrap(), 1);
+    assert_eq!(longest().await.unwrap(), 1, "replayed");
+    let stored = Key::new("conformance-durations-max", &key.as_str()).unwrap();
+    assert!(matches!(
+        store.claim(&claim_request(&stored, &Token::new(), None, 1000)).await.unwrap(),
+        Claim::Completed(_)
+    ));
+    ledger.0.lock().unwrap().remove(&key);
     // 1 ms is accepted (whether the record lands within so short a lease depends on the store).
     let shortest = run(Duration::from_millis(1), Duration::from_millis(1)).await;
     assert!(!matches!(shortest, Err(TestError::Idempotency(Error::InvalidOption { .. }))), "{shortest:?}");

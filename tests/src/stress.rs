@@ -832,6 +832,16 @@ struct Shared<S> {
     bodies: [AtomicU64; 11],
     scope: String,
     config: StressConfig,
+    /// Where the run is, for the watchdog: callers started and finished, calls inside the
+    /// store's steps now, and the key the final check is at.
+    progress: Progress,
+}
+
+#[derive(Default)]
+struct Progress {
+    callers_started: AtomicU64,
+    callers_finished: AtomicU64,
+    checked_keys: AtomicU64,
 }
 
 impl<S> Shared<S> {
@@ -925,6 +935,7 @@ async fn caller<S: Store + 'static>(shared: Arc<Shared<S>>, key: u64, index: usi
     if start > Duration::ZERO {
         tokio::time::sleep(start).await;
     }
+    shared.progress.callers_started.fetch_add(1, Ordering::Relaxed);
     let (cancel_tx, cancel_rx) = oneshot::channel();
     let hooks =
         Arc::new(Hooks { plan, complete_first, cancel: Mutex::new(Some(cancel_tx)), claimed: AtomicBool::new(false) });
@@ -956,6 +967,7 @@ async fn caller<S: Store + 'static>(shared: Arc<Shared<S>>, key: u64, index: usi
         })
     };
     let outcome = task.await;
+    shared.progress.callers_finished.fetch_add(1, Ordering::Relaxed);
     let micros = u64::try_from(began.elapsed().as_micros()).unwrap_or(u64::MAX);
     shared.slowest_micros.fetch_max(micros, Ordering::Relaxed);
     match outcome {
@@ -988,7 +1000,31 @@ where
         bodies: Default::default(),
         scope,
         config: config.clone(),
+        progress: Progress::default(),
     });
+    // A run that takes long says where it is, every 20 s.
+    let watchdog = {
+        let shared = Arc::clone(&shared);
+        tokio::spawn(async move {
+            let started = Instant::now();
+            loop {
+                tokio::time::sleep(Duration::from_secs(20)).await;
+                let p = &shared.progress;
+                let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+                eprintln!(
+                    "stress watchdog after {:.0?}: callers started {}, finished {}; final check at key {}; store ops: claims {}, completes {}, releases {}, extends {}",
+                    started.elapsed(),
+                    load(&p.callers_started),
+                    load(&p.callers_finished),
+                    load(&p.checked_keys),
+                    load(&shared.store.ops.claims),
+                    load(&shared.store.ops.completes),
+                    load(&shared.store.ops.releases),
+                    load(&shared.store.ops.extends),
+                );
+            }
+        })
+    };
     let started = Instant::now();
     let faults = tokio::spawn(faults);
     let permits = Arc::new(Semaphore::new(config.keys_in_flight.max(1)));
@@ -1027,12 +1063,33 @@ where
         ..StressReport::default()
     };
     check(&shared, &seen_per_key, &mut report).await;
+    watchdog.abort();
     (report, faults_injected)
 }
+
+/// The longest a call of the final check may take before the key is reported stuck.
+const CHECK_CALL_DEADLINE: Duration = Duration::from_secs(60);
 
 /// Runs the stress test on `store` without outside faults.
 pub async fn run<S: Store + 'static>(name: &str, store: S, config: StressConfig) -> StressReport {
     run_with_faults(name, store, config, async { 0 }).await.0
+}
+
+/// One call of the final check, and whether it ran the body; `None` if it did not return within
+/// [`CHECK_CALL_DEADLINE`].
+async fn check_call<S: Store + 'static>(
+    shared: &Arc<Shared<S>>,
+    key: u64,
+) -> Option<(Result<Receipt, StressError>, bool)> {
+    let ran = Arc::new(AtomicBool::new(false));
+    let inner = Arc::clone(shared);
+    let flag = Arc::clone(&ran);
+    let call = call_for(shared, key, false).run_with(&shared.store, RecordErrorsIf(is_final), async move {
+        flag.store(true, Ordering::SeqCst);
+        body(&inner, key, Plan::Succeed, Duration::ZERO, None).await
+    });
+    let result = tokio::time::timeout(CHECK_CALL_DEADLINE, call).await.ok()?;
+    Some((result, ran.load(Ordering::SeqCst)))
 }
 
 async fn check<S: Store + 'static>(shared: &Arc<Shared<S>>, seen_per_key: &[Vec<Seen>], report: &mut StressReport) {
@@ -1062,22 +1119,21 @@ async fn check<S: Store + 'static>(shared: &Arc<Shared<S>>, seen_per_key: &[Vec<
     // Claims kept by cancellations end within one lease; give background steps `settle` more.
     let settle_until = Instant::now() + shared.config.lease + shared.config.settle;
     for key in 0..seen_per_key.len() as u64 {
+        shared.progress.checked_keys.store(key, Ordering::Relaxed);
         let before = shared.ledger.runs(key);
         // Whether the store acknowledged a completion of this key before the check's own call.
         let completed = shared.store.was_completed(&shared.key(key));
         loop {
             report.calls += 1;
-            let ran = Arc::new(AtomicBool::new(false));
-            let call = call_for(shared, key, false);
-            let inner = Arc::clone(shared);
-            let flag = Arc::clone(&ran);
-            let result = call
-                .run_with(&shared.store, RecordErrorsIf(is_final), async move {
-                    flag.store(true, Ordering::SeqCst);
-                    body(&inner, key, Plan::Succeed, Duration::ZERO, None).await
-                })
-                .await;
-            let ran = ran.load(Ordering::SeqCst);
+            // Every store step must end: a check call that does not is reported, not waited for.
+            let Some((result, ran)) = check_call(shared, key).await else {
+                report.stuck_keys += 1;
+                report.problem(format!(
+                    "key {key}: the check's call did not return within {CHECK_CALL_DEADLINE:?} (a store step \
+                     waited with no deadline)"
+                ));
+                break;
+            };
             let retry =
                 matches!(&result, Err(StressError::Idempotency(Error::InProgress { .. } | Error::Store { .. })));
             if retry && Instant::now() < settle_until {

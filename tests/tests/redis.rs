@@ -520,3 +520,75 @@ async fn redis_record_limit_is_configurable() {
     assert_eq!(ledger.0.lock().unwrap()[&1], 1, "an unrecordable result still never runs twice");
     cleanup(&mut raw, store.prefix()).await;
 }
+
+/// The warnings logged while running `future` (target `idempotent`).
+async fn warnings_of<F: std::future::Future>(future: F) -> (F::Output, Vec<String>) {
+    use tracing_subscriber::layer::{Context, SubscriberExt as _};
+
+    struct Warnings(Arc<Mutex<Vec<String>>>);
+    struct Message<'a>(&'a mut String);
+    impl tracing::field::Visit for Message<'_> {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            let _ = std::fmt::Write::write_fmt(self.0, format_args!("{}={value:?} ", field.name()));
+        }
+    }
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Warnings {
+        fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+            if *event.metadata().level() == tracing::Level::WARN {
+                let mut text = String::new();
+                event.record(&mut Message(&mut text));
+                self.0.lock().unwrap().push(text);
+            }
+        }
+    }
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let subscriber = tracing_subscriber::registry().with(Warnings(seen.clone()));
+    let output = tracing::instrument::WithSubscriber::with_subscriber(future, subscriber).await;
+    let warnings = seen.lock().unwrap().clone();
+    (output, warnings)
+}
+
+/// `connect` reads the server's INFO: the shared server (noeviction) connects without a warning;
+/// a private server under an evicting `maxmemory-policy` connects with a warning that names the
+/// policy and the fix.
+#[tokio::test]
+async fn redis_connect_warns_when_the_server_may_evict_records() {
+    let Some(url) = idempotent_tests::services::redis_url("redis_connect_warns_when_the_server_may_evict_records")
+    else {
+        return;
+    };
+    let (connected, warnings) = warnings_of(RedisStore::connect(&url)).await;
+    connected.expect("the shared server is a supported Redis");
+    assert!(warnings.is_empty(), "{warnings:?}");
+
+    if std::process::Command::new("redis-server").arg("--version").output().is_err() {
+        idempotent_tests::services::skipped("redis_connect_warns_when_the_server_may_evict_records: no redis-server");
+        assert!(!idempotent_tests::services::services_required(), "redis-server is required");
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let dir = idempotent_tests::fresh::temp_dir("redis-evicting");
+    let mut server = std::process::Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .args(["--maxmemory-policy", "allkeys-lru", "--dir", &dir.display().to_string()])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("start a private redis-server");
+    let private = format!("redis://127.0.0.1:{port}");
+    let mut store = None;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (connected, warnings) = warnings_of(RedisStore::connect(&private)).await;
+        if let Ok(connected) = connected {
+            store = Some((connected, warnings));
+            break;
+        }
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+    let (_, warnings) = store.expect("the private server came up");
+    assert!(
+        warnings.iter().any(|w| w.contains("allkeys-lru") && w.contains("noeviction")),
+        "no eviction warning: {warnings:?}"
+    );
+}

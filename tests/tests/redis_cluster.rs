@@ -140,6 +140,13 @@ async fn stress_through_a_failover(cluster: &Arc<Cluster>, store: RedisClusterSt
 /// counted by the harness as "wrong results": it takes the first commit as the recorded one.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_failover_mid_stress_run() {
+    // Alone it takes about 30 s; a hang (a step waiting with no deadline) fails here, saying so.
+    tokio::time::timeout(Duration::from_secs(300), failover_mid_stress_run())
+        .await
+        .expect("the failover test did not finish within 300 s: a call or the harness waited with no deadline");
+}
+
+async fn failover_mid_stress_run() {
     let Some(cluster) = Cluster::start("redis_cluster_failover_mid_stress_run") else { return };
     let cluster = Arc::new(cluster);
     for (mode, acks) in [("async replication", 0), ("WAIT 1", 1)] {

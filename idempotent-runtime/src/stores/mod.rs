@@ -11,3 +11,21 @@ pub mod sql;
 
 pub use crate::detached::spawn_detached;
 pub use any::{AnyStore, StoreUrlError};
+
+/// A store step that did not finish within the store's timeout (`with_timeout` on the SQL and
+/// Redis stores); the source of the [`StoreError::Backend`](crate::StoreError::Backend) it fails
+/// with. A step that waited on a dead connection or a stuck server fails with it instead of
+/// waiting for ever.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{backend} did not answer the {operation} within {after:?} (network stalled, server stuck, or a \
+     failover under way?); raise the limit with `with_timeout` if the server is merely slow"
+)]
+pub struct TimedOut {
+    /// Which store: `postgres`, `mysql`, `sqlite`, `redis`, `redis-cluster`.
+    pub backend: &'static str,
+    /// The step: `claim`, `complete`, `release`, `extend` or `purge`.
+    pub operation: &'static str,
+    /// The limit it exceeded.
+    pub after: std::time::Duration,
+}

@@ -1,5 +1,6 @@
 //! The store over Redis Cluster (feature `redis-cluster`).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use redis::cluster::ClusterClientBuilder;
@@ -37,11 +38,12 @@ impl RedisStore<ClusterConnection> {
     /// refreshes the map when the topology changes. A command failing on a node is retried
     /// [`DEFAULT_CLUSTER_RETRIES`] times with back-off; each waits at most
     /// [`DEFAULT_RESPONSE_TIMEOUT`] for a reply and [`DEFAULT_CONNECTION_TIMEOUT`] for a
-    /// connection. Build your own `ClusterConnection` and pass it to [`RedisStore::new`] to
-    /// choose otherwise.
+    /// connection. Each node given is checked as [`RedisStore::connect`] checks its server (see
+    /// [Server requirements](super#server-requirements)). Build your own `ClusterConnection` and
+    /// pass it to [`RedisStore::new`] to choose otherwise.
     pub async fn connect_cluster(nodes: &[impl AsRef<str>]) -> Result<Self, StoreError> {
         let nodes: Vec<&str> = nodes.iter().map(AsRef::as_ref).collect();
-        let client = ClusterClientBuilder::new(nodes)
+        let client = ClusterClientBuilder::new(nodes.clone())
             .retries(DEFAULT_CLUSTER_RETRIES)
             .min_retry_wait(100)
             .max_retry_wait(1000)
@@ -51,7 +53,27 @@ impl RedisStore<ClusterConnection> {
             .build()
             .map_err(backend)?;
         let connection = client.get_async_connection().await.map_err(backend)?;
-        Ok(RedisStore::new(connection))
+        // Every node given is checked on a connection of its own (a cluster connection routes
+        // `INFO` to a node of its choice).
+        for node in &nodes {
+            let mut direct = redis::Client::open(*node)
+                .map_err(backend)?
+                .get_multiplexed_async_connection_with_config(
+                    &redis::AsyncConnectionConfig::new()
+                        .set_connection_timeout(Some(DEFAULT_CONNECTION_TIMEOUT))
+                        .set_response_timeout(Some(DEFAULT_RESPONSE_TIMEOUT)),
+                )
+                .await
+                .map_err(backend)?;
+            super::server::check(&mut direct, &super::redacted(node)).await?;
+        }
+        // A cluster connection that stops sending (seen after a master was killed) is replaced
+        // after a step times out on it.
+        let renew: super::connection::Renew<ClusterConnection> = Arc::new(move || {
+            let client = client.clone();
+            Box::pin(async move { client.get_async_connection().await })
+        });
+        Ok(RedisStore::renewable(connection, Some(renew)))
     }
 }
 

@@ -22,8 +22,10 @@
 //!
 //! The key's expiry is the claim's lease while it runs and the retention once completed, so Redis
 //! itself forgets abandoned claims and old records (`redis-cli PTTL ...`); nothing needs sweeping.
-//! An operator frees a stuck claim with `DEL` (the running call then gets
-//! [`Error::LeaseLost`](crate::Error::LeaseLost) when it finishes). A value that does not parse
+//! An operator frees a stuck claim with `DEL`. If its call is in fact still running, a duplicate
+//! may now claim the key; the running call then gets
+//! [`Error::LeaseLost`](crate::Error::LeaseLost) when it finishes, or, if nobody claimed the key
+//! meanwhile, records its result. A value that does not parse
 //! (another program's key under the prefix, another format version) is never overwritten: calls on
 //! it fail with [`StoreError::Corrupt`], naming the key.
 //!
@@ -79,6 +81,27 @@
 //! master), and claims are not waited for. BENCHMARKS.md and RELIABILITY.md give the measured
 //! losses of both modes and the cost of `WAIT`.
 //!
+//! # Server requirements
+//!
+//! - **Redis 7.0 or newer** ([`MIN_REDIS_VERSION`]): the claim is `SET ... NX PX ... GET`.
+//!   [`RedisStore::connect`] and [`RedisClusterStore::connect_cluster`] read the server's `INFO`
+//!   and refuse an older server with [`StoreError::Rejected`]. Tested by `.ci/run` on Redis
+//!   7.0.15 and 8.2.3 (and the cluster on 7.0.15).
+//! - **`maxmemory-policy noeviction`** (Redis's default). Under any evicting policy (`allkeys-*`,
+//!   and `volatile-*` too: every key of this store has an expiry) a server short of memory drops
+//!   keys: a dropped record makes its key run again, and a dropped claim lets a duplicate run
+//!   while the first call still runs. The connect functions log a warning (target `idempotent`)
+//!   when the policy is another. With `noeviction`, a full server refuses writes: claims fail
+//!   with [`StoreError::Backend`] and nothing runs.
+//! - **Persistence** if records must survive a restart of the server: without AOF or RDB
+//!   snapshots, a restart forgets every record and claim (keys then run again), and so does a
+//!   failover to a replica that had not received them (see the next section). With
+//!   `appendfsync everysec`, up to a second of completions can be lost in a crash.
+//! - **A clock that does not jump**: leases and retentions are Redis's own key expiries, which
+//!   follow the server's clock. A clock stepped forward ends leases early (a duplicate may then
+//!   run while the first call still runs, as after a lease lost to an outage) and records early;
+//!   stepped back, it keeps them longer. Keep servers on NTP with slewing, not stepping.
+//!
 //! # Connections and failures
 //!
 //! [`RedisStore::connect`] builds a [`ConnectionManager`], which multiplexes every call over one
@@ -92,6 +115,15 @@
 //! the server comes back reconnects and succeeds instead of failing on the manager's last failed
 //! attempt.
 //!
+//! Every step is also bounded by the store's own [`RedisStore::with_timeout`] (default
+//! [`DEFAULT_STEP_TIMEOUT`], 10 s), whatever the connection does underneath: a step whose reply
+//! never comes fails with [`TimedOut`] instead of waiting for ever. After a step that timed out
+//! or lost its connection, the cluster store replaces its connection with a new one (in the
+//! background, one at a time). A cluster client
+//! was seen sending nothing at all after a master was killed mid-run: its connections stayed idle
+//! for good, the cluster healthy, every step waiting on it (`tests/tests/redis_cluster.rs` kills
+//! masters mid-run; see RELIABILITY.md).
+//!
 //! [`RedisStore::connect`] configures the manager with a response timeout of
 //! [`DEFAULT_RESPONSE_TIMEOUT`] (a hung server gives a timeout error instead of a call that never
 //! returns), a connection timeout of [`DEFAULT_CONNECTION_TIMEOUT`] and
@@ -102,6 +134,7 @@
 mod cluster;
 mod connection;
 mod record;
+mod server;
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -110,6 +143,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, RedisError, RedisResult, RedisWrite, ToRedisArgs, Value};
 
 use crate::store::DEFAULT_MAX_RECORD_BYTES;
+use crate::stores::TimedOut;
 use crate::{Claim, ClaimRequest, Completion, Detached, Key, Store, StoreError, Token};
 
 #[cfg(feature = "redis-cluster")]
@@ -117,6 +151,7 @@ pub use cluster::{DEFAULT_CLUSTER_RETRIES, RedisClusterStore};
 pub use connection::RedisConnection;
 /// The `redis` crate this store is built on, to build a [`ConnectionManager`] of the same version.
 pub use redis;
+pub use server::MIN_REDIS_VERSION;
 
 /// The key prefix used unless [`RedisStore::with_prefix`] sets another.
 pub const DEFAULT_PREFIX: &str = "idempotent:";
@@ -129,6 +164,9 @@ pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(1);
 /// How many times [`RedisStore::connect`]'s manager retries a lost connection (with exponential
 /// back-off from 100 ms) before the waiting call fails.
 pub const DEFAULT_RECONNECT_RETRIES: usize = 3;
+/// The longest a store step may take, whatever the connection does underneath (10 s; change it
+/// with [`RedisStore::with_timeout`]): past it the step fails with [`TimedOut`].
+pub const DEFAULT_STEP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Longest expiry passed to Redis (about 31 700 years): longer durations are capped so that
 /// `PX` cannot overflow.
@@ -231,10 +269,11 @@ static EXTEND: Lua = Lua::new(EXTEND_LUA);
 /// ```
 #[derive(Clone)]
 pub struct RedisStore<C = ConnectionManager> {
-    connection: C,
+    connection: connection::Shared<C>,
     prefix: Arc<str>,
     max_record_bytes: usize,
     replica_acks: Option<ReplicaAcks>,
+    timeout: Duration,
 }
 
 /// How many replicas must acknowledge each completion, and for how long to wait for them.
@@ -275,16 +314,20 @@ pub struct ReplicasMissing {
 
 impl RedisStore<ConnectionManager> {
     /// Connects to `url` (such as `redis://127.0.0.1:6379/0` or `rediss://...`) with the timeouts
-    /// described in the [module docs](self).
+    /// described in the [module docs](self), and checks the server (see
+    /// [Server requirements](self#server-requirements)).
     ///
-    /// Fails if the URL is malformed or the server cannot be reached now.
+    /// Fails if the URL is malformed, the server cannot be reached now, or it is older than
+    /// [`MIN_REDIS_VERSION`] ([`StoreError::Rejected`], naming the version found); warns if the
+    /// server may evict keys.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         let client = redis::Client::open(url).map_err(backend)?;
         let config = ConnectionManagerConfig::new()
             .set_response_timeout(Some(DEFAULT_RESPONSE_TIMEOUT))
             .set_connection_timeout(Some(DEFAULT_CONNECTION_TIMEOUT))
             .set_number_of_retries(DEFAULT_RECONNECT_RETRIES);
-        let manager = ConnectionManager::new_with_config(client, config).await.map_err(backend)?;
+        let mut manager = ConnectionManager::new_with_config(client, config).await.map_err(backend)?;
+        server::check(&mut manager, &redacted(url)).await?;
         Ok(Self::new(manager))
     }
 }
@@ -295,12 +338,52 @@ impl<C: RedisConnection> RedisStore<C> {
     /// The connection's own settings (response timeout, reconnection) apply to every call.
     #[must_use]
     pub fn new(connection: C) -> Self {
+        Self::renewable(connection, None)
+    }
+
+    /// A store whose connection is replaced by `renew` after a step timed out on it.
+    fn renewable(connection: C, renew: Option<connection::Renew<C>>) -> Self {
         RedisStore {
-            connection,
+            connection: connection::Shared::new(connection, renew),
             prefix: DEFAULT_PREFIX.into(),
             max_record_bytes: DEFAULT_MAX_RECORD_BYTES,
             replica_acks: None,
+            timeout: DEFAULT_STEP_TIMEOUT,
         }
+    }
+
+    /// Bounds every store step by `timeout` (default [`DEFAULT_STEP_TIMEOUT`]), on top of the
+    /// connection's own response timeout: a step whose reply never comes (a connection to a
+    /// killed master the client has not given up on) fails with [`TimedOut`] as the source of
+    /// [`StoreError::Backend`] instead of waiting for ever. Keep it below the lease.
+    #[must_use]
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Runs one store step within the step timeout.
+    async fn bounded<T>(
+        &self,
+        operation: &'static str,
+        step: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let result = tokio::time::timeout(self.timeout, step).await.unwrap_or_else(|_| {
+            let backend = <C as connection::sealed::Sealed>::NAME;
+            Err(StoreError::backend(backend, TimedOut { backend, operation, after: self.timeout }))
+        });
+        // A connection that timed out or lost its link may be wedged for good (a cluster client
+        // was seen so after a failover): the store makes a new one, if it knows how.
+        if let Err(StoreError::Backend { source, .. }) = &result {
+            let wedged = source.downcast_ref::<TimedOut>().is_some()
+                || source.downcast_ref::<RedisError>().is_some_and(|e| {
+                    e.is_timeout() || e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal()
+                });
+            if wedged {
+                self.connection.renew();
+            }
+        }
+        result
     }
 
     /// Names keys `<prefix><scope>:<key>` (default [`DEFAULT_PREFIX`]).
@@ -356,7 +439,7 @@ impl<C: RedisConnection> RedisStore<C> {
     /// A clone of the connection, to send commands of your own.
     #[must_use]
     pub fn connection(&self) -> C {
-        self.connection.clone()
+        self.connection.get()
     }
 
     fn key_arg<'a>(&'a self, key: &'a Key) -> KeyArg<'a> {
@@ -367,7 +450,7 @@ impl<C: RedisConnection> RedisStore<C> {
     /// server, and the retry makes the connection reconnect (after a restart, the first call would
     /// otherwise fail on the manager's last, failed, reconnection attempt).
     async fn query(&self, cmd: &Cmd) -> RedisResult<Value> {
-        let mut connection = self.connection.clone();
+        let mut connection = self.connection.get();
         match cmd.query_async(&mut connection).await {
             Err(e) if e.is_connection_refusal() => cmd.query_async(&mut connection).await,
             result => result,
@@ -400,7 +483,7 @@ impl<C: RedisConnection> RedisStore<C> {
             pipeline.cmd("WAIT").arg(acks.replicas).arg(acks.timeout_ms);
             pipeline
         };
-        let mut connection = self.connection.clone();
+        let mut connection = self.connection.get();
         let mut send = async |pipeline: redis::Pipeline| -> RedisResult<Vec<Value>> {
             match pipeline.query_async(&mut connection).await {
                 Err(e) if e.is_connection_refusal() => pipeline.query_async(&mut connection).await,
@@ -445,6 +528,7 @@ impl<C> std::fmt::Debug for RedisStore<C> {
             .field("prefix", &self.prefix)
             .field("max_record_bytes", &self.max_record_bytes)
             .field("replica_acks", &self.replica_acks)
+            .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }
 }
@@ -469,6 +553,14 @@ impl ToRedisArgs for KeyArg<'_> {
         // Writing into a Vec cannot fail.
         let _ = arg.write_all(self.prefix.as_bytes());
         let _ = arg.write_all(self.key.as_bytes());
+    }
+}
+
+/// `url` without its password, for messages.
+fn redacted(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => format!("{}://…@{}", &url[..scheme], &url[at + 1..]),
+        _ => url.to_owned(),
     }
 }
 
@@ -556,6 +648,37 @@ fn parse_probe(reply: Value, key: &KeyArg<'_>, ours: &Token) -> Result<Option<Cl
 
 impl<C: RedisConnection> Store for RedisStore<C> {
     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        self.bounded("claim", self.claim_now(request)).await
+    }
+
+    async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
+        self.bounded("complete", self.complete_now(completion)).await
+    }
+
+    async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
+        self.bounded("release", self.release_now(key, token)).await
+    }
+
+    async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
+        self.bounded("extend", self.extend_now(key, token, lease)).await
+    }
+
+    fn detach(&self, step: Detached) {
+        crate::stores::spawn_detached(self.clone(), step);
+    }
+
+    fn max_record_bytes(&self) -> usize {
+        self.max_record_bytes
+    }
+
+    fn name(&self) -> &'static str {
+        <C as connection::sealed::Sealed>::NAME
+    }
+}
+
+/// The steps, unbounded; [`Store`]'s methods bound them by the step timeout.
+impl<C: RedisConnection> RedisStore<C> {
+    async fn claim_now(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         record::check_fields(request.token, request.fingerprint)?;
         let key = self.key_arg(request.key);
         let running = record::Running {
@@ -578,7 +701,7 @@ impl<C: RedisConnection> Store for RedisStore<C> {
         Ok(claim)
     }
 
-    async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
+    async fn complete_now(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
         let token = completion.token.as_str();
         record::check_fields(completion.token, completion.fingerprint)?;
         let key = self.key_arg(completion.key);
@@ -601,7 +724,7 @@ impl<C: RedisConnection> Store for RedisStore<C> {
         }
     }
 
-    async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
+    async fn release_now(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
         let key = self.key_arg(key);
         let running = record::Owned { state: record::RUNNING, token: token.as_str() };
         owner_reply(
@@ -614,7 +737,7 @@ impl<C: RedisConnection> Store for RedisStore<C> {
         )
     }
 
-    async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
+    async fn extend_now(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
         let key = self.key_arg(key);
         let owner = record::Owned { state: record::RUNNING, token: token.as_str() };
         let reply = self
@@ -623,18 +746,6 @@ impl<C: RedisConnection> Store for RedisStore<C> {
             })
             .await;
         owner_reply(&reply.map_err(backend)?)
-    }
-
-    fn detach(&self, step: Detached) {
-        crate::stores::spawn_detached(self.clone(), step);
-    }
-
-    fn max_record_bytes(&self) -> usize {
-        self.max_record_bytes
-    }
-
-    fn name(&self) -> &'static str {
-        <C as connection::sealed::Sealed>::NAME
     }
 }
 

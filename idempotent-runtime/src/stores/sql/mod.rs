@@ -106,21 +106,7 @@ pub trait Dialect: dialect::Backend {}
 
 impl<T: dialect::Backend> Dialect for T {}
 
-/// A SQL call that did not finish within the store's timeout ([`SqlStore::with_timeout`]); the
-/// source of the [`StoreError::Backend`] it fails with.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "{backend} did not answer the {operation} within {after:?} (network stalled or server stuck?); \
-     the connection was dropped. Raise the limit with `with_timeout` if the server is merely slow"
-)]
-pub struct TimedOut {
-    /// Which store: `postgres`, `mysql`, `sqlite`.
-    pub backend: &'static str,
-    /// The step: `claim`, `complete`, `release`, `extend` or `purge`.
-    pub operation: &'static str,
-    /// The limit it exceeded.
-    pub after: Duration,
-}
+pub use super::TimedOut;
 
 /// The `sqlx` these stores are built on, so your pools and transactions are of the same version.
 pub use sqlx;

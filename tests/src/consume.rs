@@ -309,20 +309,37 @@ pub fn assert_exactly_once(counts: &BTreeMap<String, i64>, messages: usize) -> i
 
 /// The `tracing` events of this thread while it lives (install it in a test on a current-thread
 /// runtime: every task of that runtime runs on the thread), each as `LEVEL target: field=value ...`.
+///
+/// The subscriber is process-wide and keeps the events of the threads that installed a capture.
+/// (A thread-local subscriber, `tracing::subscriber::set_default`, missed events here: tracing
+/// caches per call site whether anyone listens, and tests on other threads that reached the same
+/// call sites first could leave that cache saying no.)
 pub struct LogCapture {
     events: Arc<Mutex<Vec<String>>>,
-    _guard: tracing::subscriber::DefaultGuard,
 }
+
+type Buffers = Mutex<Vec<(std::thread::ThreadId, Arc<Mutex<Vec<String>>>)>>;
+
+/// The capturing threads and their buffers.
+static CAPTURING: Buffers = Mutex::new(Vec::new());
 
 impl LogCapture {
     /// Starts capturing this thread's events.
+    ///
+    /// # Panics
+    ///
+    /// When another global `tracing` subscriber is installed in this process.
     #[must_use]
     pub fn install() -> LogCapture {
         use tracing_subscriber::layer::SubscriberExt as _;
-        let events = Arc::default();
-        let layer = CaptureLayer { events: Arc::clone(&events) };
-        let guard = tracing::subscriber::set_default(tracing_subscriber::registry().with(layer));
-        LogCapture { events, _guard: guard }
+        static INSTALLED: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+        INSTALLED.get_or_init(|| {
+            tracing::subscriber::set_global_default(tracing_subscriber::registry().with(CaptureLayer))
+                .expect("LogCapture is the only global tracing subscriber of this test binary");
+        });
+        let events: Arc<Mutex<Vec<String>>> = Arc::default();
+        CAPTURING.lock().expect("the captures").push((std::thread::current().id(), Arc::clone(&events)));
+        LogCapture { events }
     }
 
     /// The events captured so far.
@@ -336,9 +353,15 @@ impl LogCapture {
     }
 }
 
-struct CaptureLayer {
-    events: Arc<Mutex<Vec<String>>>,
+impl Drop for LogCapture {
+    fn drop(&mut self) {
+        if let Ok(mut capturing) = CAPTURING.lock() {
+            capturing.retain(|(_, events)| !Arc::ptr_eq(events, &self.events));
+        }
+    }
 }
+
+struct CaptureLayer;
 
 impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for CaptureLayer {
     fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
@@ -348,9 +371,17 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for CaptureLayer {
                 let _ = write!(self.0, " {}={value:?}", field.name());
             }
         }
+        let thread = std::thread::current().id();
+        let Some(events) = CAPTURING
+            .lock()
+            .ok()
+            .and_then(|capturing| capturing.iter().find(|(t, _)| *t == thread).map(|(_, e)| Arc::clone(e)))
+        else {
+            return;
+        };
         let metadata = event.metadata();
         let mut fields = Fields(format!("{} {}:", metadata.level(), metadata.target()));
         event.record(&mut fields);
-        self.events.lock().expect("the capture").push(fields.0);
+        events.lock().expect("the capture").push(fields.0);
     }
 }

@@ -28,7 +28,7 @@ use idempotent_runtime::consume::amqp::lapin::options::{
 use idempotent_runtime::consume::amqp::lapin::types::FieldTable;
 use idempotent_runtime::consume::amqp::lapin::{self, BasicProperties, Channel, Connection};
 use idempotent_runtime::consume::amqp::{Consumer, declare_with_dead_letter};
-use idempotent_runtime::consume::{Disposition, Settled};
+use idempotent_runtime::consume::{DEFAULT_MAX_ATTEMPTS, Disposition, Settled};
 use idempotent_runtime::{Call, Error, MemoryStore};
 use idempotent_tests::consume::{
     Fleet, Ledger, LogCapture, assert_exactly_once, kill_schedule, malformed_body, message_id, panic_schedule,
@@ -44,7 +44,7 @@ const KILLS: usize = 10;
 const PANICS: usize = 5;
 const POISON: usize = 5;
 /// The consumer's default cap on the handler's runs of one message.
-const MAX_ATTEMPTS: usize = 5;
+const MAX_ATTEMPTS: usize = DEFAULT_MAX_ATTEMPTS as usize;
 
 async fn connect(url: &str) -> (Connection, Channel) {
     let connection =
@@ -367,14 +367,18 @@ async fn wait_for(seen: &Seen, done: impl Fn(&[(Instant, Settled)]) -> bool) {
     }
 }
 
-/// The settlements of one message id, in order: (disposition, reason).
+/// The settlements of one message id by attempt: (disposition, reason). (The copy returned after a
+/// failure may be settled before the observer hears of the original's ack.)
 fn settlements_of(seen: &Seen, id: &str) -> Vec<(Disposition, Option<String>)> {
-    seen.lock()
+    let mut settled: Vec<Settled> = seen
+        .lock()
         .unwrap()
         .iter()
         .filter(|(_, s)| s.message_id.as_deref() == Some(id))
-        .map(|(_, s)| (s.disposition, s.reason.clone()))
-        .collect()
+        .map(|(_, s)| s.clone())
+        .collect();
+    settled.sort_by_key(|s| s.attempt);
+    settled.into_iter().map(|s| (s.disposition, s.reason)).collect()
 }
 
 // A current-thread runtime: the log capture sees every task of the test.
@@ -400,9 +404,8 @@ async fn amqp_a_panicking_handler_is_retried_and_the_consumer_keeps_running() {
                     |message| {
                         let panicked = Arc::clone(&panicked);
                         async move {
-                            if message.data() == b"panics once" && !panicked.swap(true, Ordering::SeqCst) {
-                                panic!("boom: this handler panics on its first run");
-                            }
+                            let first = message.data() == b"panics once" && !panicked.swap(true, Ordering::SeqCst);
+                            assert!(!first, "boom: this handler panics on its first run");
                             Ok::<_, Error>(())
                         }
                     },
@@ -503,6 +506,87 @@ async fn amqp_a_message_that_always_fails_is_dead_lettered_after_the_default_att
     assert_eq!(runs.load(Ordering::SeqCst), 2 * MAX_ATTEMPTS + 1, "the handler ran that often, and once for `after`");
     assert_eq!(message_count(&channel, &queue).await, 0);
     assert_eq!(message_count(&channel, &dead).await, 2, "both are in the dead-letter queue");
+
+    for q in [&queue, &dead] {
+        channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.expect("delete a queue");
+    }
+    let _ = connection.close(200, "done".into()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_max_attempts_sets_the_cap_and_each_copy_counts_its_attempt() {
+    const TEST: &str = "amqp_max_attempts_sets_the_cap_and_each_copy_counts_its_attempt";
+    let Some(amqp) = services::amqp_url(TEST) else { return };
+    let (connection, channel) = connect(&amqp).await;
+    let queue = format!("idempotent-attempts-{}", fresh::suffix());
+    let dead = declare_with_dead_letter(&channel, &queue).await.expect("declare the queues");
+
+    let seen: Seen = Arc::default();
+    let runs: Arc<Mutex<Vec<(String, u32, String)>>> = Arc::default();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = tokio::spawn({
+        let (channel, queue, seen, runs) = (channel.clone(), queue.clone(), Arc::clone(&seen), Arc::clone(&runs));
+        async move {
+            Consumer::new(channel, queue)
+                .max_attempts(3)
+                .retry_delay(Duration::from_millis(50))
+                .on_settled(move |s| seen.lock().unwrap().push((Instant::now(), s.clone())))
+                .run_until(
+                    |message| {
+                        let entry = (message.id().to_owned(), message.attempt(), message.routing_key().to_owned());
+                        runs.lock().unwrap().push(entry);
+                        async move {
+                            // "twice" fails on its first two attempts, "always" on every one.
+                            if message.id() == "always" || message.attempt() < 3 { Err(Declined) } else { Ok(()) }
+                        }
+                    },
+                    async move {
+                        let _ = stopped.await;
+                    },
+                )
+                .await
+        }
+    });
+
+    publish(&channel, &queue, Some("twice"), b"fails twice").await;
+    publish(&channel, &queue, Some("always"), b"always fails").await;
+    wait_for(&seen, |s| {
+        s.iter().any(|(_, s)| s.message_id.as_deref() == Some("twice") && s.disposition == Disposition::Ack)
+            && s.iter().any(|(_, s)| s.disposition == Disposition::DeadLetter)
+    })
+    .await;
+    stop.send(()).expect("the consumer runs");
+    consumer.await.expect("the consumer task").expect("the consumer");
+
+    let runs = runs.lock().unwrap().clone();
+    let of = |id: &str| -> Vec<u32> { runs.iter().filter(|(i, _, _)| i == id).map(|(_, a, _)| *a).collect() };
+    assert_eq!(of("twice"), vec![1, 2, 3], "each copy knows its attempt: {runs:?}");
+    assert_eq!(of("always"), vec![1, 2, 3], "dead-lettered on the third: {runs:?}");
+    assert!(runs.iter().all(|(_, _, key)| *key == queue), "the copies keep the routing key: {runs:?}");
+    let settled = seen.lock().unwrap().clone();
+    let attempts = |id: &str| -> Vec<(Disposition, u32)> {
+        let mut of: Vec<(Disposition, u32)> = settled
+            .iter()
+            .filter(|(_, s)| s.message_id.as_deref() == Some(id))
+            .map(|(_, s)| (s.disposition, s.attempt))
+            .collect();
+        of.sort_by_key(|(_, attempt)| *attempt);
+        of
+    };
+    assert_eq!(attempts("twice"), vec![(Disposition::Retry, 1), (Disposition::Retry, 2), (Disposition::Ack, 3)]);
+    assert_eq!(
+        attempts("always"),
+        vec![(Disposition::Retry, 1), (Disposition::Retry, 2), (Disposition::DeadLetter, 3)]
+    );
+    assert_eq!(message_count(&channel, &queue).await, 0);
+    let letter = channel
+        .basic_get(dead.as_str().into(), BasicGetOptions::default())
+        .await
+        .expect("read the dead letters")
+        .expect("one dead letter");
+    let id = letter.delivery.properties.message_id().as_ref().map(ToString::to_string);
+    assert_eq!(id.as_deref(), Some("always"));
+    letter.delivery.ack(BasicAckOptions::default()).await.expect("ack it");
 
     for q in [&queue, &dead] {
         channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.expect("delete a queue");

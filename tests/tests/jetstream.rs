@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use idempotent_runtime::consume::jetstream::async_nats::jetstream::{self, Context, consumer::pull, stream};
 use idempotent_runtime::consume::jetstream::async_nats::{self, HeaderMap};
 use idempotent_runtime::consume::jetstream::{Consumer, DEAD_LETTER_MESSAGE_ID, DEAD_LETTER_REASON};
-use idempotent_runtime::consume::{Disposition, Settled};
+use idempotent_runtime::consume::{DEFAULT_MAX_ATTEMPTS, Disposition, Settled};
 use idempotent_runtime::{Call, Error, MemoryStore};
 use idempotent_tests::consume::{
     Fleet, Ledger, LogCapture, assert_exactly_once, kill_schedule, malformed_body, message_id, panic_schedule,
@@ -42,7 +42,7 @@ const KILLS: usize = 10;
 const PANICS: usize = 5;
 const POISON: usize = 5;
 /// The consumer's default cap on the handler's runs of one message.
-const MAX_ATTEMPTS: usize = 5;
+const MAX_ATTEMPTS: usize = DEFAULT_MAX_ATTEMPTS as usize;
 const ACK_WAIT: Duration = Duration::from_secs(2);
 
 /// A work stream and a dead-letter stream under fresh names.
@@ -205,19 +205,7 @@ async fn jetstream_workers_sigkilled_before_the_ack_apply_each_message_once() {
     assert!(tally.redelivered >= KILLS, "each killed delivery came back as a redelivery: {tally:?}");
     assert_eq!((info.num_pending, info.num_ack_pending), (0, 0), "nothing pending or unacknowledged: {info:?}");
     let letters = streams.dead_letters().await;
-    let mut bodies: Vec<String> = letters.iter().map(|(body, _, _)| body.clone()).collect();
-    bodies.sort();
-    let mut expected_bodies: Vec<String> =
-        (0..MALFORMED).map(malformed_body).chain(poison_ids.iter().cloned()).collect();
-    expected_bodies.sort();
-    assert_eq!(bodies, expected_bodies, "the dead-letter stream holds exactly the malformed and the poison messages");
-    for (body, reason, id) in &letters {
-        if body.starts_with("poison") {
-            assert!(reason.contains("poison") && id.as_deref() == Some(body.as_str()), "{body}: {reason} {id:?}");
-        } else {
-            assert!(reason.contains("no id") && id.is_none(), "{body}: {reason} {id:?}");
-        }
-    }
+    assert_malformed_and_poison(&letters, &poison_ids);
     println!(
         "JetStream kill-and-redeliver: {MESSAGES} messages with ids ({dropped} duplicate publishes dropped by \
          JetStream) + {MALFORMED} without an id + {POISON} poison, {WORKERS} competing workers ({} processes \
@@ -240,6 +228,23 @@ async fn jetstream_workers_sigkilled_before_the_ack_apply_each_message_once() {
     streams.delete().await;
     ledger.drop_table().await;
     cleanup.run().await;
+}
+
+/// The dead-letter stream holds exactly the malformed messages (without an id) and the poison
+/// ones (with their id), each with its reason.
+fn assert_malformed_and_poison(letters: &[(String, String, Option<String>)], poison_ids: &[String]) {
+    let mut bodies: Vec<String> = letters.iter().map(|(body, _, _)| body.clone()).collect();
+    bodies.sort();
+    let mut expected: Vec<String> = (0..MALFORMED).map(malformed_body).chain(poison_ids.iter().cloned()).collect();
+    expected.sort();
+    assert_eq!(bodies, expected, "the dead-letter stream holds exactly the malformed and the poison messages");
+    for (body, reason, id) in letters {
+        if body.starts_with("poison") {
+            assert!(reason.contains("poison") && id.as_deref() == Some(body.as_str()), "{body}: {reason} {id:?}");
+        } else {
+            assert!(reason.contains("no id") && id.is_none(), "{body}: {reason} {id:?}");
+        }
+    }
 }
 
 type Seen = Arc<Mutex<Vec<Settled>>>;
@@ -417,9 +422,8 @@ async fn jetstream_a_panicking_handler_is_retried_and_the_consumer_keeps_running
                     |message| {
                         let panicked = Arc::clone(&panicked);
                         async move {
-                            if message.payload() == b"panics once" && !panicked.swap(true, Ordering::SeqCst) {
-                                panic!("boom: this handler panics on its first run");
-                            }
+                            let first = message.payload() == b"panics once" && !panicked.swap(true, Ordering::SeqCst);
+                            assert!(!first, "boom: this handler panics on its first run");
                             Ok::<_, Error>(())
                         }
                     },
@@ -668,4 +672,68 @@ async fn jetstream_a_dead_letter_copy_is_read_under_its_original_id() {
     assert_eq!(of(Some("order-1")), vec![Disposition::Ack], "{replayed:?}");
     assert_eq!(of(None), vec![Disposition::DeadLetter], "a copy of a message without an id has none: {replayed:?}");
     let _ = js.delete_stream(&name).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_max_attempts_sets_the_cap() {
+    const TEST: &str = "jetstream_max_attempts_sets_the_cap";
+    let Some(nats) = services::nats_url(TEST) else { return };
+    let streams = Streams::create(&nats).await;
+    let pull = streams.consumer("attempts").await;
+
+    let seen: Seen = Arc::default();
+    let runs: Arc<Mutex<Vec<(String, i64)>>> = Arc::default();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = tokio::spawn({
+        let (js, seen, runs) = (streams.js.clone(), Arc::clone(&seen), Arc::clone(&runs));
+        let dead_subject = streams.dead_subject.clone();
+        async move {
+            Consumer::new(js, pull)
+                .dead_letter(dead_subject)
+                .max_attempts(3)
+                .retry_delay(Duration::from_millis(50))
+                .on_settled(move |s| seen.lock().unwrap().push(s.clone()))
+                .run_until(
+                    |message| {
+                        runs.lock().unwrap().push((message.id().to_owned(), message.delivered()));
+                        async move {
+                            // "twice" fails on its first two attempts, "always" on every one.
+                            if message.id() == "always" || message.delivered() < 3 { Err(Declined) } else { Ok(()) }
+                        }
+                    },
+                    async move {
+                        let _ = stopped.await;
+                    },
+                )
+                .await
+        }
+    });
+
+    streams.publish(Some(("Nats-Msg-Id", "twice")), b"fails twice").await;
+    streams.publish(Some(("Nats-Msg-Id", "always")), b"always fails").await;
+    wait_for(&seen, |s| {
+        s.iter().any(|s| s.message_id.as_deref() == Some("twice") && s.disposition == Disposition::Ack)
+            && s.iter().any(|s| s.disposition == Disposition::DeadLetter)
+    })
+    .await;
+    stop.send(()).expect("the consumer runs");
+    consumer.await.expect("the consumer task").expect("the consumer");
+
+    let runs = runs.lock().unwrap().clone();
+    let of = |id: &str| -> Vec<i64> { runs.iter().filter(|(i, _)| i == id).map(|(_, d)| *d).collect() };
+    assert_eq!(of("twice"), vec![1, 2, 3], "{runs:?}");
+    assert_eq!(of("always"), vec![1, 2, 3], "dead-lettered on the third: {runs:?}");
+    let settled = seen.lock().unwrap().clone();
+    let attempts = |id: &str| -> Vec<(Disposition, u32)> {
+        settled.iter().filter(|s| s.message_id.as_deref() == Some(id)).map(|s| (s.disposition, s.attempt)).collect()
+    };
+    assert_eq!(attempts("twice"), vec![(Disposition::Retry, 1), (Disposition::Retry, 2), (Disposition::Ack, 3)]);
+    assert_eq!(
+        attempts("always"),
+        vec![(Disposition::Retry, 1), (Disposition::Retry, 2), (Disposition::DeadLetter, 3)]
+    );
+    let letters = streams.dead_letters().await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert!(letters[0].1.contains("attempt 3 of 3"), "{letters:?}");
+    streams.delete().await;
 }

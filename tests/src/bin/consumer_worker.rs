@@ -103,9 +103,8 @@ async fn apply<S: Store>(
     if payload.starts_with(b"poison") {
         return Err(WorkerError::Poison);
     }
-    if ledger.first_panic(id).await? {
-        panic!("a scheduled panic in the handler of {id}, before its side effect");
-    }
+    let scheduled_panic = ledger.first_panic(id).await?;
+    assert!(!scheduled_panic, "a scheduled panic in the handler of {id}, before its side effect");
     ran.store(true, Ordering::SeqCst);
     sqlx::query(sqlx::AssertSqlSafe(ledger.insert.clone()))
         .bind(id)

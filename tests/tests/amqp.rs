@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idempotent_runtime::consume::amqp::lapin::options::{
-    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions, QueueDeclareOptions,
     QueueDeleteOptions,
 };
 use idempotent_runtime::consume::amqp::lapin::types::FieldTable;
@@ -55,12 +55,16 @@ async fn connect(url: &str) -> (Connection, Channel) {
 }
 
 async fn publish(channel: &Channel, queue: &str, id: Option<&str>, body: &[u8]) {
+    publish_to(channel, "", queue, id, body).await;
+}
+
+async fn publish_to(channel: &Channel, exchange: &str, routing_key: &str, id: Option<&str>, body: &[u8]) {
     let mut properties = BasicProperties::default().with_delivery_mode(2);
     if let Some(id) = id {
         properties = properties.with_message_id(id.into());
     }
     let confirm = channel
-        .basic_publish("".into(), queue.into(), BasicPublishOptions::default(), body, properties)
+        .basic_publish(exchange.into(), routing_key.into(), BasicPublishOptions::default(), body, properties)
         .await
         .expect("publish");
     assert!(confirm.await.expect("a confirmation").is_ack(), "RabbitMQ refused a message");
@@ -548,8 +552,16 @@ async fn amqp_max_attempts_sets_the_cap_and_each_copy_counts_its_attempt() {
         }
     });
 
-    publish(&channel, &queue, Some("twice"), b"fails twice").await;
-    publish(&channel, &queue, Some("always"), b"always fails").await;
+    // Through an exchange, under a routing key that is not the queue's name.
+    let routing_key = format!("{queue}.created");
+    let (exchange, no_args) = ("amq.direct", FieldTable::default());
+    let bind = QueueBindOptions::default();
+    channel
+        .queue_bind(queue.as_str().into(), exchange.into(), routing_key.as_str().into(), bind, no_args)
+        .await
+        .expect("bind");
+    publish_to(&channel, exchange, &routing_key, Some("twice"), b"fails twice").await;
+    publish_to(&channel, exchange, &routing_key, Some("always"), b"always fails").await;
     wait_for(&seen, |s| {
         s.iter().any(|(_, s)| s.message_id.as_deref() == Some("twice") && s.disposition == Disposition::Ack)
             && s.iter().any(|(_, s)| s.disposition == Disposition::DeadLetter)
@@ -562,7 +574,7 @@ async fn amqp_max_attempts_sets_the_cap_and_each_copy_counts_its_attempt() {
     let of = |id: &str| -> Vec<u32> { runs.iter().filter(|(i, _, _)| i == id).map(|(_, a, _)| *a).collect() };
     assert_eq!(of("twice"), vec![1, 2, 3], "each copy knows its attempt: {runs:?}");
     assert_eq!(of("always"), vec![1, 2, 3], "dead-lettered on the third: {runs:?}");
-    assert!(runs.iter().all(|(_, _, key)| *key == queue), "the copies keep the routing key: {runs:?}");
+    assert!(runs.iter().all(|(_, _, key)| *key == routing_key), "the copies keep the routing key: {runs:?}");
     let settled = seen.lock().unwrap().clone();
     let attempts = |id: &str| -> Vec<(Disposition, u32)> {
         let mut of: Vec<(Disposition, u32)> = settled

@@ -671,6 +671,15 @@ async fn jetstream_a_dead_letter_copy_is_read_under_its_original_id() {
     };
     assert_eq!(of(Some("order-1")), vec![Disposition::Ack], "{replayed:?}");
     assert_eq!(of(None), vec![Disposition::DeadLetter], "a copy of a message without an id has none: {replayed:?}");
+    // The copies (stream sequences 3 and 4) carry ids of their own, from the originals' (1 and 2).
+    let mut copy_ids = Vec::new();
+    for sequence in [3, 4] {
+        let copy = stream.get_raw_message(sequence).await.expect("a dead-letter copy");
+        assert_eq!(copy.subject.as_str(), dead, "sequence {sequence} is a copy");
+        copy_ids.push(copy.headers.get("Nats-Msg-Id").map(|v| v.as_str().to_owned()));
+    }
+    copy_ids.sort();
+    assert_eq!(copy_ids, vec![Some(format!("{name}.work.1")), Some(format!("{name}.work.2"))]);
     let _ = js.delete_stream(&name).await;
 }
 
@@ -735,5 +744,48 @@ async fn jetstream_max_attempts_sets_the_cap() {
     let letters = streams.dead_letters().await;
     assert_eq!(letters.len(), 1, "{letters:?}");
     assert!(letters[0].1.contains("attempt 3 of 3"), "{letters:?}");
+    streams.delete().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_a_lower_max_deliver_is_the_cap() {
+    const TEST: &str = "jetstream_a_lower_max_deliver_is_the_cap";
+    let Some(nats) = services::nats_url(TEST) else { return };
+    let streams = Streams::create(&nats).await;
+    let work = streams.js.get_stream(&streams.work).await.expect("the work stream");
+    let config =
+        pull::Config { durable_name: Some("capped".into()), ack_wait: ACK_WAIT, max_deliver: 2, ..Default::default() };
+    let pull = work.create_consumer(config).await.expect("create the consumer");
+
+    let seen: Seen = Arc::default();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = tokio::spawn({
+        let (js, seen, dead_subject) = (streams.js.clone(), Arc::clone(&seen), streams.dead_subject.clone());
+        async move {
+            // The default max_attempts (5) is above the consumer's max_deliver (2).
+            Consumer::new(js, pull)
+                .dead_letter(dead_subject)
+                .retry_delay(Duration::from_millis(50))
+                .on_settled(move |s| seen.lock().unwrap().push(s.clone()))
+                .run_until(|_message| async move { Err::<(), _>(Declined) }, async move {
+                    let _ = stopped.await;
+                })
+                .await
+        }
+    });
+    streams.publish(Some(("Nats-Msg-Id", "capped")), b"always fails").await;
+    wait_for(&seen, |s| s.iter().any(|s| s.disposition == Disposition::DeadLetter)).await;
+    stop.send(()).expect("the consumer runs");
+    consumer.await.expect("the consumer task").expect("the consumer");
+
+    let settled: Vec<(Disposition, u32)> = seen.lock().unwrap().iter().map(|s| (s.disposition, s.attempt)).collect();
+    assert_eq!(
+        settled,
+        vec![(Disposition::Retry, 1), (Disposition::DeadLetter, 2)],
+        "JetStream would not deliver a third"
+    );
+    let letters = streams.dead_letters().await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert!(letters[0].1.contains("attempt 2 of 2"), "{letters:?}");
     streams.delete().await;
 }

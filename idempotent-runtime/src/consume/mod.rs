@@ -66,8 +66,8 @@ pub const DEFAULT_CONCURRENCY: usize = 16;
 
 /// On which attempt a message whose handler keeps failing is dead-lettered: the 5th.
 ///
-/// With the default [`DEFAULT_RETRY_DELAY`], a poison message leaves the queue about 4 s after
-/// its first attempt, having run 5 times. A failure that heals by itself within seconds (a
+/// A poison message runs 5 times, four retry delays apart ([`DEFAULT_RETRY_DELAY`] each by
+/// default), and then goes to the dead-letter path. A failure that heals by itself within seconds (a
 /// downstream restart) still gets its retries; one that lasts longer belongs in the dead-letter
 /// path, from where it can be replayed once it is fixed. Raise it with
 /// [`max_attempts`](Consumer::max_attempts), or lengthen the delay.

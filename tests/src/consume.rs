@@ -1,12 +1,15 @@
 //! The kill-and-redeliver scenario of the broker tests: a fleet of competing consumer processes
-//! (`tests/src/bin/consumer_worker.rs`) that SIGKILL themselves at scheduled message ids, are
-//! restarted, and are stopped once every published message is settled; and the PostgreSQL ledger
-//! that counts the side effects independently of the idempotency records.
+//! (`tests/src/bin/consumer_worker.rs`) that SIGKILL themselves at scheduled message ids (and
+//! whose handler panics at others, and always fails on poison messages), are restarted, and are
+//! stopped once every published message is settled; the PostgreSQL ledger that counts the side
+//! effects independently of the idempotency records; and a capture of this thread's log events.
 
 use std::collections::BTreeMap;
+use std::fmt::Write as _;
 use std::io::{BufRead as _, BufReader};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idempotent_runtime::stores::sql::sqlx::{self, PgPool};
@@ -23,11 +26,32 @@ pub fn malformed_body(i: usize) -> String {
     format!("malformed-{i}")
 }
 
+/// The id of the `i`-th poison message: its handler fails every time (its body is the same text).
+#[must_use]
+pub fn poison_id(i: usize) -> String {
+    format!("poison-{i}")
+}
+
 /// The ids whose first execution kills its worker: `kills` ids spread evenly over `messages`,
 /// none among the first few (so that every worker is running when they come).
 #[must_use]
 pub fn kill_schedule(messages: usize, kills: usize) -> Vec<String> {
     (1..=kills).map(|k| message_id(k * messages / (kills + 1))).collect()
+}
+
+/// The ids whose handler panics on its first run (once over the whole fleet, before the side
+/// effect): `panics` ids spread evenly over `messages`, none of them in `kill_schedule(messages,
+/// kills)`.
+///
+/// # Panics
+///
+/// When a panic id would also be a kill id.
+#[must_use]
+pub fn panic_schedule(messages: usize, panics: usize, kills: usize) -> Vec<String> {
+    let ids: Vec<String> = (1..=panics).map(|k| message_id(k * messages / (panics + 1) + 3)).collect();
+    let kill_ids = kill_schedule(messages, kills);
+    assert!(ids.iter().all(|id| !kill_ids.contains(id)), "panic ids {ids:?} meet kill ids {kill_ids:?}");
+    ids
 }
 
 /// What the fleet saw.
@@ -39,6 +63,10 @@ pub struct Tally {
     pub dead_lettered: Vec<String>,
     /// Deliveries returned for a delayed retry.
     pub retried: usize,
+    /// Retries after the handler panicked, by message id.
+    pub panicked: BTreeMap<String, usize>,
+    /// Retries after the handler failed with its own error, by message id.
+    pub failed: BTreeMap<String, usize>,
     /// Settled deliveries that the broker flagged as redelivered.
     pub redelivered: usize,
     /// Workers that died by SIGKILL at a scheduled point.
@@ -110,7 +138,9 @@ impl Fleet {
         if words.next() != Some("SETTLED") {
             return;
         }
-        let (Some(disposition), Some(id), Some(redelivered)) = (words.next(), words.next(), words.next()) else {
+        let (Some(disposition), Some(id), Some(redelivered), Some(cause)) =
+            (words.next(), words.next(), words.next(), words.next())
+        else {
             panic!("a malformed worker line: {line:?}")
         };
         match disposition {
@@ -118,6 +148,13 @@ impl Fleet {
             "dead" => self.tally.dead_lettered.push(id.to_owned()),
             "retry" => self.tally.retried += 1,
             other => panic!("unknown disposition {other:?} in {line:?}"),
+        }
+        if disposition == "retry" {
+            match cause {
+                "panic" => *self.tally.panicked.entry(id.to_owned()).or_default() += 1,
+                "failed" => *self.tally.failed.entry(id.to_owned()).or_default() += 1,
+                _ => {}
+            }
         }
         if redelivered == "1" {
             self.tally.redelivered += 1;
@@ -186,7 +223,8 @@ impl Drop for Fleet {
 }
 
 /// The ledger: one row per side effect, in its own PostgreSQL table (no unique constraint, so a
-/// double effect shows as two rows).
+/// double effect shows as two rows); beside it, the table `<table>_panics` where a worker notes
+/// each id whose handler it made panic (one row per id: it panics once over the whole fleet).
 pub struct Ledger {
     pool: PgPool,
     /// The table's name.
@@ -206,7 +244,26 @@ impl Ledger {
             .execute(&pool)
             .await
             .expect("create the ledger table");
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE TABLE {table}_panics (msg_id TEXT PRIMARY KEY)")))
+            .execute(&pool)
+            .await
+            .expect("create the panics table");
         Ledger { pool, table }
+    }
+
+    /// The ids whose handler panicked, sorted.
+    ///
+    /// # Panics
+    ///
+    /// When the query fails.
+    pub async fn panicked(&self) -> Vec<String> {
+        let table = &self.table;
+        let rows: Vec<(String,)> =
+            sqlx::query_as(sqlx::AssertSqlSafe(format!("SELECT msg_id FROM {table}_panics ORDER BY msg_id")))
+                .fetch_all(&self.pool)
+                .await
+                .expect("read the panics table");
+        rows.into_iter().map(|(id,)| id).collect()
     }
 
     /// How many side effects each message id had.
@@ -225,8 +282,10 @@ impl Ledger {
 
     /// Drops the table.
     pub async fn drop_table(self) {
-        let _ =
-            sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {}", self.table))).execute(&self.pool).await;
+        let table = &self.table;
+        let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}, {table}_panics")))
+            .execute(&self.pool)
+            .await;
         self.pool.close().await;
     }
 }
@@ -246,4 +305,83 @@ pub fn assert_exactly_once(counts: &BTreeMap<String, i64>, messages: usize) -> i
     assert!(missing.is_empty(), "messages whose side effect never happened: {missing:?}");
     assert!(unknown.is_empty(), "side effects for ids never published: {unknown:?}");
     doubles
+}
+
+/// The `tracing` events of this thread while it lives (install it in a test on a current-thread
+/// runtime: every task of that runtime runs on the thread), each as `LEVEL target: field=value ...`.
+///
+/// The subscriber is process-wide and keeps the events of the threads that installed a capture.
+/// (A thread-local subscriber, `tracing::subscriber::set_default`, missed events here: tracing
+/// caches per call site whether anyone listens, and tests on other threads that reached the same
+/// call sites first could leave that cache saying no.)
+pub struct LogCapture {
+    events: Arc<Mutex<Vec<String>>>,
+}
+
+type Buffers = Mutex<Vec<(std::thread::ThreadId, Arc<Mutex<Vec<String>>>)>>;
+
+/// The capturing threads and their buffers.
+static CAPTURING: Buffers = Mutex::new(Vec::new());
+
+impl LogCapture {
+    /// Starts capturing this thread's events.
+    ///
+    /// # Panics
+    ///
+    /// When another global `tracing` subscriber is installed in this process.
+    #[must_use]
+    pub fn install() -> LogCapture {
+        use tracing_subscriber::layer::SubscriberExt as _;
+        static INSTALLED: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+        INSTALLED.get_or_init(|| {
+            tracing::subscriber::set_global_default(tracing_subscriber::registry().with(CaptureLayer))
+                .expect("LogCapture is the only global tracing subscriber of this test binary");
+        });
+        let events: Arc<Mutex<Vec<String>>> = Arc::default();
+        CAPTURING.lock().expect("the captures").push((std::thread::current().id(), Arc::clone(&events)));
+        LogCapture { events }
+    }
+
+    /// The events captured so far.
+    ///
+    /// # Panics
+    ///
+    /// When the capture's lock is poisoned.
+    #[must_use]
+    pub fn events(&self) -> Vec<String> {
+        self.events.lock().expect("the capture").clone()
+    }
+}
+
+impl Drop for LogCapture {
+    fn drop(&mut self) {
+        if let Ok(mut capturing) = CAPTURING.lock() {
+            capturing.retain(|(_, events)| !Arc::ptr_eq(events, &self.events));
+        }
+    }
+}
+
+struct CaptureLayer;
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for CaptureLayer {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Fields(String);
+        impl tracing::field::Visit for Fields {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                let _ = write!(self.0, " {}={value:?}", field.name());
+            }
+        }
+        let thread = std::thread::current().id();
+        let Some(events) = CAPTURING
+            .lock()
+            .ok()
+            .and_then(|capturing| capturing.iter().find(|(t, _)| *t == thread).map(|(_, e)| Arc::clone(e)))
+        else {
+            return;
+        };
+        let metadata = event.metadata();
+        let mut fields = Fields(format!("{} {}:", metadata.level(), metadata.target()));
+        event.record(&mut fields);
+        events.lock().expect("the capture").push(fields.0);
+    }
 }

@@ -2,29 +2,38 @@
 //!
 //! 1. Kill and redeliver: competing worker processes (`tests/src/bin/consumer_worker.rs`) consume
 //!    one queue while a producer publishes messages with ids (some twice, as a retrying producer
-//!    does) and malformed ones without an id. Workers SIGKILL themselves at scheduled ids, after
-//!    the side effect ran and its record was written, before the ack; RabbitMQ redelivers; killed
-//!    workers are restarted. Then: one side effect per id in the PostgreSQL ledger, nothing left in
-//!    the queue, and the dead-letter queue holds exactly the malformed messages.
+//!    does), malformed ones without an id and poison ones (their handler always fails). Workers
+//!    SIGKILL themselves at scheduled ids, after the side effect ran and its record was written,
+//!    before the ack; RabbitMQ redelivers; killed workers are restarted. The handler panics at
+//!    other scheduled ids, once, before the side effect. Then: one side effect per id in the
+//!    PostgreSQL ledger, nothing left in the queue, every panic retried, and the dead-letter queue
+//!    holds exactly the malformed and the poison messages, each poison one after its attempts.
 //! 2. Settlement by outcome, in process: a reused id with another body and a message without an id
 //!    are dead-lettered, a message whose id is claimed elsewhere is retried after the delay (not in
-//!    a hot loop) and acked once the claim completes; a failing handler follows its policy.
+//!    a hot loop) and acked once the claim completes; a failing handler follows its policy; a
+//!    panicking handler is a failure the consumer survives; a handler that always fails or panics
+//!    is dead-lettered after the attempts.
 
 #![cfg(all(feature = "amqp", feature = "postgres", feature = "redis"))]
 
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idempotent_runtime::consume::amqp::lapin::options::{
-    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions, QueueDeclareOptions,
     QueueDeleteOptions,
 };
 use idempotent_runtime::consume::amqp::lapin::types::FieldTable;
 use idempotent_runtime::consume::amqp::lapin::{self, BasicProperties, Channel, Connection};
 use idempotent_runtime::consume::amqp::{Consumer, declare_with_dead_letter};
-use idempotent_runtime::consume::{Disposition, Settled};
+use idempotent_runtime::consume::{DEFAULT_MAX_ATTEMPTS, Disposition, Settled};
 use idempotent_runtime::{Call, Error, MemoryStore};
-use idempotent_tests::consume::{Fleet, Ledger, assert_exactly_once, kill_schedule, malformed_body, message_id};
+use idempotent_tests::consume::{
+    Fleet, Ledger, LogCapture, assert_exactly_once, kill_schedule, malformed_body, message_id, panic_schedule,
+    poison_id,
+};
 use idempotent_tests::{fresh, services};
 
 const MESSAGES: usize = 1000;
@@ -32,6 +41,10 @@ const MALFORMED: usize = 20;
 const DUPLICATE_EVERY: usize = 50;
 const WORKERS: usize = 3;
 const KILLS: usize = 10;
+const PANICS: usize = 5;
+const POISON: usize = 5;
+/// The consumer's default cap on the handler's runs of one message.
+const MAX_ATTEMPTS: usize = DEFAULT_MAX_ATTEMPTS as usize;
 
 async fn connect(url: &str) -> (Connection, Channel) {
     let connection =
@@ -42,12 +55,16 @@ async fn connect(url: &str) -> (Connection, Channel) {
 }
 
 async fn publish(channel: &Channel, queue: &str, id: Option<&str>, body: &[u8]) {
+    publish_to(channel, "", queue, id, body).await;
+}
+
+async fn publish_to(channel: &Channel, exchange: &str, routing_key: &str, id: Option<&str>, body: &[u8]) {
     let mut properties = BasicProperties::default().with_delivery_mode(2);
     if let Some(id) = id {
         properties = properties.with_message_id(id.into());
     }
     let confirm = channel
-        .basic_publish("".into(), queue.into(), BasicPublishOptions::default(), body, properties)
+        .basic_publish(exchange.into(), routing_key.into(), BasicPublishOptions::default(), body, properties)
         .await
         .expect("publish");
     assert!(confirm.await.expect("a confirmation").is_ack(), "RabbitMQ refused a message");
@@ -58,8 +75,8 @@ async fn message_count(channel: &Channel, queue: &str) -> u32 {
     channel.queue_declare(queue.into(), options, FieldTable::default()).await.expect("the queue").message_count()
 }
 
-/// The producer: every id once, every `DUPLICATE_EVERY`-th id twice, malformed messages in between.
-/// Returns how many messages it published.
+/// The producer: every id once, every `DUPLICATE_EVERY`-th id twice, malformed and poison
+/// messages in between. Returns how many messages it published.
 async fn produce(channel: &Channel, queue: &str) -> usize {
     let mut published = 0;
     for i in 0..MESSAGES {
@@ -73,6 +90,11 @@ async fn produce(channel: &Channel, queue: &str) -> usize {
         }
         if i % (MESSAGES / MALFORMED) == 0 {
             publish(channel, queue, None, malformed_body(i / (MESSAGES / MALFORMED)).as_bytes()).await;
+            published += 1;
+        }
+        if i % (MESSAGES / POISON) == 7 {
+            let poison = poison_id(i / (MESSAGES / POISON));
+            publish(channel, queue, Some(&poison), poison.as_bytes()).await;
             published += 1;
         }
     }
@@ -91,8 +113,9 @@ async fn amqp_workers_sigkilled_before_the_ack_apply_each_message_once() {
     let dead = declare_with_dead_letter(&channel, &queue).await.expect("declare the queues");
 
     let kill_ids = kill_schedule(MESSAGES, KILLS);
+    let panic_ids = panic_schedule(MESSAGES, PANICS, KILLS);
     let duplicates = MESSAGES.div_ceil(DUPLICATE_EVERY);
-    let expected = MESSAGES + duplicates + MALFORMED;
+    let expected = MESSAGES + duplicates + MALFORMED + POISON;
     let args = vec![
         "amqp".to_owned(),
         amqp.clone(),
@@ -100,45 +123,64 @@ async fn amqp_workers_sigkilled_before_the_ack_apply_each_message_once() {
         format!("postgres:{pg}|{}", store.table()),
         format!("{pg}|{}", ledger.table),
         kill_ids.join(","),
+        panic_ids.join(","),
     ];
     let started = Instant::now();
     let fleet = Fleet::start(env!("CARGO_BIN_EXE_consumer_worker"), WORKERS, args);
-    let tally = tokio::task::spawn_blocking(move || fleet.run_until_settled(expected, Duration::from_secs(120)));
+    let tally = tokio::task::spawn_blocking(move || fleet.run_until_settled(expected, Duration::from_secs(60)));
     let published = produce(&channel, &queue).await;
     assert_eq!(published, expected);
     let tally = tally.await.expect("the fleet");
     let elapsed = started.elapsed();
 
-    // Every side effect exactly once, every kill happened, nothing left, the malformed ones dead-lettered.
+    // Every side effect exactly once, every kill happened, every panic was retried, nothing left,
+    // the malformed and the poison ones dead-lettered (the poison ones after their attempts).
     let counts = ledger.counts().await;
     let doubles = assert_exactly_once(&counts, MESSAGES);
     assert_eq!(tally.kills, KILLS, "every scheduled kill happened once: {tally:?}");
     assert_eq!(tally.acked, MESSAGES + duplicates, "{tally:?}");
-    assert!(tally.dead_lettered.iter().all(|id| id == "-"), "only messages without an id are dead-lettered: {tally:?}");
-    assert_eq!(tally.dead_lettered.len(), MALFORMED, "{tally:?}");
+    let poison_ids: Vec<String> = (0..POISON).map(poison_id).collect();
+    let mut dead_ids = tally.dead_lettered.clone();
+    dead_ids.sort();
+    let mut expected_dead = vec!["-".to_owned(); MALFORMED];
+    expected_dead.extend(poison_ids.iter().cloned());
+    expected_dead.sort();
+    assert_eq!(dead_ids, expected_dead, "dead-lettered: the messages without an id and the poison ones, once each");
+    let failed_once_less: BTreeMap<String, usize> =
+        poison_ids.iter().map(|id| (id.clone(), MAX_ATTEMPTS - 1)).collect();
+    assert_eq!(tally.failed, failed_once_less, "each poison message ran {MAX_ATTEMPTS} times, then dead-lettered");
+    let panicked_once: BTreeMap<String, usize> = panic_ids.iter().map(|id| (id.clone(), 1)).collect();
+    assert_eq!(tally.panicked, panicked_once, "each scheduled panic was retried once: {tally:?}");
+    assert_eq!(ledger.panicked().await, panic_ids, "each scheduled panic happened once");
     assert!(tally.redelivered >= KILLS, "each killed delivery came back flagged as redelivered: {tally:?}");
     assert_eq!(message_count(&channel, &queue).await, 0, "nothing left in the queue, acked or not");
     let mut dead_bodies = Vec::new();
     while let Some(message) =
         channel.basic_get(dead.as_str().into(), BasicGetOptions::default()).await.expect("read the dead letters")
     {
-        assert!(message.delivery.properties.message_id().is_none(), "a dead letter with an id");
-        dead_bodies.push(String::from_utf8(message.delivery.data.clone()).expect("a text body"));
+        let body = String::from_utf8(message.delivery.data.clone()).expect("a text body");
+        let id = message.delivery.properties.message_id().as_ref().map(|id| id.as_str().to_owned());
+        assert!(id.is_none() || id.as_deref() == Some(body.as_str()), "a poison letter keeps its id: {id:?} {body}");
+        dead_bodies.push(body);
         message.delivery.ack(BasicAckOptions::default()).await.expect("ack a dead letter");
     }
     dead_bodies.sort();
-    let mut malformed: Vec<String> = (0..MALFORMED).map(malformed_body).collect();
-    malformed.sort();
-    assert_eq!(dead_bodies, malformed, "the dead-letter queue holds exactly the malformed messages");
+    let mut letters: Vec<String> = (0..MALFORMED).map(malformed_body).chain(poison_ids.iter().cloned()).collect();
+    letters.sort();
+    assert_eq!(dead_bodies, letters, "the dead-letter queue holds exactly the malformed and the poison messages");
     println!(
         "AMQP kill-and-redeliver: {MESSAGES} messages with ids + {duplicates} duplicate publishes + {MALFORMED} \
-         without an id, {WORKERS} competing workers ({} processes started), {} SIGKILLs after the record and \
-         before the ack, {} deliveries settled as redelivered, {} retried; double effects {doubles}, ledger rows {}, \
-         left in the queue 0, dead letters {} (all malformed); {:.1} s",
+         without an id + {POISON} poison, {WORKERS} competing workers ({} processes started), {} SIGKILLs after \
+         the record and before the ack, {} panics before the side effect (each retried once), {} deliveries \
+         settled as redelivered, {} retried ({} after a poison failure); double effects {doubles}, ledger rows {}, \
+         left in the queue 0, dead letters {} ({MALFORMED} malformed, {POISON} poison after {MAX_ATTEMPTS} runs \
+         each); {:.1} s",
         tally.started,
         tally.kills,
+        tally.panicked.values().sum::<usize>(),
         tally.redelivered,
         tally.retried,
+        tally.failed.values().sum::<usize>(),
         counts.values().sum::<i64>(),
         dead_bodies.len(),
         elapsed.as_secs_f64()
@@ -327,4 +369,239 @@ async fn wait_for(seen: &Seen, done: impl Fn(&[(Instant, Settled)]) -> bool) {
         assert!(Instant::now() < deadline, "not settled in time: {:?}", seen.lock().unwrap());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// The settlements of one message id by attempt: (disposition, reason). (The copy returned after a
+/// failure may be settled before the observer hears of the original's ack.)
+fn settlements_of(seen: &Seen, id: &str) -> Vec<(Disposition, Option<String>)> {
+    let mut settled: Vec<Settled> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, s)| s.message_id.as_deref() == Some(id))
+        .map(|(_, s)| s.clone())
+        .collect();
+    settled.sort_by_key(|s| s.attempt);
+    settled.into_iter().map(|s| (s.disposition, s.reason)).collect()
+}
+
+// A current-thread runtime: the log capture sees every task of the test.
+#[tokio::test]
+async fn amqp_a_panicking_handler_is_retried_and_the_consumer_keeps_running() {
+    const TEST: &str = "amqp_a_panicking_handler_is_retried_and_the_consumer_keeps_running";
+    let Some(amqp) = services::amqp_url(TEST) else { return };
+    let logs = LogCapture::install();
+    let (connection, channel) = connect(&amqp).await;
+    let queue = format!("idempotent-panic-{}", fresh::suffix());
+    let dead = declare_with_dead_letter(&channel, &queue).await.expect("declare the queues");
+
+    let seen: Seen = Arc::default();
+    let panicked = Arc::new(AtomicBool::new(false));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = tokio::spawn({
+        let (channel, queue, seen, panicked) = (channel.clone(), queue.clone(), Arc::clone(&seen), panicked.clone());
+        async move {
+            Consumer::new(channel, queue)
+                .retry_delay(Duration::from_millis(100))
+                .on_settled(move |s| seen.lock().unwrap().push((Instant::now(), s.clone())))
+                .run_until(
+                    |message| {
+                        let panicked = Arc::clone(&panicked);
+                        async move {
+                            let first = message.data() == b"panics once" && !panicked.swap(true, Ordering::SeqCst);
+                            assert!(!first, "boom: this handler panics on its first run");
+                            Ok::<_, Error>(())
+                        }
+                    },
+                    async move {
+                        let _ = stopped.await;
+                    },
+                )
+                .await
+        }
+    });
+
+    publish(&channel, &queue, Some("p"), b"panics once").await;
+    wait_for(&seen, |s| s.iter().any(|(_, s)| s.message_id.as_deref() == Some("p"))).await;
+    publish(&channel, &queue, Some("q"), b"fine").await; // the consumer still runs
+    wait_for(&seen, |s| {
+        s.iter().any(|(_, s)| s.message_id.as_deref() == Some("p") && s.disposition == Disposition::Ack)
+            && s.iter().any(|(_, s)| s.message_id.as_deref() == Some("q"))
+    })
+    .await;
+    stop.send(()).expect("the consumer runs");
+    consumer.await.expect("the consumer task did not panic").expect("the consumer");
+
+    let p = settlements_of(&seen, "p");
+    assert_eq!(p.len(), 2, "a retry after the panic, then the ack: {p:?}");
+    assert_eq!(p[0].0, Disposition::Retry, "{p:?}");
+    assert!(p[0].1.as_deref().is_some_and(|r| r.contains("panicked") && r.contains("boom")), "{p:?}");
+    assert_eq!(p[1], (Disposition::Ack, None));
+    assert_eq!(settlements_of(&seen, "q"), vec![(Disposition::Ack, None)]);
+    let logged: Vec<String> = logs
+        .events()
+        .into_iter()
+        .filter(|e| e.starts_with("ERROR idempotent::consume:") && e.contains("boom"))
+        .collect();
+    assert_eq!(logged.len(), 1, "the panic is logged once, as an error: {:?}", logs.events());
+    assert_eq!(message_count(&channel, &queue).await, 0);
+    assert_eq!(message_count(&channel, &dead).await, 0);
+
+    for q in [&queue, &dead] {
+        channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.expect("delete a queue");
+    }
+    let _ = connection.close(200, "done".into()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_a_message_that_always_fails_is_dead_lettered_after_the_default_attempts() {
+    const TEST: &str = "amqp_a_message_that_always_fails_is_dead_lettered_after_the_default_attempts";
+    let Some(amqp) = services::amqp_url(TEST) else { return };
+    let (connection, channel) = connect(&amqp).await;
+    let queue = format!("idempotent-poison-{}", fresh::suffix());
+    let dead = declare_with_dead_letter(&channel, &queue).await.expect("declare the queues");
+
+    let seen: Seen = Arc::default();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = tokio::spawn({
+        let (channel, queue, seen, runs) = (channel.clone(), queue.clone(), Arc::clone(&seen), Arc::clone(&runs));
+        async move {
+            // The defaults, but for a short retry delay.
+            Consumer::new(channel, queue)
+                .retry_delay(Duration::from_millis(50))
+                .on_settled(move |s| seen.lock().unwrap().push((Instant::now(), s.clone())))
+                .run_until(
+                    |message| {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        async move {
+                            match message.data() {
+                                b"always panics" => panic!("this handler panics every time"),
+                                b"always fails" => Err(Declined),
+                                _ => Ok(()),
+                            }
+                        }
+                    },
+                    async move {
+                        let _ = stopped.await;
+                    },
+                )
+                .await
+        }
+    });
+
+    publish(&channel, &queue, Some("fails"), b"always fails").await;
+    publish(&channel, &queue, Some("panics"), b"always panics").await;
+    wait_for(&seen, |s| s.iter().filter(|(_, s)| s.disposition == Disposition::DeadLetter).count() == 2).await;
+    publish(&channel, &queue, Some("after"), b"fine").await;
+    wait_for(&seen, |s| s.iter().any(|(_, s)| s.message_id.as_deref() == Some("after"))).await;
+    stop.send(()).expect("the consumer runs");
+    consumer.await.expect("the consumer task").expect("the consumer");
+
+    for id in ["fails", "panics"] {
+        let settled = settlements_of(&seen, id);
+        let dispositions: Vec<Disposition> = settled.iter().map(|(d, _)| *d).collect();
+        let mut expected = vec![Disposition::Retry; MAX_ATTEMPTS - 1];
+        expected.push(Disposition::DeadLetter);
+        assert_eq!(dispositions, expected, "{id}: {MAX_ATTEMPTS} runs, then the dead-letter queue: {settled:?}");
+        let last = settled.last().and_then(|(_, r)| r.clone()).unwrap_or_default();
+        assert!(last.contains(&format!("{MAX_ATTEMPTS} of {MAX_ATTEMPTS}")), "the reason says why: {last}");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2 * MAX_ATTEMPTS + 1, "the handler ran that often, and once for `after`");
+    assert_eq!(message_count(&channel, &queue).await, 0);
+    assert_eq!(message_count(&channel, &dead).await, 2, "both are in the dead-letter queue");
+
+    for q in [&queue, &dead] {
+        channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.expect("delete a queue");
+    }
+    let _ = connection.close(200, "done".into()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_max_attempts_sets_the_cap_and_each_copy_counts_its_attempt() {
+    const TEST: &str = "amqp_max_attempts_sets_the_cap_and_each_copy_counts_its_attempt";
+    let Some(amqp) = services::amqp_url(TEST) else { return };
+    let (connection, channel) = connect(&amqp).await;
+    let queue = format!("idempotent-attempts-{}", fresh::suffix());
+    let dead = declare_with_dead_letter(&channel, &queue).await.expect("declare the queues");
+
+    let seen: Seen = Arc::default();
+    let runs: Arc<Mutex<Vec<(String, u32, String)>>> = Arc::default();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = tokio::spawn({
+        let (channel, queue, seen, runs) = (channel.clone(), queue.clone(), Arc::clone(&seen), Arc::clone(&runs));
+        async move {
+            Consumer::new(channel, queue)
+                .max_attempts(3)
+                .retry_delay(Duration::from_millis(50))
+                .on_settled(move |s| seen.lock().unwrap().push((Instant::now(), s.clone())))
+                .run_until(
+                    |message| {
+                        let entry = (message.id().to_owned(), message.attempt(), message.routing_key().to_owned());
+                        runs.lock().unwrap().push(entry);
+                        async move {
+                            // "twice" fails on its first two attempts, "always" on every one.
+                            if message.id() == "always" || message.attempt() < 3 { Err(Declined) } else { Ok(()) }
+                        }
+                    },
+                    async move {
+                        let _ = stopped.await;
+                    },
+                )
+                .await
+        }
+    });
+
+    // Through an exchange, under a routing key that is not the queue's name.
+    let routing_key = format!("{queue}.created");
+    let (exchange, no_args) = ("amq.direct", FieldTable::default());
+    let bind = QueueBindOptions::default();
+    channel
+        .queue_bind(queue.as_str().into(), exchange.into(), routing_key.as_str().into(), bind, no_args)
+        .await
+        .expect("bind");
+    publish_to(&channel, exchange, &routing_key, Some("twice"), b"fails twice").await;
+    publish_to(&channel, exchange, &routing_key, Some("always"), b"always fails").await;
+    wait_for(&seen, |s| {
+        s.iter().any(|(_, s)| s.message_id.as_deref() == Some("twice") && s.disposition == Disposition::Ack)
+            && s.iter().any(|(_, s)| s.disposition == Disposition::DeadLetter)
+    })
+    .await;
+    stop.send(()).expect("the consumer runs");
+    consumer.await.expect("the consumer task").expect("the consumer");
+
+    let runs = runs.lock().unwrap().clone();
+    let of = |id: &str| -> Vec<u32> { runs.iter().filter(|(i, _, _)| i == id).map(|(_, a, _)| *a).collect() };
+    assert_eq!(of("twice"), vec![1, 2, 3], "each copy knows its attempt: {runs:?}");
+    assert_eq!(of("always"), vec![1, 2, 3], "dead-lettered on the third: {runs:?}");
+    assert!(runs.iter().all(|(_, _, key)| *key == routing_key), "the copies keep the routing key: {runs:?}");
+    let settled = seen.lock().unwrap().clone();
+    let attempts = |id: &str| -> Vec<(Disposition, u32)> {
+        let mut of: Vec<(Disposition, u32)> = settled
+            .iter()
+            .filter(|(_, s)| s.message_id.as_deref() == Some(id))
+            .map(|(_, s)| (s.disposition, s.attempt))
+            .collect();
+        of.sort_by_key(|(_, attempt)| *attempt);
+        of
+    };
+    assert_eq!(attempts("twice"), vec![(Disposition::Retry, 1), (Disposition::Retry, 2), (Disposition::Ack, 3)]);
+    assert_eq!(
+        attempts("always"),
+        vec![(Disposition::Retry, 1), (Disposition::Retry, 2), (Disposition::DeadLetter, 3)]
+    );
+    assert_eq!(message_count(&channel, &queue).await, 0);
+    let letter = channel
+        .basic_get(dead.as_str().into(), BasicGetOptions::default())
+        .await
+        .expect("read the dead letters")
+        .expect("one dead letter");
+    let id = letter.delivery.properties.message_id().as_ref().map(ToString::to_string);
+    assert_eq!(id.as_deref(), Some("always"));
+    letter.delivery.ack(BasicAckOptions::default()).await.expect("ack it");
+
+    for q in [&queue, &dead] {
+        channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.expect("delete a queue");
+    }
+    let _ = connection.close(200, "done".into()).await;
 }

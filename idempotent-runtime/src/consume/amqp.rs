@@ -26,10 +26,32 @@
 //!
 //! # Settlement
 //!
-//! Executed or replayed → `basic.ack`; retry → `basic.nack` with `requeue` after the retry delay;
-//! dead-letter → `basic.reject` without `requeue`, which RabbitMQ routes to the queue's
-//! dead-letter exchange (declare one, for example with [`declare_with_dead_letter`]; without it
-//! RabbitMQ drops the message, and only the log keeps the reason).
+//! Executed or replayed → `basic.ack`; retry → `basic.nack` with `requeue` after the retry delay,
+//! or, after a failure of the handler, a copy with its attempt count (below); dead-letter →
+//! `basic.reject` without `requeue`, which RabbitMQ routes to the queue's dead-letter exchange
+//! (declare one, for example with [`declare_with_dead_letter`]; without it RabbitMQ drops the
+//! message, and only the log keeps the reason).
+//!
+//! # Counting attempts
+//!
+//! RabbitMQ counts deliveries only on quorum queues (`x-delivery-count`), and what it counts has
+//! changed between versions (3.x counted every requeue, 4.3 counts `basic.reject` but not
+//! `basic.nack`); a classic queue counts nothing. So the consumer carries the count itself, in
+//! the header [`ATTEMPT`] (`Idempotent-Attempt`, absent on the first attempt): when the handler
+//! failed (its own error that the policy retries, or a panic), the consumer waits the retry
+//! delay, publishes a copy of the message (body and properties, the header incremented, the
+//! original routing key in [`ROUTING_KEY`]) straight to the queue through the default exchange,
+//! waits for RabbitMQ's publisher confirm (the consumer puts its channel in confirm mode), and
+//! only then acks the delivery. On the attempt [`max_attempts`](super::Consumer::max_attempts) a
+//! failure dead-letters the message instead. Other retries (the key claimed elsewhere, the store
+//! down) are plain requeues and leave the count alone.
+//!
+//! What this means: the copy goes to the back of the queue; a crash between the copy's confirm and
+//! the ack leaves both, which the idempotency key makes harmless (one runs, the other replays or
+//! waits); a worker killed *inside* the handler does not count an attempt (use a quorum queue's
+//! `x-delivery-limit` to bound that loop). A dead-lettered message keeps its header, so a tool
+//! that moves dead letters back to the queue should remove [`ATTEMPT`] to give them their
+//! attempts again.
 //!
 //! # Why the retry waits before the requeue
 //!
@@ -46,31 +68,52 @@
 pub use lapin;
 
 use std::future::Future;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::Mutex;
 
+use bytes::Bytes;
 use futures_util::StreamExt as _;
 use lapin::message::Delivery;
 use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, BasicRejectOptions,
-    QueueDeclareOptions,
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
+    BasicRejectOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel};
 
-use super::{
-    DEFAULT_CONCURRENCY, DEFAULT_RETRY_DELAY, Disposition, FailurePolicy, HandlerError, NO_ID, Observer, Settled,
-    disposition, log,
-};
+use super::{Disposition, HandlerError, NO_ID, Settled, Verdict};
+
+/// The header in which the consumer counts a message's attempts (absent: the first).
+pub const ATTEMPT: &str = "Idempotent-Attempt";
+
+/// The header in which a copy returned for a retry keeps the routing key of the original (the
+/// copy is routed to the queue by its name).
+pub const ROUTING_KEY: &str = "Idempotent-Routing-Key";
+
+/// A RabbitMQ consumer: the one [`Consumer`](super::Consumer) type, with its AMQP half.
+pub type Consumer<E> = super::Consumer<Amqp, E>;
+
+/// The AMQP half of a [`Consumer`]: the channel, the queue and how a message's id is read.
+pub struct Amqp {
+    channel: Channel,
+    queue: String,
+    id_of: IdOf,
+}
+
+impl std::fmt::Debug for Amqp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Amqp").field("queue", &self.queue).finish_non_exhaustive()
+    }
+}
 
 /// A message handed to the handler: its id, body and properties.
 #[derive(Debug)]
 pub struct Message {
     id: String,
-    data: Vec<u8>,
+    data: Bytes,
     properties: BasicProperties,
     redelivered: bool,
     routing_key: String,
+    attempt: u32,
 }
 
 impl Message {
@@ -89,7 +132,7 @@ impl Message {
     /// The body, taken out.
     #[must_use]
     pub fn into_data(self) -> Vec<u8> {
-        self.data
+        self.data.into()
     }
 
     /// The AMQP properties (headers, content type, ...).
@@ -98,90 +141,42 @@ impl Message {
         &self.properties
     }
 
-    /// Whether the broker delivered this message before (to this or another consumer).
+    /// Whether the broker delivered this message before (to this or another consumer). A copy
+    /// returned after a failure is a new message to RabbitMQ: see [`attempt`](Self::attempt).
     #[must_use]
     pub fn redelivered(&self) -> bool {
         self.redelivered
     }
 
-    /// The routing key it was published with.
+    /// The routing key it was published with (for a copy returned after a failure, the
+    /// original's, kept in [`ROUTING_KEY`]).
     #[must_use]
     pub fn routing_key(&self) -> &str {
         &self.routing_key
+    }
+
+    /// Which attempt this is: 1, plus one for every failure of the handler on this message (the
+    /// [`ATTEMPT`] header).
+    #[must_use]
+    pub fn attempt(&self) -> u32 {
+        self.attempt
     }
 }
 
 type IdOf = Box<dyn Fn(&Delivery) -> Option<String> + Send + Sync>;
 
-/// Consumes one queue, running each message's handler once per message id and settling the
-/// delivery by its outcome (see [the module docs](super)).
-#[must_use = "a Consumer does nothing until `run`"]
-pub struct Consumer<E> {
-    channel: Channel,
-    queue: String,
-    concurrency: usize,
-    retry_delay: Duration,
-    id_of: IdOf,
-    on_failure: FailurePolicy<E>,
-    observer: Option<Observer>,
-}
-
-impl<E> std::fmt::Debug for Consumer<E> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Consumer")
-            .field("queue", &self.queue)
-            .field("concurrency", &self.concurrency)
-            .field("retry_delay", &self.retry_delay)
-            .finish_non_exhaustive()
-    }
-}
-
 impl<E: HandlerError> Consumer<E> {
     /// A consumer of `queue` on `channel`, taking each message's id from its `message_id` property.
     pub fn new(channel: Channel, queue: impl Into<String>) -> Self {
-        Consumer {
-            channel,
-            queue: queue.into(),
-            concurrency: DEFAULT_CONCURRENCY,
-            retry_delay: DEFAULT_RETRY_DELAY,
-            id_of: Box::new(|delivery| delivery.properties.message_id().as_ref().map(|id| id.as_str().to_owned())),
-            on_failure: Box::new(|_| Disposition::Retry),
-            observer: None,
-        }
+        let id_of: IdOf =
+            Box::new(|delivery| delivery.properties.message_id().as_ref().map(|id| id.as_str().to_owned()));
+        super::Consumer::with_broker(Amqp { channel, queue: queue.into(), id_of })
     }
 
     /// Takes each message's id from `id_of` (a header, a field of the payload) instead of the
     /// `message_id` property. `None` (or an empty id) sends the message to the dead-letter path.
     pub fn id_from(mut self, id_of: impl Fn(&Delivery) -> Option<String> + Send + Sync + 'static) -> Self {
-        self.id_of = Box::new(id_of);
-        self
-    }
-
-    /// How many deliveries are handled at once; also the channel's prefetch (default
-    /// [`DEFAULT_CONCURRENCY`], at least 1).
-    pub fn concurrency(mut self, concurrency: usize) -> Self {
-        self.concurrency = concurrency.clamp(1, usize::from(u16::MAX));
-        self
-    }
-
-    /// How long a delivery to be retried is held before it is requeued (default
-    /// [`DEFAULT_RETRY_DELAY`]).
-    pub fn retry_delay(mut self, delay: Duration) -> Self {
-        self.retry_delay = delay;
-        self
-    }
-
-    /// What to do when the handler fails with its own error (the claim was released, so a retry
-    /// runs the body again): [`Disposition::Retry`] (the default), [`Disposition::Ack`] (the error
-    /// is final, for example recorded with `record_err`) or [`Disposition::DeadLetter`].
-    pub fn on_failure(mut self, policy: impl Fn(&E) -> Disposition + Send + Sync + 'static) -> Self {
-        self.on_failure = Box::new(policy);
-        self
-    }
-
-    /// Calls `observer` after each delivery is settled (for metrics, or a test's ledger).
-    pub fn on_settled(mut self, observer: impl Fn(&Settled) + Send + Sync + 'static) -> Self {
-        self.observer = Some(Arc::new(observer));
+        self.broker.id_of = Box::new(id_of);
         self
     }
 
@@ -202,6 +197,9 @@ impl<E: HandlerError> Consumer<E> {
     /// finishes the deliveries in hand. Deliveries prefetched but not started stay unacknowledged
     /// and return to the queue when the channel closes.
     ///
+    /// The channel is put in publisher-confirm mode (the copies returned after a failure are
+    /// confirmed before the original is acked).
+    ///
     /// # Errors
     ///
     /// When the consumer cannot be started, or the channel fails.
@@ -210,22 +208,19 @@ impl<E: HandlerError> Consumer<E> {
         F: Fn(Message) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        let prefetch = u16::try_from(self.concurrency).unwrap_or(u16::MAX);
-        self.channel.basic_qos(prefetch, BasicQosOptions::default()).await?;
+        let channel = &self.broker.channel;
+        channel.confirm_select(ConfirmSelectOptions::default()).await?;
+        let prefetch = u16::try_from(self.settings.concurrency).unwrap_or(u16::MAX);
+        channel.basic_qos(prefetch, BasicQosOptions::default()).await?;
         let tag = format!("idempotent-{}", uuid::Uuid::new_v4().simple());
-        let consumer = self
-            .channel
-            .basic_consume(
-                self.queue.as_str().into(),
-                tag.as_str().into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
+        let queue = self.broker.queue.as_str();
+        let consumer = channel
+            .basic_consume(queue.into(), tag.as_str().into(), BasicConsumeOptions::default(), FieldTable::default())
             .await?;
         let failure = Mutex::new(None);
         consumer
             .take_until(stop)
-            .for_each_concurrent(self.concurrency, |delivery| async {
+            .for_each_concurrent(self.settings.concurrency, |delivery| async {
                 match delivery {
                     Ok(delivery) => self.settle(delivery, &handler).await,
                     Err(e) => *failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e),
@@ -235,8 +230,8 @@ impl<E: HandlerError> Consumer<E> {
         if let Some(e) = failure.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner) {
             return Err(e);
         }
-        if self.channel.status().connected() {
-            self.channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await?;
+        if channel.status().connected() {
+            channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await?;
         }
         Ok(())
     }
@@ -246,41 +241,101 @@ impl<E: HandlerError> Consumer<E> {
         F: Fn(Message) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        let id = (self.id_of)(&delivery).filter(|id| !id.is_empty());
+        let id = (self.broker.id_of)(&delivery).filter(|id| !id.is_empty());
+        let attempt = header_count(&delivery.properties, ATTEMPT).unwrap_or(1).max(1);
         let Delivery { acker, data, properties, redelivered, routing_key, .. } = delivery;
-        let (disposition, reason) = match &id {
-            None => (Disposition::DeadLetter, Some(NO_ID.to_owned())),
+        let data = Bytes::from(data);
+        let routing_key = header_text(&properties, ROUTING_KEY).unwrap_or_else(|| routing_key.to_string());
+        // What a copy returned after a failure needs, once the handler has taken the message.
+        let keep = (data.clone(), properties.clone(), routing_key.clone());
+        let verdict = match &id {
+            None => Verdict::dead_letter(NO_ID),
             Some(id) => {
-                let message =
-                    Message { id: id.clone(), data, properties, redelivered, routing_key: routing_key.to_string() };
-                disposition(&handler(message).await, &*self.on_failure)
+                let message = Message { id: id.clone(), data, properties, redelivered, routing_key, attempt };
+                self.decide(id, attempt, self.settings.max_attempts, handler(message)).await
             }
         };
+        let Verdict { disposition, reason, failed } = verdict;
         let settled = match disposition {
             Disposition::Ack => acker.ack(BasicAckOptions::default()).await,
             Disposition::Retry => {
-                tokio::time::sleep(self.retry_delay).await;
-                acker.nack(BasicNackOptions { multiple: false, requeue: true }).await
+                // Held, not requeued at once: a requeued message is redelivered immediately.
+                tokio::time::sleep(self.settings.retry_delay).await;
+                if failed && self.copy_for_retry(keep, attempt + 1, id.as_deref()).await {
+                    acker.ack(BasicAckOptions::default()).await
+                } else {
+                    acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() }).await
+                }
             }
             Disposition::DeadLetter => acker.reject(BasicRejectOptions { requeue: false }).await,
         };
+        let id_text = id.as_deref().unwrap_or("<none>");
         match settled {
-            Ok(true) => {
-                let settled = Settled { message_id: id, disposition, redelivered, reason };
-                log(&settled);
-                if let Some(observer) = &self.observer {
-                    observer(&settled);
-                }
-            }
+            Ok(true) => self.settled(&Settled { message_id: id, disposition, redelivered, reason, attempt }),
             Ok(false) => tracing::warn!(
-                target: "idempotent::consume", message_id = id.as_deref().unwrap_or("<none>"), ?disposition,
+                target: "idempotent::consume", message_id = id_text, ?disposition,
                 "the channel closed before the delivery was settled; the broker delivers it again"
             ),
             Err(e) => tracing::warn!(
-                target: "idempotent::consume", message_id = id.as_deref().unwrap_or("<none>"), ?disposition, error = %e,
+                target: "idempotent::consume", message_id = id_text, ?disposition, error = %e,
                 "settling the delivery failed; the broker delivers it again"
             ),
         }
+    }
+
+    /// Publishes the copy of a failed message for its attempt `next`, straight to the queue, and
+    /// waits for the broker's confirm. `false` (logged): the copy is not known to be stored, and
+    /// the original is requeued instead (without the count).
+    async fn copy_for_retry(
+        &self,
+        (data, properties, routing_key): (Bytes, BasicProperties, String),
+        next: u32,
+        id: Option<&str>,
+    ) -> bool {
+        let mut headers = properties.headers().clone().unwrap_or_default();
+        headers.insert(ATTEMPT.into(), AMQPValue::LongLongInt(i64::from(next)));
+        headers.insert(ROUTING_KEY.into(), AMQPValue::LongString(routing_key.as_str().into()));
+        let properties = properties.with_headers(headers);
+        let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
+        let queue = ShortString::from(self.broker.queue.as_str());
+        let published =
+            async { self.broker.channel.basic_publish("".into(), queue, options, &data, properties).await?.await };
+        let problem = match published.await {
+            Ok(lapin::Confirmation::Ack(None)) => return true,
+            Ok(lapin::Confirmation::Ack(Some(_))) => "the queue did not take it".to_owned(),
+            Ok(other) => format!("the broker did not confirm it ({other:?})"),
+            Err(e) => e.to_string(),
+        };
+        tracing::warn!(
+            target: "idempotent::consume", message_id = id.unwrap_or("<none>"), problem,
+            "could not return a copy with the attempt count; the message is requeued without it"
+        );
+        false
+    }
+}
+
+/// A header's value as a count (any integer type; RabbitMQ and clients differ in which they use).
+fn header_count(properties: &BasicProperties, name: &str) -> Option<u32> {
+    let value = properties.headers().as_ref()?.inner().get(name)?;
+    let count = match value {
+        AMQPValue::ShortShortInt(n) => i64::from(*n),
+        AMQPValue::ShortShortUInt(n) => i64::from(*n),
+        AMQPValue::ShortInt(n) => i64::from(*n),
+        AMQPValue::ShortUInt(n) => i64::from(*n),
+        AMQPValue::LongInt(n) => i64::from(*n),
+        AMQPValue::LongUInt(n) => i64::from(*n),
+        AMQPValue::LongLongInt(n) => *n,
+        _ => return None,
+    };
+    u32::try_from(count).ok()
+}
+
+/// A header's value as text.
+fn header_text(properties: &BasicProperties, name: &str) -> Option<String> {
+    match properties.headers().as_ref()?.inner().get(name)? {
+        AMQPValue::LongString(text) => Some(text.to_string()),
+        AMQPValue::ShortString(text) => Some(text.as_str().to_owned()),
+        _ => None,
     }
 }
 

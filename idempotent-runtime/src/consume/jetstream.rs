@@ -32,42 +32,86 @@
 //!
 //! Executed or replayed → `+ACK`; retry → `-NAK` with the retry delay (JetStream redelivers it
 //! after the delay, to any consumer; no hot loop); dead-letter → the message is published, with
-//! its headers and the header `Idempotent-Dead-Letter-Reason`, to the
-//! [`dead_letter`](Consumer::dead_letter) subject (and its id in `Idempotent-Message-Id`) (JetStream has no dead-letter queue of its own),
-//! and then terminated with `+TERM` so it is never delivered again. The copy carries
-//! `Nats-Msg-Id: <stream>.<sequence>` of the original, so a crash between the copy and the
-//! `+TERM` (the message comes back and is copied again) leaves one copy within the stream's
-//! duplicate window. Without a dead-letter subject, the message is only terminated, and only the
-//! log keeps it.
+//! its headers, its reason in [`DEAD_LETTER_REASON`] and its id in [`DEAD_LETTER_MESSAGE_ID`], to
+//! the [`dead_letter`](super::Consumer::dead_letter) subject (JetStream has no dead-letter queue of
+//! its own), and then terminated with `+TERM` so it is never delivered again. Without a
+//! dead-letter subject, the message is only terminated, and only the log keeps it.
 //!
-//! JetStream redelivers a message whose ack does not arrive within the consumer's `ack_wait`, also
-//! while the first delivery is still being handled: make `ack_wait` longer than a handler takes
-//! (the duplicate would get [`Error::InProgress`](crate::Error::InProgress) and be retried).
-
+//! # The dead-letter copy's id
+//!
+//! The default id reader takes [`DEAD_LETTER_MESSAGE_ID`] when a message has it, and
+//! `Nats-Msg-Id` otherwise; a dead-letter copy of a message that had no id (it carries
+//! [`DEAD_LETTER_REASON`] but no [`DEAD_LETTER_MESSAGE_ID`]) has no id. So a consumer of the
+//! dead-letter subject, or a tool that publishes the copies back to the work subject with their
+//! headers, runs each message under its original key, with the default settings. The copy's own
+//! `Nats-Msg-Id` is `<stream>.<consumer>.<sequence>` of the original: never the original id,
+//! which the duplicate window of a stream that keeps both subjects would drop as a duplicate, and
+//! the same for every copy of one delivery, so a crash between the copy and the `+TERM` (the
+//! message comes back and is copied again) leaves one copy within the dead-letter stream's
+//! duplicate window.
+//!
+//! # Attempts, and handlers longer than `ack_wait`
+//!
+//! JetStream counts the deliveries of each message (`num_delivered`): a failure of the handler (its
+//! own error that the policy retries, or a panic) on the delivery
+//! [`max_attempts`](super::Consumer::max_attempts) is dead-lettered. Every delivery counts, also one
+//! that followed a crash or a `-NAK` for a key claimed elsewhere; only a failure of the handler
+//! ends in the dead-letter path. When the consumer's own `max_deliver` is lower, it is the cap:
+//! after it JetStream would not deliver the message again.
+//!
+//! JetStream redelivers a message whose ack does not arrive within the consumer's `ack_wait`. While
+//! the handler runs, the consumer tells JetStream that the work goes on (`+WPI`, "in progress"),
+//! every third of `ack_wait` (read from the consumer's info), so a handler may take longer than
+//! `ack_wait` without being delivered again meanwhile. The idempotency key's lease is renewed in
+//! the same way by its heartbeat, so both the broker and the store hold the message for as long
+//! as the handler runs; a consumer that dies stops both, and the message is redelivered after
+//! `ack_wait`.
 pub use async_nats;
 
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::consumer::pull::MessagesErrorKind;
+use async_nats::jetstream::message::Acker;
 use async_nats::jetstream::{AckKind, Context};
 use async_nats::{HeaderMap, Subject};
 use bytes::Bytes;
 use futures_util::StreamExt as _;
 
-use super::{
-    DEFAULT_CONCURRENCY, DEFAULT_RETRY_DELAY, Disposition, FailurePolicy, HandlerError, NO_ID, Observer, Settled,
-    disposition, log,
-};
+use super::{Disposition, HandlerError, NO_ID, Settled, Verdict};
 
 /// The header a dead-lettered copy carries its reason in.
 pub const DEAD_LETTER_REASON: &str = "Idempotent-Dead-Letter-Reason";
 
-/// The header a dead-lettered copy carries the original message id in (its `Nats-Msg-Id` is the
-/// original's `<stream>.<sequence>`).
+/// The header a dead-lettered copy carries the original message id in; the default id reader
+/// takes it before `Nats-Msg-Id`.
 pub const DEAD_LETTER_MESSAGE_ID: &str = "Idempotent-Message-Id";
+
+/// JetStream's default `ack_wait`, for a consumer whose info does not say.
+const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
+
+/// A JetStream consumer: the one [`Consumer`](super::Consumer) type, with its JetStream half.
+pub type Consumer<E> = super::Consumer<JetStream, E>;
+
+/// The JetStream half of a [`Consumer`]: the pull consumer, the dead-letter subject and how a
+/// message's id is read.
+pub struct JetStream {
+    context: Context,
+    pull: PullConsumer,
+    dead_letter: Option<Subject>,
+    id_of: IdOf,
+}
+
+impl std::fmt::Debug for JetStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JetStream")
+            .field("consumer", &self.pull.cached_info().name)
+            .field("dead_letter", &self.dead_letter)
+            .finish_non_exhaustive()
+    }
+}
 
 /// A message handed to the handler: its id, subject, payload and headers.
 #[derive(Debug)]
@@ -104,7 +148,7 @@ impl Message {
         self.headers.as_ref()
     }
 
-    /// How many times JetStream has delivered it, this time included.
+    /// How many times JetStream has delivered it, this time included (the attempt).
     #[must_use]
     pub fn delivered(&self) -> i64 {
         self.delivered
@@ -113,87 +157,43 @@ impl Message {
 
 type IdOf = Box<dyn Fn(&async_nats::Message) -> Option<String> + Send + Sync>;
 
-/// Consumes from a pull consumer, running each message's handler once per message id and
-/// settling the delivery by its outcome (see [the module docs](super)).
-#[must_use = "a Consumer does nothing until `run`"]
-pub struct Consumer<E> {
-    context: Context,
-    pull: PullConsumer,
-    dead_letter: Option<Subject>,
-    concurrency: usize,
-    retry_delay: Duration,
-    id_of: IdOf,
-    on_failure: FailurePolicy<E>,
-    observer: Option<Observer>,
-}
-
-impl<E> std::fmt::Debug for Consumer<E> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Consumer")
-            .field("dead_letter", &self.dead_letter)
-            .field("concurrency", &self.concurrency)
-            .field("retry_delay", &self.retry_delay)
-            .finish_non_exhaustive()
+/// The default id reader: [`DEAD_LETTER_MESSAGE_ID`], else (unless this is a dead-letter copy)
+/// `Nats-Msg-Id`.
+fn default_id(message: &async_nats::Message) -> Option<String> {
+    let headers = message.headers.as_ref()?;
+    if let Some(id) = headers.get(DEAD_LETTER_MESSAGE_ID) {
+        return Some(id.as_str().to_owned());
     }
+    if headers.get(DEAD_LETTER_REASON).is_some() {
+        return None; // a copy of a message that had no id; its Nats-Msg-Id is the copy's own
+    }
+    Some(headers.get(async_nats::header::NATS_MESSAGE_ID)?.as_str().to_owned())
 }
 
 impl<E: HandlerError> Consumer<E> {
     /// Consumes from `consumer` (with an explicit ack policy, the default), taking each message's
-    /// id from its `Nats-Msg-Id` header. `context` publishes dead-lettered copies.
+    /// id from its `Nats-Msg-Id` header (or, on a dead-letter copy, [`DEAD_LETTER_MESSAGE_ID`]).
+    /// `context` publishes dead-lettered copies.
     pub fn new(context: Context, consumer: PullConsumer) -> Self {
-        Consumer {
+        super::Consumer::with_broker(JetStream {
             context,
             pull: consumer,
             dead_letter: None,
-            concurrency: DEFAULT_CONCURRENCY,
-            retry_delay: DEFAULT_RETRY_DELAY,
-            id_of: Box::new(|message| {
-                let headers = message.headers.as_ref()?;
-                Some(headers.get(async_nats::header::NATS_MESSAGE_ID)?.as_str().to_owned())
-            }),
-            on_failure: Box::new(|_| Disposition::Retry),
-            observer: None,
-        }
+            id_of: Box::new(default_id),
+        })
     }
 
     /// Publishes dead-lettered messages to `subject` (which a stream must capture) before
     /// terminating them. Without it they are terminated and logged only.
     pub fn dead_letter(mut self, subject: impl Into<String>) -> Self {
-        self.dead_letter = Some(Subject::from(subject.into()));
+        self.broker.dead_letter = Some(Subject::from(subject.into()));
         self
     }
 
     /// Takes each message's id from `id_of` (another header, a field of the payload) instead of
-    /// `Nats-Msg-Id`. `None` (or an empty id) sends the message to the dead-letter path.
+    /// the default reader. `None` (or an empty id) sends the message to the dead-letter path.
     pub fn id_from(mut self, id_of: impl Fn(&async_nats::Message) -> Option<String> + Send + Sync + 'static) -> Self {
-        self.id_of = Box::new(id_of);
-        self
-    }
-
-    /// How many messages are handled at once; also the pull batch (default
-    /// [`DEFAULT_CONCURRENCY`], at least 1).
-    pub fn concurrency(mut self, concurrency: usize) -> Self {
-        self.concurrency = concurrency.max(1);
-        self
-    }
-
-    /// The delay of the `-NAK` for a retry (default [`DEFAULT_RETRY_DELAY`]).
-    pub fn retry_delay(mut self, delay: Duration) -> Self {
-        self.retry_delay = delay;
-        self
-    }
-
-    /// What to do when the handler fails with its own error (the claim was released, so a retry
-    /// runs the body again): [`Disposition::Retry`] (the default), [`Disposition::Ack`] (the error
-    /// is final, for example recorded with `record_err`) or [`Disposition::DeadLetter`].
-    pub fn on_failure(mut self, policy: impl Fn(&E) -> Disposition + Send + Sync + 'static) -> Self {
-        self.on_failure = Box::new(policy);
-        self
-    }
-
-    /// Calls `observer` after each message is settled (for metrics, or a test's ledger).
-    pub fn on_settled(mut self, observer: impl Fn(&Settled) + Send + Sync + 'static) -> Self {
-        self.observer = Some(Arc::new(observer));
+        self.broker.id_of = Box::new(id_of);
         self
     }
 
@@ -221,7 +221,14 @@ impl<E: HandlerError> Consumer<E> {
         F: Fn(Message) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        let messages = self.pull.stream().max_messages_per_batch(self.concurrency).messages().await?;
+        let config = &self.broker.pull.cached_info().config;
+        let ack_wait = if config.ack_wait.is_zero() { DEFAULT_ACK_WAIT } else { config.ack_wait };
+        let cap = match u32::try_from(config.max_deliver) {
+            Ok(max_deliver) if max_deliver > 0 => self.settings.max_attempts.min(max_deliver),
+            _ => self.settings.max_attempts,
+        };
+        let limits = Limits { progress_every: ack_wait / 3, cap };
+        let messages = self.broker.pull.stream().max_messages_per_batch(self.settings.concurrency).messages().await?;
         let failure = Mutex::new(None);
         messages
             .take_until(stop)
@@ -240,7 +247,7 @@ impl<E: HandlerError> Consumer<E> {
                 std::future::ready(next)
             })
             .filter_map(std::future::ready)
-            .for_each_concurrent(self.concurrency, |message| self.settle(message, &handler))
+            .for_each_concurrent(self.settings.concurrency, |message| self.settle(message, &handler, limits))
             .await;
         match failure.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner) {
             Some(e) => Err(e.into()),
@@ -248,31 +255,34 @@ impl<E: HandlerError> Consumer<E> {
         }
     }
 
-    async fn settle<F, Fut, T>(&self, message: async_nats::jetstream::Message, handler: &F)
+    async fn settle<F, Fut, T>(&self, message: async_nats::jetstream::Message, handler: &F, limits: Limits)
     where
         F: Fn(Message) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        let id = (self.id_of)(&message.message).filter(|id| !id.is_empty());
+        let id = (self.broker.id_of)(&message.message).filter(|id| !id.is_empty());
         let (delivered, source) = match message.info() {
-            Ok(info) => (info.delivered, format!("{}.{}", info.stream, info.stream_sequence)),
+            Ok(info) => (info.delivered, format!("{}.{}.{}", info.stream, info.consumer, info.stream_sequence)),
             Err(_) => (1, String::new()),
         };
+        let attempt = u32::try_from(delivered).unwrap_or(u32::MAX).max(1);
         let redelivered = delivered > 1;
         let (message, acker) = message.split();
         let async_nats::Message { subject, payload, headers, .. } = message;
         // What a dead-lettered copy needs after the handler took the message.
-        let keep = self.dead_letter.as_ref().map(|_| (payload.clone(), headers.clone()));
-        let (disposition, reason) = match &id {
-            None => (Disposition::DeadLetter, Some(NO_ID.to_owned())),
+        let keep = self.broker.dead_letter.as_ref().map(|_| (payload.clone(), headers.clone()));
+        let verdict = match &id {
+            None => Verdict::dead_letter(NO_ID),
             Some(id) => {
                 let message = Message { id: id.clone(), subject, payload, headers, delivered };
-                disposition(&handler(message).await, &*self.on_failure)
+                let run = with_progress(handler(message), &acker, limits.progress_every);
+                self.decide(id, attempt, limits.cap, run).await
             }
         };
+        let Verdict { disposition, reason, .. } = verdict;
         let settled = match disposition {
             Disposition::Ack => acker.ack().await,
-            Disposition::Retry => acker.ack_with(AckKind::Nak(Some(self.retry_delay))).await,
+            Disposition::Retry => acker.ack_with(AckKind::Nak(Some(self.settings.retry_delay))).await,
             Disposition::DeadLetter => {
                 let reason = reason.as_deref().unwrap_or_default();
                 match self.copy_to_dead_letter(keep, id.as_deref(), reason, &source).await {
@@ -282,20 +292,14 @@ impl<E: HandlerError> Consumer<E> {
                             target: "idempotent::consume", message_id = id.as_deref().unwrap_or("<none>"), reason, error = %e,
                             "could not publish to the dead-letter subject; the message is retried after the delay"
                         );
-                        let _ = acker.ack_with(AckKind::Nak(Some(self.retry_delay))).await;
+                        let _ = acker.ack_with(AckKind::Nak(Some(self.settings.retry_delay))).await;
                         return;
                     }
                 }
             }
         };
         match settled {
-            Ok(()) => {
-                let settled = Settled { message_id: id, disposition, redelivered, reason };
-                log(&settled);
-                if let Some(observer) = &self.observer {
-                    observer(&settled);
-                }
-            }
+            Ok(()) => self.settled(&Settled { message_id: id, disposition, redelivered, reason, attempt }),
             Err(e) => tracing::warn!(
                 target: "idempotent::consume", message_id = id.as_deref().unwrap_or("<none>"), ?disposition, error = %e,
                 "settling the message failed; JetStream delivers it again after ack_wait"
@@ -310,7 +314,7 @@ impl<E: HandlerError> Consumer<E> {
         reason: &str,
         source: &str,
     ) -> Result<(), async_nats::Error> {
-        let (Some(subject), Some((payload, headers))) = (&self.dead_letter, keep) else { return Ok(()) };
+        let (Some(subject), Some((payload, headers))) = (&self.broker.dead_letter, keep) else { return Ok(()) };
         let mut headers = headers.unwrap_or_default();
         let printable: String = reason.chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
         headers.insert(DEAD_LETTER_REASON, printable);
@@ -320,7 +324,34 @@ impl<E: HandlerError> Consumer<E> {
         if !source.is_empty() {
             headers.insert(async_nats::header::NATS_MESSAGE_ID, source);
         }
-        self.context.publish_with_headers(subject.clone(), headers, payload).await?.await?;
+        self.broker.context.publish_with_headers(subject.clone(), headers, payload).await?.await?;
         Ok(())
+    }
+}
+
+/// What `run_until` reads from the consumer's info once, for every message.
+#[derive(Clone, Copy)]
+struct Limits {
+    /// How often a running handler's message is reported in progress (a third of `ack_wait`).
+    progress_every: Duration,
+    /// On which delivery a failure is dead-lettered.
+    cap: u32,
+}
+
+/// Runs `work`, telling JetStream every `every` that the message is in progress (`+WPI`), so it
+/// is not redelivered after `ack_wait` while `work` runs.
+async fn with_progress<F: Future>(work: F, acker: &Acker, every: Duration) -> F::Output {
+    let progress = async {
+        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        loop {
+            ticks.tick().await;
+            if let Err(e) = acker.ack_with(AckKind::Progress).await {
+                tracing::warn!(target: "idempotent::consume", error = %e, "could not report the message in progress");
+            }
+        }
+    };
+    tokio::select! {
+        output = work => output,
+        () = progress => unreachable!("the progress loop never ends"),
     }
 }

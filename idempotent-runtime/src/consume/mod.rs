@@ -10,14 +10,36 @@
 //! | outcome of the handler | settlement |
 //! |---|---|
 //! | `Ok` (executed, or replayed from the record) | ack, only after the call returned: the record is written |
-//! | [`Error::InProgress`], [`Error::Store`] | requeue (AMQP) or `nak` (JetStream) after [`retry_delay`](amqp::Consumer::retry_delay) |
-//! | your own error (the claim was released) | your [`on_failure`](amqp::Consumer::on_failure) policy: retry after the delay (default), ack, or dead-letter |
+//! | [`Error::InProgress`], [`Error::Store`] | requeue (AMQP) or `nak` (JetStream) after [`retry_delay`](Consumer::retry_delay) |
+//! | your own error (the claim was released) | your [`on_failure`](Consumer::on_failure) policy: retry after the delay (default), ack, or dead-letter |
+//! | a panic (the claim was released) | retry after the delay |
+//! | your own error or a panic, on the [`max_attempts`](Consumer::max_attempts)-th attempt (default [`DEFAULT_MAX_ATTEMPTS`]) | dead-letter, with the reason logged |
 //! | [`Error::FingerprintMismatch`], no id or an invalid one, [`Error::Decode`], [`Error::Fingerprint`] | dead-letter, with the reason logged |
 //! | [`Error::Unrecordable`], [`Error::LeaseLost`] | ack: the body ran, running it again is what must not happen |
 //! | [`Error::InvalidOption`], [`Error::ScopeCollision`] (a configuration mistake) | retry after the delay: the message waits for the fix |
 //!
-//! Brokers: [`amqp`] (RabbitMQ through `lapin`, feature `amqp`) and [`jetstream`] (NATS JetStream
-//! through `async-nats`, feature `jetstream`).
+//! # Panics and poison messages
+//!
+//! A handler that panics does not take the consumer down: the panic is caught, logged (level
+//! `ERROR`, target `idempotent::consume`) and treated as a failure of that attempt; the other
+//! deliveries in hand go on. A `#[idempotent]` body that panics releases its key, like an
+//! unrecorded error, so the retry runs the body again: what the body shares with other tasks (a
+//! `Mutex` it held, for example) is as the panic left it.
+//!
+//! A message whose handler fails every time (a *poison* message) would otherwise be retried
+//! forever and take a concurrency slot on every attempt. The consumer counts attempts and
+//! dead-letters a message whose handler failed (its own error with the policy's
+//! [`Disposition::Retry`], or a panic) on its [`max_attempts`](Consumer::max_attempts)-th attempt.
+//! Retries that are not the message's fault ([`Error::InProgress`], [`Error::Store`], a
+//! configuration mistake) are never dead-lettered for their number: a store outage makes
+//! messages wait, not fill the dead-letter path. Where the count comes from differs: JetStream
+//! counts deliveries itself (module `jetstream`); RabbitMQ has no count on classic queues, so the
+//! AMQP consumer carries its own in a header (module `amqp`).
+//!
+//! Brokers: `amqp` (RabbitMQ through `lapin`, feature `amqp`) and `jetstream` (NATS JetStream
+//! through `async-nats`, feature `jetstream`). Both build the one [`Consumer`] type, whose
+//! settings are shared; the broker's own half (connection, queue, id reader) is its first type
+//! parameter.
 //!
 //! Your handler's error type tells the consumer where the idempotency error is by implementing
 //! [`HandlerError`] (implemented for [`Error`] itself).
@@ -27,7 +49,12 @@ pub mod amqp;
 #[cfg(feature = "jetstream")]
 pub mod jetstream;
 
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
 use std::time::Duration;
+
+use futures_util::FutureExt as _;
 
 use crate::Error;
 
@@ -36,6 +63,173 @@ pub const DEFAULT_RETRY_DELAY: Duration = Duration::from_secs(1);
 
 /// How many deliveries a consumer handles at once (and its prefetch): 16.
 pub const DEFAULT_CONCURRENCY: usize = 16;
+
+/// On which attempt a message whose handler keeps failing is dead-lettered: the 5th.
+///
+/// A poison message runs 5 times, four retry delays apart ([`DEFAULT_RETRY_DELAY`] each by
+/// default), and then goes to the dead-letter path. A failure that heals by itself within seconds (a
+/// downstream restart) still gets its retries; one that lasts longer belongs in the dead-letter
+/// path, from where it can be replayed once it is fixed. Raise it with
+/// [`max_attempts`](Consumer::max_attempts), or lengthen the delay.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
+
+/// A consumer of one broker: the settings every broker shares, and `B`, the broker's own half
+/// (`amqp::Amqp`, `jetstream::JetStream`).
+///
+/// Build one with `amqp::Consumer::new(channel, queue)` or `jetstream::Consumer::new(context,
+/// pull_consumer)` (`amqp::Consumer<E>` and `jetstream::Consumer<E>` name this type for each
+/// broker), set what differs from the defaults, and `run` it. `E` is the handler's error type.
+#[must_use = "a Consumer does nothing until `run`"]
+pub struct Consumer<B, E> {
+    broker: B,
+    settings: Settings<E>,
+}
+
+/// What every consumer is configured with, whatever its broker.
+struct Settings<E> {
+    concurrency: usize,
+    retry_delay: Duration,
+    max_attempts: u32,
+    on_failure: FailurePolicy<E>,
+    observer: Option<Observer>,
+}
+
+impl<B: std::fmt::Debug, E> std::fmt::Debug for Consumer<B, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumer")
+            .field("broker", &self.broker)
+            .field("concurrency", &self.settings.concurrency)
+            .field("retry_delay", &self.settings.retry_delay)
+            .field("max_attempts", &self.settings.max_attempts)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B, E> Consumer<B, E> {
+    /// A consumer of `broker` with the default settings.
+    pub(crate) fn with_broker(broker: B) -> Self {
+        Consumer {
+            broker,
+            settings: Settings {
+                concurrency: DEFAULT_CONCURRENCY,
+                retry_delay: DEFAULT_RETRY_DELAY,
+                max_attempts: DEFAULT_MAX_ATTEMPTS,
+                on_failure: Box::new(|_| Disposition::Retry),
+                observer: None,
+            },
+        }
+    }
+
+    /// How many deliveries are handled at once; also the AMQP channel's prefetch, or the JetStream
+    /// pull batch (default [`DEFAULT_CONCURRENCY`], between 1 and 65,535).
+    pub fn concurrency(mut self, concurrency: usize) -> Self {
+        self.settings.concurrency = concurrency.clamp(1, usize::from(u16::MAX));
+        self
+    }
+
+    /// How long a delivery to be retried waits: AMQP holds it for the delay before it returns
+    /// it to the queue, JetStream delays the redelivery by it (`-NAK` with a delay). Default
+    /// [`DEFAULT_RETRY_DELAY`].
+    pub fn retry_delay(mut self, delay: Duration) -> Self {
+        self.settings.retry_delay = delay;
+        self
+    }
+
+    /// On which attempt a message whose handler failed (its own error that
+    /// [`on_failure`](Self::on_failure) retries, or a panic) is dead-lettered instead of retried
+    /// (default [`DEFAULT_MAX_ATTEMPTS`], at least 1: 1 dead-letters at the first failure). See
+    /// [the module docs](self#panics-and-poison-messages) for what counts as an attempt.
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.settings.max_attempts = attempts.max(1);
+        self
+    }
+
+    /// What to do when the handler fails with its own error (the claim was released, so a retry
+    /// runs the body again): [`Disposition::Retry`] (the default; dead-lettered once the attempts
+    /// run out), [`Disposition::Ack`] (the error is final, for example recorded with
+    /// `record_err`) or [`Disposition::DeadLetter`].
+    pub fn on_failure(mut self, policy: impl Fn(&E) -> Disposition + Send + Sync + 'static) -> Self {
+        self.settings.on_failure = Box::new(policy);
+        self
+    }
+
+    /// Calls `observer` after each delivery is settled (for metrics, or a test's ledger).
+    pub fn on_settled(mut self, observer: impl Fn(&Settled) + Send + Sync + 'static) -> Self {
+        self.settings.observer = Some(Arc::new(observer));
+        self
+    }
+}
+
+/// What the consumer decided for one delivery, from the handler's run.
+pub(crate) struct Verdict {
+    pub(crate) disposition: Disposition,
+    pub(crate) reason: Option<String>,
+    /// The handler itself failed (its own error, retried by the policy, or a panic): a retry
+    /// spends one of the message's attempts.
+    pub(crate) failed: bool,
+}
+
+impl Verdict {
+    /// Dead-letter, for `reason`, without running the handler.
+    pub(crate) fn dead_letter(reason: &str) -> Verdict {
+        Verdict { disposition: Disposition::DeadLetter, reason: Some(reason.to_owned()), failed: false }
+    }
+}
+
+impl<B, E: HandlerError> Consumer<B, E> {
+    /// Runs the handler's future for message `id` (catching a panic) on its `attempt`-th attempt,
+    /// and decides the settlement; a failure on attempt `cap` (or later) is dead-lettered.
+    pub(crate) async fn decide<T>(
+        &self,
+        id: &str,
+        attempt: u32,
+        cap: u32,
+        run: impl Future<Output = Result<T, E>>,
+    ) -> Verdict {
+        let mut verdict = match AssertUnwindSafe(run).catch_unwind().await {
+            Ok(result) => {
+                let own_error = matches!(&result, Err(e) if e.idempotency_error().is_none());
+                let (disposition, reason) = disposition(&result, &*self.settings.on_failure);
+                Verdict { disposition, reason, failed: own_error && disposition == Disposition::Retry }
+            }
+            Err(panic) => {
+                let panic = panic_message(&*panic);
+                tracing::error!(
+                    target: "idempotent::consume", message_id = id, attempt, panic,
+                    "the handler panicked; the attempt counts as failed"
+                );
+                Verdict {
+                    disposition: Disposition::Retry,
+                    reason: Some(format!("the handler panicked: {panic}")),
+                    failed: true,
+                }
+            }
+        };
+        if verdict.failed && attempt >= cap {
+            verdict.disposition = Disposition::DeadLetter;
+            let reason = verdict.reason.take().unwrap_or_default();
+            verdict.reason = Some(format!("{reason} (attempt {attempt} of {cap}: no attempt left)"));
+        }
+        verdict
+    }
+
+    /// Logs a settlement and tells the observer.
+    pub(crate) fn settled(&self, settled: &Settled) {
+        log(settled);
+        if let Some(observer) = &self.settings.observer {
+            observer(settled);
+        }
+    }
+}
+
+/// The text of a panic's payload (`panic!` gives a `&str` or a `String`).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    match (payload.downcast_ref::<&str>(), payload.downcast_ref::<String>()) {
+        (Some(text), _) => (*text).to_owned(),
+        (None, Some(text)) => text.clone(),
+        (None, None) => "a panic without a message".to_owned(),
+    }
+}
 
 /// What becomes of a delivery once its handler returned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,7 +283,7 @@ impl HandlerError for Error {
     }
 }
 
-/// One settled delivery, as reported to an [`on_settled`](amqp::Consumer::on_settled) observer.
+/// One settled delivery, as reported to an [`on_settled`](Consumer::on_settled) observer.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct Settled {
@@ -99,18 +293,21 @@ pub struct Settled {
     pub disposition: Disposition,
     /// Whether the broker said it had delivered this message before.
     pub redelivered: bool,
+    /// Which attempt this was (1 for the first): JetStream's delivery count, or the count the AMQP
+    /// consumer carries in the `Idempotent-Attempt` header.
+    pub attempt: u32,
     /// Why the message was retried or dead-lettered; `None` when acknowledged after success.
     pub reason: Option<String>,
 }
 
 /// The observer type of `on_settled`.
-pub(crate) type Observer = std::sync::Arc<dyn Fn(&Settled) + Send + Sync>;
+type Observer = Arc<dyn Fn(&Settled) + Send + Sync>;
 
 /// The failure policy type of `on_failure`.
-pub(crate) type FailurePolicy<E> = Box<dyn Fn(&E) -> Disposition + Send + Sync>;
+type FailurePolicy<E> = Box<dyn Fn(&E) -> Disposition + Send + Sync>;
 
 /// The settlement that the handler's result asks for, with the reason to log.
-pub(crate) fn disposition<T, E: HandlerError>(
+fn disposition<T, E: HandlerError>(
     result: &Result<T, E>,
     on_failure: &(dyn Fn(&E) -> Disposition + Send + Sync),
 ) -> (Disposition, Option<String>) {
@@ -136,21 +333,21 @@ pub(crate) fn disposition<T, E: HandlerError>(
 }
 
 /// Logs a settlement under the target `idempotent::consume`.
-pub(crate) fn log(settled: &Settled) {
+fn log(settled: &Settled) {
     let id = settled.message_id.as_deref().unwrap_or("<none>");
     let reason = settled.reason.as_deref().unwrap_or("");
     match settled.disposition {
         Disposition::Ack if settled.reason.is_none() => {
-            tracing::debug!(target: "idempotent::consume", message_id = id, redelivered = settled.redelivered, "acked");
+            tracing::debug!(target: "idempotent::consume", message_id = id, redelivered = settled.redelivered, attempt = settled.attempt, "acked");
         }
         Disposition::Ack => {
             tracing::warn!(target: "idempotent::consume", message_id = id, reason, "acked after an error, not retried");
         }
         Disposition::Retry => {
-            tracing::info!(target: "idempotent::consume", message_id = id, reason, "returned to the queue for a delayed retry");
+            tracing::info!(target: "idempotent::consume", message_id = id, reason, attempt = settled.attempt, "returned to the queue for a delayed retry");
         }
         Disposition::DeadLetter => {
-            tracing::warn!(target: "idempotent::consume", message_id = id, reason, "dead-lettered");
+            tracing::warn!(target: "idempotent::consume", message_id = id, reason, attempt = settled.attempt, "dead-lettered");
         }
     }
 }
@@ -182,22 +379,63 @@ mod tests {
         assert_eq!(of(collision), Disposition::Retry);
     }
 
+    #[derive(Debug)]
+    struct Declined;
+    impl std::fmt::Display for Declined {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("declined")
+        }
+    }
+    impl super::HandlerError for Declined {
+        fn idempotency_error(&self) -> Option<&Error> {
+            None
+        }
+    }
+
     #[test]
     fn consume_failures_follow_the_policy() {
-        #[derive(Debug)]
-        struct Declined;
-        impl std::fmt::Display for Declined {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("declined")
-            }
-        }
-        impl super::HandlerError for Declined {
-            fn idempotency_error(&self) -> Option<&Error> {
-                None
-            }
-        }
         let (d, reason) = disposition::<(), _>(&Err(Declined), &|_| Disposition::DeadLetter);
         assert_eq!(d, Disposition::DeadLetter);
         assert_eq!(reason.as_deref(), Some("the handler failed: declined"));
+    }
+
+    /// What `decide` makes of one run on attempt `attempt` of a cap of 3.
+    fn decided<E: super::HandlerError>(
+        consumer: &super::Consumer<(), E>,
+        attempt: u32,
+        run: impl std::future::Future<Output = Result<(), E>>,
+    ) -> (Disposition, Option<String>, bool) {
+        let runtime = tokio::runtime::Builder::new_current_thread().build().expect("a runtime");
+        let verdict = runtime.block_on(consumer.decide("id", attempt, 3, run));
+        (verdict.disposition, verdict.reason, verdict.failed)
+    }
+
+    #[test]
+    fn consume_a_failure_on_the_last_attempt_is_dead_lettered_and_only_a_failure_counts() {
+        let consumer = super::Consumer::<(), Declined>::with_broker(());
+        let (d, reason, failed) = decided(&consumer, 2, async { Err(Declined) });
+        assert_eq!((d, reason.as_deref(), failed), (Disposition::Retry, Some("the handler failed: declined"), true));
+        let (d, reason, _) = decided(&consumer, 3, async { Err(Declined) });
+        assert_eq!(d, Disposition::DeadLetter);
+        assert_eq!(reason.as_deref(), Some("the handler failed: declined (attempt 3 of 3: no attempt left)"));
+        assert_eq!(decided(&consumer, 7, async { Ok(()) }), (Disposition::Ack, None, false));
+        // A panic counts like a failure; its message is the reason.
+        let (d, reason, failed) = decided(&consumer, 1, async { panic!("boom {}", 42) });
+        assert_eq!((d, reason.as_deref(), failed), (Disposition::Retry, Some("the handler panicked: boom 42"), true));
+        let (d, _, _) = decided(&consumer, 3, async { panic!("boom") });
+        assert_eq!(d, Disposition::DeadLetter);
+        // The policy's own dead-letter or ack is not a counted retry.
+        let acking = super::Consumer::<(), Declined>::with_broker(()).on_failure(|_| Disposition::Ack);
+        assert_eq!(decided(&acking, 3, async { Err(Declined) }).0, Disposition::Ack);
+        // Retries that are not the message's fault never run out.
+        let waiting = super::Consumer::<(), Error>::with_broker(());
+        let busy = async { Err(Error::InProgress { key: "k".into(), retry_after: None }) };
+        assert_eq!(decided(&waiting, 3, busy).0, Disposition::Retry);
+        let down = async {
+            let source = StoreError::backend("redis", "down");
+            Err(Error::Store { key: "k".into(), operation: "claim", source })
+        };
+        let (d, _, failed) = decided(&waiting, 9, down);
+        assert_eq!((d, failed), (Disposition::Retry, false));
     }
 }

@@ -2,17 +2,21 @@
 //! it consumes one queue (or JetStream consumer) with the idempotent consumer helper, one message
 //! at a time, and each message's side effect is one row in a PostgreSQL ledger table. It SIGKILLs
 //! itself at the scheduled points: after the side effect of a scheduled message id ran and its
-//! record was written, before the ack.
+//! record was written, before the ack. The handler of a scheduled panic id panics inside the body,
+//! before the side effect, the first time any worker runs it (the table `<ledger>_panics` notes
+//! it); the handler of a poison message (a body starting with `poison`) fails every time.
 //!
 //! ```text
-//! consumer_worker amqp <amqp-url> <queue> <store> <ledger> <kill-ids>
-//! consumer_worker jetstream <nats-url> <stream>|<consumer>|<dead-letter-subject> <store> <ledger> <kill-ids>
-//!   <store>:    postgres:<url>|<table> | redis:<url>|<prefix>
-//!   <ledger>:   <postgres-url>|<table>  (columns msg_id text, pid int)
-//!   <kill-ids>: comma-separated message ids, or `none`
+//! consumer_worker amqp <amqp-url> <queue> <store> <ledger> <kill-ids> <panic-ids>
+//! consumer_worker jetstream <nats-url> <stream>|<consumer>|<dead-letter-subject> <store> <ledger> <kill-ids> <panic-ids>
+//!   <store>:     postgres:<url>|<table> | redis:<url>|<prefix>
+//!   <ledger>:    <postgres-url>|<table>  (columns msg_id text, pid int; and <table>_panics (msg_id))
+//!   <kill-ids>:  comma-separated message ids, or `none`
+//!   <panic-ids>: comma-separated message ids, or `none`
 //! ```
 //!
-//! It prints `SETTLED <ack|retry|dead> <id or -> <redelivered 0|1>` after each settlement,
+//! It prints `SETTLED <ack|retry|dead> <id or -> <redelivered 0|1> <panic|failed|->` after each
+//! settlement (the last word: the handler panicked, failed with its own error, or neither),
 //! `KILLING <id>` before it kills itself, and `FINISHED` when its standard input closes (the
 //! signal to stop) and the messages in hand are settled.
 
@@ -25,15 +29,18 @@ use idempotent_runtime::stores::sql::sqlx::{self, PgPool};
 use idempotent_runtime::{Error, Store, idempotent};
 
 fn usage() -> ! {
-    eprintln!("usage: consumer_worker <amqp|jetstream> <broker-url> <source> <store> <ledger> <kill-ids|none>");
+    eprintln!(
+        "usage: consumer_worker <amqp|jetstream> <broker-url> <source> <store> <ledger> <kill-ids|none> <panic-ids|none>"
+    );
     std::process::exit(2);
 }
 
-/// The worker's error: the idempotency error, or the ledger write failing.
+/// The worker's error: the idempotency error, the ledger write failing, or a poison message.
 #[derive(Debug)]
 enum WorkerError {
     Idempotency(Error),
     Ledger(String),
+    Poison,
 }
 
 impl From<Error> for WorkerError {
@@ -47,6 +54,7 @@ impl std::fmt::Display for WorkerError {
         match self {
             WorkerError::Idempotency(e) => e.fmt(f),
             WorkerError::Ledger(e) => write!(f, "ledger write failed: {e}"),
+            WorkerError::Poison => f.write_str("a poison message: this handler fails on it every time"),
         }
     }
 }
@@ -55,7 +63,7 @@ impl HandlerError for WorkerError {
     fn idempotency_error(&self) -> Option<&Error> {
         match self {
             WorkerError::Idempotency(e) => Some(e),
-            WorkerError::Ledger(_) => None,
+            WorkerError::Ledger(_) | WorkerError::Poison => None,
         }
     }
 }
@@ -63,6 +71,24 @@ impl HandlerError for WorkerError {
 struct Ledger {
     pool: PgPool,
     insert: String,
+    /// Notes a panic id; affects one row the first time only.
+    note_panic: String,
+    panic_ids: HashSet<String>,
+}
+
+impl Ledger {
+    /// Whether this run of `id` is the first of a scheduled panic id (over the whole fleet).
+    async fn first_panic(&self, id: &str) -> Result<bool, WorkerError> {
+        if !self.panic_ids.contains(id) {
+            return Ok(false);
+        }
+        let noted = sqlx::query(sqlx::AssertSqlSafe(self.note_panic.clone()))
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| WorkerError::Ledger(e.to_string()))?;
+        Ok(noted.rows_affected() == 1)
+    }
 }
 
 /// The handler: the side effect (a ledger row) runs once per message id.
@@ -74,6 +100,11 @@ async fn apply<S: Store>(
     payload: &[u8],
     ran: &AtomicBool,
 ) -> Result<String, WorkerError> {
+    if payload.starts_with(b"poison") {
+        return Err(WorkerError::Poison);
+    }
+    let scheduled_panic = ledger.first_panic(id).await?;
+    assert!(!scheduled_panic, "a scheduled panic in the handler of {id}, before its side effect");
     ran.store(true, Ordering::SeqCst);
     sqlx::query(sqlx::AssertSqlSafe(ledger.insert.clone()))
         .bind(id)
@@ -113,7 +144,15 @@ fn print_settled(settled: &Settled) {
         Disposition::DeadLetter => "dead",
     };
     let id = settled.message_id.as_deref().unwrap_or("-");
-    println!("SETTLED {disposition} {id} {}", u8::from(settled.redelivered));
+    let reason = settled.reason.as_deref().unwrap_or_default();
+    let cause = if reason.starts_with("the handler panicked") {
+        "panic"
+    } else if reason.starts_with("the handler failed") {
+        "failed"
+    } else {
+        "-"
+    };
+    println!("SETTLED {disposition} {id} {} {cause}", u8::from(settled.redelivered));
 }
 
 /// Completes when standard input closes.
@@ -130,15 +169,18 @@ fn stdin_closed() -> impl std::future::Future<Output = ()> {
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let [broker, url, source, store, ledger, kill_ids] = args.as_slice() else { usage() };
+    let [broker, url, source, store, ledger, kill_ids, panic_ids] = args.as_slice() else { usage() };
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a Tokio runtime");
     runtime.block_on(async {
         let (ledger_url, ledger_table) = ledger.rsplit_once('|').unwrap_or_else(|| usage());
         let pool = PgPool::connect(ledger_url).await.expect("connect to the ledger");
         let insert = format!("INSERT INTO {ledger_table} (msg_id, pid) VALUES ($1, $2)");
-        let kill_ids =
-            if kill_ids == "none" { HashSet::new() } else { kill_ids.split(',').map(str::to_owned).collect() };
-        let worker = Worker { ledger: Ledger { pool, insert }, kill_ids };
+        let note_panic = format!("INSERT INTO {ledger_table}_panics (msg_id) VALUES ($1) ON CONFLICT DO NOTHING");
+        let ids = |list: &str| -> HashSet<String> {
+            if list == "none" { HashSet::new() } else { list.split(',').map(str::to_owned).collect() }
+        };
+        let ledger = Ledger { pool, insert, note_panic, panic_ids: ids(panic_ids) };
+        let worker = Worker { ledger, kill_ids: ids(kill_ids) };
         let (kind, rest) = store.split_once(':').unwrap_or_else(|| usage());
         match kind {
             "postgres" => {

@@ -1,6 +1,8 @@
 //! What the layer records of a response, and how a replay is rebuilt from it.
 
 use axum::body::Body;
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
@@ -33,7 +35,8 @@ pub(crate) enum Recorded {
     TooLarge { limit: usize },
 }
 
-/// Bytes as JSON: text when they are UTF-8 (compact and readable), base64 otherwise.
+/// Bytes as JSON: text when they are UTF-8 (compact and readable), base64 otherwise (the standard
+/// alphabet with canonical padding, RFC 4648 section 4).
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum Data {
     Text(String),
@@ -44,14 +47,14 @@ impl Data {
     fn from_bytes(bytes: &[u8]) -> Self {
         match std::str::from_utf8(bytes) {
             Ok(text) => Data::Text(text.to_owned()),
-            Err(_) => Data::Base64(base64_encode(bytes)),
+            Err(_) => Data::Base64(BASE64.encode(bytes)),
         }
     }
 
     fn into_bytes(self) -> Option<Vec<u8>> {
         match self {
             Data::Text(text) => Some(text.into_bytes()),
-            Data::Base64(text) => base64_decode(&text),
+            Data::Base64(text) => BASE64.decode(text).ok(),
         }
     }
 }
@@ -97,63 +100,23 @@ fn rebuild(status: u16, headers: Vec<(String, Data)>, body: Data) -> Option<Resp
     Some(response)
 }
 
-const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
-fn base64_encode(bytes: &[u8]) -> String {
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let b = [chunk[0], chunk.get(1).copied().unwrap_or(0), chunk.get(2).copied().unwrap_or(0)];
-        let n = u32::from(b[0]) << 16 | u32::from(b[1]) << 8 | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(char::from(ALPHABET[(n >> (18 - 6 * i)) as usize & 63]));
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
-fn base64_decode(text: &str) -> Option<Vec<u8>> {
-    let text = text.as_bytes();
-    if !text.len().is_multiple_of(4) {
-        return None;
-    }
-    let mut out = Vec::with_capacity(text.len() / 4 * 3);
-    for (index, chunk) in text.chunks(4).enumerate() {
-        let last = index + 1 == text.len() / 4;
-        let padding = chunk.iter().rev().take_while(|&&c| c == b'=').count();
-        if padding > 2 || (padding > 0 && !last) {
-            return None;
-        }
-        let mut n = 0u32;
-        for &c in &chunk[..4 - padding] {
-            let value = ALPHABET.iter().position(|&a| a == c)?;
-            n = n << 6 | u32::try_from(value).ok()?;
-        }
-        n <<= 6 * padding;
-        let decoded = n.to_be_bytes();
-        out.extend_from_slice(&decoded[1..4 - padding]);
-    }
-    Some(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn http_base64_round_trips() {
+    fn http_recorded_bytes_are_text_when_utf8_and_base64_otherwise() {
         for len in 0..40 {
             let bytes: Vec<u8> = (0..len).map(|i: u8| i.wrapping_mul(37).wrapping_add(200)).collect();
-            let text = base64_encode(&bytes);
-            assert_eq!(base64_decode(&text).as_deref(), Some(&bytes[..]), "{text}");
+            let data = Data::from_bytes(&bytes);
+            assert_eq!(matches!(data, Data::Text(_)), std::str::from_utf8(&bytes).is_ok(), "{data:?}");
+            assert_eq!(data.into_bytes().as_deref(), Some(&bytes[..]));
         }
-        assert_eq!(base64_encode(b"test"), "dGVzdA==");
-        assert_eq!(base64_decode("dGVzdA=="), Some(b"test".to_vec()));
-        assert_eq!(base64_decode("dGVzdA="), None);
-        assert_eq!(base64_decode("dG=zdA=="), None);
-        assert_eq!(base64_decode("dGVz!A=="), None);
+        assert!(matches!(Data::from_bytes(b"caf\xc3\xa9"), Data::Text(t) if t == "caf\u{e9}"));
+        assert!(matches!(Data::from_bytes(b"\xfftest"), Data::Base64(t) if t == "/3Rlc3Q="));
+        // A record edited by hand: non-canonical or broken base64 is refused, not guessed at.
+        for broken in ["/3Rlc3Q", "/3Rlc3R=", "/3Rl!3Q=", "/3=lc3Q="] {
+            assert_eq!(Data::Base64(broken.to_owned()).into_bytes(), None, "{broken}");
+        }
     }
 }

@@ -2,6 +2,7 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -12,6 +13,7 @@ use axum::extract::OriginalUri;
 use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use futures_util::FutureExt as _;
 use http::request::Parts;
 use http::{HeaderName, Method, StatusCode, header};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -20,7 +22,7 @@ use tower::{Layer, Service};
 use super::key_header::{self, CallerKey};
 use super::problem::{Problem, problem_response};
 use super::recorded::{DEFAULT_RECORDED_HEADERS, Recorded};
-use super::spawn::{CatchUnwind, panicked, spawn};
+use super::spawn::{panicked, spawn};
 use crate::{Call, DEFAULT_LEASE, DEFAULT_RETENTION, Error, Fingerprint, Key, ReleaseErrors, Store};
 
 /// The largest request body the layer buffers to fingerprint it by default (1 MiB); larger bodies
@@ -433,7 +435,7 @@ impl<St: Store> Config<St> {
         let request = Request::from_parts(parts, Body::from(bytes));
         let mut first = None;
         let body = async {
-            let response = CatchUnwind::new(inner.call(request)).await.map_err(|()| Failure::Panicked)?;
+            let response = AssertUnwindSafe(inner.call(request)).catch_unwind().await.map_err(|_| Failure::Panicked)?;
             let response = response.map_err(Failure::Inner)?;
             if !(self.record_status)(response.status()) {
                 return Err(Failure::NotRecorded(response));

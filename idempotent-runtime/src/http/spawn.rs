@@ -6,6 +6,8 @@ use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use futures_util::FutureExt as _;
+
 use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
 use tower::{Layer, Service};
@@ -71,10 +73,10 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let running = inner.call(request);
         let task = spawn(async move {
-            match CatchUnwind::new(running).await {
+            match AssertUnwindSafe(running).catch_unwind().await {
                 Ok(Ok(response)) => response,
                 Ok(Err(never)) => match never {},
-                Err(()) => panicked(),
+                Err(_) => panicked(),
             }
         });
         Box::pin(async move { Ok(task.await.unwrap_or_else(|()| panicked())) })
@@ -99,26 +101,4 @@ pub(crate) fn panicked() -> Response {
     tracing::error!(target: "idempotent", "a handler panicked; answering 500");
     Problem::internal("Handler failed", "The server failed while processing the request; retry it later.")
         .into_response()
-}
-
-/// Polls a future, turning a panic into `Err(())`.
-pub(crate) struct CatchUnwind<F>(Pin<Box<F>>);
-
-impl<F: Future> CatchUnwind<F> {
-    pub(crate) fn new(future: F) -> Self {
-        CatchUnwind(Box::pin(future))
-    }
-}
-
-impl<F: Future> Future for CatchUnwind<F> {
-    type Output = Result<F::Output, ()>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let future = self.0.as_mut();
-        match std::panic::catch_unwind(AssertUnwindSafe(move || future.poll(cx))) {
-            Ok(Poll::Ready(output)) => Poll::Ready(Ok(output)),
-            Ok(Poll::Pending) => Poll::Pending,
-            Err(_) => Poll::Ready(Err(())),
-        }
-    }
 }

@@ -517,3 +517,45 @@ async fn http_client_sends_a_streaming_body_once_and_says_why_it_did_not_retry()
     };
     assert!(not_replayable.to_string().contains("body is a stream"), "{not_replayable}");
 }
+
+// ---------------------------------------------------------------- issue 20: hostile servers, the two sides' defaults together
+
+#[tokio::test]
+async fn http_client_survives_hostile_retry_after_headers() {
+    // A slow 503 (over 1 s, so the elapsed time has whole seconds) asking for u64::MAX seconds.
+    let (script, base) = Script::serve(&[(503, Some("18446744073709551615")), (201, None)]).await;
+    *script.first_delay.lock().unwrap() = Some(ms(1_100));
+    let start = Instant::now();
+    let response = client(patient()).post(format!("{base}/orders")).send().await.unwrap();
+    let noted = attempts(&response);
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!((noted.count, noted.stopped), (1, Some(Stopped::TimeBudgetExhausted)));
+    assert!(start.elapsed() < Duration::from_secs(5), "returned at once, not after a wait: {:?}", start.elapsed());
+
+    // Values past the budget stop at once; values that are not a wait are ignored (back-off).
+    let hostile: [(&str, bool); 9] = [
+        ("18446744073709551615", true),
+        ("18446744073709551616", false),
+        ("99999999999999999999999999999", false),
+        ("Fri, 31 Dec 9999 23:59:59 GMT", true),
+        ("-1", false),
+        ("1e9", false),
+        ("0x10", false),
+        ("", false),
+        ("3, 4", false),
+    ];
+    for (value, past_budget) in hostile {
+        let (script, base) = Script::serve(&[(503, Some(value)), (201, None)]).await;
+        let start = Instant::now();
+        let response = client(patient()).post(format!("{base}/orders")).send().await.unwrap();
+        let noted = attempts(&response);
+        println!("Retry-After: {value:?} -> {} after {} attempt(s) in {:?}", response.status(), noted.count, start.elapsed());
+        if past_budget {
+            assert_eq!((noted.count, noted.stopped), (1, Some(Stopped::TimeBudgetExhausted)), "{value:?}");
+        } else {
+            assert_eq!((response.status(), noted.count), (StatusCode::CREATED, 2), "{value:?}: backed off");
+        }
+        assert!(start.elapsed() < Duration::from_secs(5), "{value:?}: {:?}", start.elapsed());
+        assert_eq!(script.seen().len(), noted.count as usize);
+    }
+}

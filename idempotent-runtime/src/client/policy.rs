@@ -13,8 +13,9 @@ use rand::{RngExt as _, SeedableRng as _};
 /// The wait before retry `n` (1 for the first retry) is drawn uniformly from
 /// `[b/2, b]` with `b = min(max_backoff, initial_backoff × 2ⁿ⁻¹)` ("equal jitter": spread out so
 /// that many clients do not retry in step, yet never shorter than half the back-off). A response
-/// with `Retry-After` is waited for exactly as asked instead. Retrying stops after `max_attempts`
-/// attempts in all, or when the next wait would end past `max_elapsed` since the first attempt.
+/// with `Retry-After` is waited for as asked instead. Retrying stops after `max_attempts`
+/// attempts in all, or when the next wait would end past `max_elapsed` since the first attempt
+/// (so a `Retry-After` longer than the budget left ends the retries at once, whatever its size).
 ///
 /// ```
 /// use std::time::Duration;
@@ -152,7 +153,9 @@ pub fn is_retryable_status(status: StatusCode) -> bool {
 }
 
 /// The wait a `Retry-After` header asks for: delay-seconds, or an HTTP date (a date in the past
-/// means "now"). `None` without the header or when it is unreadable.
+/// means "now"). `None` without the header or when it is unreadable (not a number that fits in a
+/// `u64`, nor a date). The value is returned as the server sent it, up to `u64::MAX` seconds:
+/// [`IdempotentRetry`](super::IdempotentRetry) bounds it by its time budget.
 #[must_use]
 pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     let value = headers.get(header::RETRY_AFTER)?.to_str().ok()?.trim();
@@ -233,5 +236,11 @@ mod tests {
         assert!(wait > Duration::from_secs(100) && wait <= Duration::from_secs(120), "{wait:?}");
         headers.insert(header::RETRY_AFTER, "soon".parse().unwrap());
         assert_eq!(retry_after(&headers), None);
+        headers.insert(header::RETRY_AFTER, "18446744073709551615".parse().unwrap());
+        assert_eq!(retry_after(&headers), Some(Duration::from_secs(u64::MAX)), "as sent: the caller bounds it");
+        for unreadable in ["18446744073709551616", "-1", "1.5", "0x10", "", "3, 4"] {
+            headers.insert(header::RETRY_AFTER, unreadable.parse().unwrap());
+            assert_eq!(retry_after(&headers), None, "{unreadable:?}");
+        }
     }
 }

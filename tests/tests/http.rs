@@ -893,3 +893,46 @@ fn http_metrics_are_served_in_the_prometheus_text_format() {
     assert!(body.contains("idempotent_store_step_seconds_count{store=\"memory\",step=\"claim\"} 2"), "{body}");
     assert!(body.contains("idempotent_store_step_seconds_count{store=\"memory\",step=\"complete\"} 1"), "{body}");
 }
+
+// ---------------------------------------------------------------- issue 20: never twice at the edge
+
+#[tokio::test]
+async fn http_layer_json_fingerprint_never_merges_different_number_texts() {
+    let counters = Counters::default();
+    let layer = IdempotencyLayer::new(MemoryStore::new()).json_fingerprint();
+    let app = Router::new().route("/charges", post(charge)).route_layer(layer).with_state(counters.clone());
+    let http = serve(app).await;
+    let pairs = [
+        ("12345678901234567.89", "12345678901234567.00"),
+        ("18446744073709551616", "18446744073709551617"),
+        ("-18446744073709551616", "-18446744073709551617"),
+        ("0.1", "0.10000000000000001"),
+        ("1.0000000000000001", "1.0"),
+        ("-0", "0"),
+        ("-0.0", "0.0"),
+        ("1e2", "100"),
+        ("1E2", "1e2"),
+        ("1e+2", "1e2"),
+        ("1e400", "1e401"),
+        ("100", "100.0"),
+    ];
+    let mut merged = Vec::new();
+    for (first, second) in pairs {
+        let k = key();
+        let headers = [("idempotency-key", k.as_str()), ("content-type", "application/json")];
+        let one = http.post("/charges", &headers, format!(r#"{{"amount":{first}}}"#)).await;
+        assert_eq!(one.status, 201, "{first}: {one:?}");
+        let two = http.post("/charges", &headers, format!(r#"{{"amount":{second}}}"#)).await;
+        if two.status != 422 {
+            merged.push(format!("{first} ~ {second}: {} (replayed: {})", two.status, two.replayed()));
+        }
+    }
+    println!("json_fingerprint: {} of {} pairs of different number texts merged: {merged:#?}", merged.len(), pairs.len());
+    assert!(merged.is_empty(), "different number texts are different requests: {merged:#?}");
+    // What stays the same request: whitespace, key order and string escapes around the same texts.
+    let k = key();
+    let headers = [("idempotency-key", k.as_str()), ("content-type", "application/json")];
+    let one = http.post("/charges", &headers, r#"{"b":1e2,"a":-0,"c":"A"}"#).await;
+    let two = http.post("/charges", &headers, "{ \"c\" : \"\\u0041\", \"a\" : -0 ,\n \"b\" : 1e2 }").await;
+    assert!(two.replayed() && two.body == one.body, "{two:?}");
+}

@@ -322,10 +322,14 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
         self
     }
 
-    /// Fingerprints JSON bodies by their meaning, not their bytes: a request whose body
-    /// (`Content-Type: application/json` or `*/*+json`) differs from the first only in whitespace
-    /// or object key order counts as the same request, so it gets the replay, not `422`. Other
-    /// bodies, and JSON bodies that do not parse, are fingerprinted byte for byte. Off by default.
+    /// Fingerprints JSON bodies by their content, not their bytes: a request whose body
+    /// (`Content-Type: application/json` or `*/*+json`) differs from the first only in whitespace,
+    /// object key order or string escapes counts as the same request, so it gets the replay, not
+    /// `422`. Nothing else is merged: numbers are compared as written (`12345678901234567.89` and
+    /// `12345678901234567.00`, `1e2` and `100`, `-0` and `0` are different requests, never one
+    /// read through `f64`), and a repeated object key keeps every occurrence in order. Other
+    /// bodies, JSON that does not parse, and JSON nested deeper than 128 levels are fingerprinted
+    /// byte for byte. Off by default.
     #[must_use]
     pub fn json_fingerprint(mut self) -> Self {
         self.config.json_fingerprint = true;

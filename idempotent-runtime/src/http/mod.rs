@@ -48,7 +48,8 @@
 //! The layer applies to `POST` and `PATCH` ([`DEFAULT_METHODS`], configurable with
 //! [`IdempotencyLayer::methods`]); other methods pass through untouched. Its fingerprint covers the
 //! path as the client sent it, also under a nested router, and, with
-//! [`IdempotencyLayer::json_fingerprint`], a JSON body by meaning rather than bytes.
+//! [`IdempotencyLayer::json_fingerprint`], a JSON body by content rather than bytes (whitespace,
+//! key order and string escapes aside; numbers as written).
 //!
 //! # Disconnects and replays under the attribute
 //!

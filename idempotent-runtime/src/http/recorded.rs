@@ -1,11 +1,15 @@
 //! What the layer records of a response, and how a replay is rebuilt from it.
 
+use std::panic::AssertUnwindSafe;
+
 use axum::body::Body;
+use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
-use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use futures_util::{FutureExt as _, StreamExt as _};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use http_body_util::BodyExt as _;
 use serde::{Deserialize, Serialize};
 
 use super::IDEMPOTENT_REPLAYED;
@@ -31,8 +35,12 @@ pub const DEFAULT_RECORDED_HEADERS: [HeaderName; 9] = [
 pub(crate) enum Recorded {
     /// The response: status, allow-listed headers in order, body.
     Response { status: u16, headers: Vec<(String, Data)>, body: Data },
-    /// The handler ran, but its response body was over the layer's limit.
+    /// The handler ran, but its response body was over the layer's limit (it was sent to the
+    /// request that ran it, not recorded).
     TooLarge { limit: usize },
+    /// The handler ran and returned a response whose body failed (an error or a panic of its
+    /// stream) before its end; `reason` is for the server's log only.
+    Failed { reason: String },
 }
 
 /// Bytes as JSON: text when they are UTF-8 (compact and readable), base64 otherwise (the standard
@@ -75,6 +83,7 @@ impl Recorded {
         let rebuilt = match self {
             Recorded::Response { status, headers, body } => rebuild(status, headers, body),
             Recorded::TooLarge { limit } => Some(Problem::response_too_large(limit).into_response()),
+            Recorded::Failed { .. } => Some(Problem::response_failed().into_response()),
         };
         let Some(mut response) = rebuilt else {
             tracing::error!(target: "idempotent", "a recorded response is malformed and cannot be replayed");
@@ -87,6 +96,42 @@ impl Recorded {
         response.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
         response
     }
+}
+
+/// A response body, read for recording.
+pub(crate) enum Read {
+    /// The whole body, within the limit.
+    Whole(Bytes),
+    /// Over the limit: what was read, then the rest of the stream, for the request that ran it.
+    TooLarge(Body),
+    /// The body failed before its end: the error's text, or a note that its stream panicked.
+    Failed(String),
+}
+
+/// Reads `body` up to `limit` bytes; past it, stops reading and hands back the body whole. Only
+/// data is kept: trailers (rare on responses) are neither recorded nor passed on.
+pub(crate) async fn read_response(mut body: Body, limit: usize) -> Read {
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut len = 0usize;
+    loop {
+        let frame = match AssertUnwindSafe(body.frame()).catch_unwind().await {
+            Ok(None) => break,
+            Ok(Some(Ok(frame))) => frame,
+            Ok(Some(Err(error))) => return Read::Failed(error.to_string()),
+            Err(_) => return Read::Failed("the response body's stream panicked".to_owned()),
+        };
+        let Ok(data) = frame.into_data() else { continue };
+        len = len.saturating_add(data.len());
+        chunks.push(data);
+        if len > limit {
+            let read = futures_util::stream::iter(chunks.into_iter().map(Ok));
+            return Read::TooLarge(Body::from_stream(read.chain(body.into_data_stream())));
+        }
+    }
+    Read::Whole(match <[Bytes; 1]>::try_from(chunks) {
+        Ok([one]) => one,
+        Err(chunks) => chunks.concat().into(),
+    })
 }
 
 fn rebuild(status: u16, headers: Vec<(String, Data)>, body: Data) -> Option<Response> {

@@ -10,9 +10,11 @@ use futures_util::FutureExt as _;
 
 use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
+use http::request::Parts;
 use tower::{Layer, Service};
 use tracing::Instrument as _;
 
+use super::key_header;
 use super::problem::Problem;
 
 /// Runs the routes it wraps on their own Tokio task, so that a request whose handler has started
@@ -27,8 +29,14 @@ use super::problem::Problem;
 /// does the same by itself; this layer is for handlers that use the attribute.
 ///
 /// A handler that panics is answered with `500` (`urn:idempotent:internal`), and the panic does not
-/// reach hyper. Under the attribute, the claim of a panicking body is handled by the protocol's
-/// cancellation policy (see [`Call`](crate::Call)).
+/// reach hyper. Under the attribute, a panicking body releases its key (see [`Call`](crate::Call)).
+/// Every response to a request with an `Idempotency-Key` carries that header back, as sent.
+///
+/// The layer is required, not advised: the [`IdempotencyKeyHeader`](super::IdempotencyKeyHeader)
+/// extractor refuses a request that does not run under it (or under
+/// [`IdempotencyLayer`](super::IdempotencyLayer)) with `500` (`urn:idempotent:misconfigured`) and
+/// an error in the log naming this layer, before the handler starts, so a route that forgot it
+/// fails at its first request instead of running a cancelled handler twice.
 ///
 /// ```
 /// use axum::{Router, routing::post};
@@ -68,9 +76,11 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: Request) -> Self::Future {
+    fn call(&mut self, mut request: Request) -> Self::Future {
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
+        let echo = key_header::echo(request.headers());
+        RunsToCompletion::mark(&mut request);
         let running = inner.call(request);
         let task = spawn(async move {
             match AssertUnwindSafe(running).catch_unwind().await {
@@ -79,7 +89,40 @@ where
                 Err(_) => panicked(),
             }
         });
-        Box::pin(async move { Ok(task.await.unwrap_or_else(|()| panicked())) })
+        Box::pin(async move {
+            let mut response = task.await.unwrap_or_else(|()| panicked());
+            key_header::echo_into(&mut response, echo);
+            Ok(response)
+        })
+    }
+}
+
+/// The request extension that says the request runs on its own task, to its end: set by
+/// [`RunToCompletion`] and by the idempotency layer, checked by the key extractor.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RunsToCompletion;
+
+impl RunsToCompletion {
+    pub(crate) fn mark(request: &mut Request) {
+        request.extensions_mut().insert(RunsToCompletion);
+    }
+
+    /// `Ok` under one of the layers; otherwise the refusal, logged with the fix.
+    pub(crate) fn check(parts: &Parts) -> Result<(), Problem> {
+        if parts.extensions.get::<RunsToCompletion>().is_some() {
+            return Ok(());
+        }
+        tracing::error!(
+            target: "idempotent", path = parts.uri.path(),
+            "a handler extracts IdempotencyKeyHeader but is not served under RunToCompletionLayer: hyper would cancel \
+             it when its client disconnects, after its side effect and before its result is recorded, and a retry \
+             would run it again. Add `.route_layer(idempotent_runtime::http::RunToCompletionLayer)` to the route; \
+             the request was refused with 500 before the handler ran"
+        );
+        Err(Problem::misconfigured(
+            "its idempotent handler is not served under RunToCompletionLayer, so a disconnect could cancel it \
+             half-way; the server's developer must add the layer to the route",
+        ))
     }
 }
 

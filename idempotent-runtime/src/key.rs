@@ -26,7 +26,7 @@ pub const MAX_KEY_BYTES: usize = 255;
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot be used as an idempotency key",
     label = "not a key type",
-    note = "keys are strings, integers or UUIDs; implement `IdempotencyKey` for your own type, or build a string with `format!`"
+    note = "keys are strings, integers or UUIDs; implement `IdempotencyKey` for your own type, or build a string with `format!`; an HTTP `IdempotencyKeyHeader` becomes a key with `.for_caller(&user)` or `.shared_by_all_callers()`"
 )]
 pub trait IdempotencyKey {
     /// Appends this key's text to `out`.

@@ -19,7 +19,9 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use idempotent_runtime::http::{HttpError, IdempotencyKeyHeader, IdempotencyLayer, JsonResponse, RunToCompletionLayer};
+use idempotent_runtime::http::{
+    HttpError, IdempotencyKeyHeader, IdempotencyLayer, JsonResponse, NotProcessed, RunToCompletionLayer,
+};
 use idempotent_runtime::{MAX_KEY_BYTES, MemoryStore, RedisStore, Store, idempotent};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -119,6 +121,11 @@ fn key() -> String {
     uuid::Uuid::new_v4().to_string()
 }
 
+/// A layer whose keys are shared by all callers: these tests have one caller each.
+fn shared<St: Store + 'static>(store: St) -> IdempotencyLayer<St> {
+    IdempotencyLayer::new(store).keys_shared_by_all_callers()
+}
+
 // ---------------------------------------------------------------- the layer's routes
 
 #[derive(Clone, Default)]
@@ -148,6 +155,14 @@ async fn charge(State(counters): State<Counters>, headers: HeaderMap, body: Byte
         .into_response()
 }
 
+/// Answers 503 marked `NotProcessed` on its first run (it checked before doing anything), then 201.
+async fn unavailable_once(State(counters): State<Counters>) -> Response {
+    match counters.flaky.fetch_add(1, Ordering::SeqCst) {
+        0 => (StatusCode::SERVICE_UNAVAILABLE, NotProcessed, "ledger down, nothing charged").into_response(),
+        n => (StatusCode::CREATED, format!("charged after {n} refusal(s)")).into_response(),
+    }
+}
+
 /// Fails with 503 on its first run, then succeeds.
 async fn flaky(State(counters): State<Counters>) -> Response {
     match counters.flaky.fetch_add(1, Ordering::SeqCst) {
@@ -168,22 +183,12 @@ async fn large(State(counters): State<Counters>) -> Vec<u8> {
 }
 
 async fn layer_app() -> (Http, Counters) {
-    let counters = Counters::default();
     let layer = IdempotencyLayer::new(MemoryStore::new())
         .scope("test-http")
         .caller(|parts| parts.headers.get("x-user").and_then(|v| v.to_str().ok()).unwrap_or("anonymous").to_owned())
         .record_header(HeaderName::from_static("x-receipt"))
-        .max_request_bytes(MAX_REQUEST)
-        .max_response_bytes(MAX_RESPONSE);
-    let app = Router::new()
-        .route("/charges", post(charge))
-        .route("/other", post(charge))
-        .route("/flaky", post(flaky))
-        .route("/missing", post(missing))
-        .route("/large", post(large))
-        .route_layer(layer)
-        .with_state(counters.clone());
-    (serve(app).await, counters)
+        .max_request_bytes(MAX_REQUEST);
+    edge_app(layer).await
 }
 
 // ---------------------------------------------------------------- the layer
@@ -199,7 +204,7 @@ async fn http_layer_missing_key_is_400() {
 #[tokio::test]
 async fn http_layer_optional_key_passes_through_without_idempotency() {
     let counters = Counters::default();
-    let layer = IdempotencyLayer::new(MemoryStore::new()).optional();
+    let layer = shared(MemoryStore::new()).optional();
     let app = Router::new().route("/charges", post(charge)).route_layer(layer).with_state(counters.clone());
     let http = serve(app).await;
     assert_eq!(http.post("/charges", &[], "a").await.status, 201);
@@ -356,18 +361,37 @@ async fn http_layer_keys_are_scoped_to_the_caller() {
 }
 
 #[tokio::test]
-async fn http_layer_5xx_releases_the_key_for_a_retry() {
-    let (http, counters) = layer_app().await;
+async fn http_layer_not_processed_marker_releases_the_key_and_is_stripped() {
+    let counters = Counters::default();
+    let seen_marker = Arc::new(AtomicUsize::new(0));
+    let outside = {
+        let seen = Arc::clone(&seen_marker);
+        axum::middleware::from_fn(move |request: axum::extract::Request, next: axum::middleware::Next| {
+            let seen = Arc::clone(&seen);
+            async move {
+                let response = next.run(request).await;
+                if NotProcessed::is_marked(&response) {
+                    seen.fetch_add(1, Ordering::SeqCst);
+                }
+                response
+            }
+        })
+    };
+    let app = Router::new()
+        .route("/unavailable-once", post(unavailable_once))
+        .route_layer(shared(MemoryStore::new()))
+        .layer(outside)
+        .with_state(counters.clone());
+    let http = serve(app).await;
     let k = key();
-    let failed = http.post("/flaky", &[("idempotency-key", &k)], "").await;
-    assert_eq!(failed.status, 503);
-    assert_eq!(failed.body, "database down");
-    let retry = http.post("/flaky", &[("idempotency-key", &k)], "").await;
-    assert_eq!((retry.status, retry.replayed()), (200, false), "the retry ran again: {retry:?}");
-    let replay = http.post("/flaky", &[("idempotency-key", &k)], "").await;
-    assert_eq!((replay.status, replay.replayed()), (200, true), "the success was recorded");
-    assert_eq!(replay.body, retry.body);
+    let refused = http.post("/unavailable-once", &[("idempotency-key", &k)], "").await;
+    assert_eq!((refused.status, &refused.body[..]), (503, &b"ledger down, nothing charged"[..]));
+    let retry = http.post("/unavailable-once", &[("idempotency-key", &k)], "").await;
+    assert_eq!((retry.status, retry.replayed()), (201, false), "the marked 503 released the key: {retry:?}");
+    let replay = http.post("/unavailable-once", &[("idempotency-key", &k)], "").await;
+    assert_eq!((replay.status, replay.replayed()), (201, true), "the success was recorded");
     assert_eq!(counters.flaky.load(Ordering::SeqCst), 2);
+    assert_eq!(seen_marker.load(Ordering::SeqCst), 0, "the layer removes the marker: layers outside never see it");
 }
 
 #[tokio::test]
@@ -380,20 +404,6 @@ async fn http_layer_request_body_over_limit_is_413() {
     // The key was not used: the same key with a body at the limit runs.
     let reply = http.post("/charges", &[("idempotency-key", &k)], vec![b'a'; MAX_REQUEST]).await;
     assert_eq!(reply.status, 201);
-}
-
-#[tokio::test]
-async fn http_layer_response_body_over_limit_is_500_and_never_runs_again() {
-    let (http, counters) = layer_app().await;
-    let k = key();
-    let first = http.post("/large", &[("idempotency-key", &k)], "").await;
-    let problem = first.assert_problem(500, "urn:idempotent:response-too-large");
-    assert!(problem["detail"].as_str().unwrap().contains("2048 bytes"), "{problem}");
-    assert!(!first.replayed());
-    let retry = http.post("/large", &[("idempotency-key", &k)], "").await;
-    retry.assert_problem(500, "urn:idempotent:response-too-large");
-    assert!(retry.replayed());
-    assert_eq!(counters.large.load(Ordering::SeqCst), 1, "the handler ran once: no silent truncation, no second run");
 }
 
 // ---------------------------------------------------------------- the attribute and the extractor
@@ -552,13 +562,15 @@ async fn http_attribute_keys_are_scoped_to_the_caller() {
 }
 
 #[tokio::test]
-async fn http_attribute_5xx_error_releases_the_key() {
+async fn http_attribute_err_is_not_processed_and_releases_the_key() {
+    // Under the attribute an `Err` plays the role of `NotProcessed`: `pay` refuses a negative
+    // amount before anything is charged, with a 503, and a retry may run.
     let (http, runs) = attribute_app().await;
     let k = key();
     let failed = http.post("/pay", &pay_headers(&k, "alice"), r#"{"amount":-1}"#).await;
-    assert_eq!(failed.status, 503);
+    assert_eq!((failed.status, failed.replayed()), (503, false));
     let retry = http.post("/pay", &pay_headers(&k, "alice"), r#"{"amount":-1}"#).await;
-    assert_eq!(retry.status, 503);
+    assert_eq!((retry.status, retry.replayed()), (503, false));
     assert_eq!(runs.load(Ordering::SeqCst), 2, "the released key let the retry run again");
 }
 
@@ -575,7 +587,7 @@ async fn http_layer_applies_to_post_and_patch_only_by_default() {
     let counters = Counters::default();
     let app = Router::new()
         .route("/things", axum::routing::any(counted))
-        .route_layer(IdempotencyLayer::new(MemoryStore::new()))
+        .route_layer(shared(MemoryStore::new()))
         .with_state(counters.clone());
     let http = serve(app).await;
     for method in ["GET", "HEAD", "PUT", "DELETE", "OPTIONS"] {
@@ -603,7 +615,7 @@ async fn http_layer_applies_to_post_and_patch_only_by_default() {
 #[tokio::test]
 async fn http_layer_methods_are_configurable() {
     let counters = Counters::default();
-    let layer = IdempotencyLayer::new(MemoryStore::new()).methods([http::Method::PUT]);
+    let layer = shared(MemoryStore::new()).methods([http::Method::PUT]);
     let app = Router::new().route("/things", axum::routing::any(counted)).route_layer(layer).with_state(counters);
     let http = serve(app).await;
     let k = key();
@@ -620,7 +632,7 @@ async fn http_layer_fingerprint_covers_the_full_path_under_nested_routers() {
     let routes = || {
         Router::new()
             .route("/charges", post(charge))
-            .route_layer(IdempotencyLayer::new(store.clone()).scope("nested"))
+            .route_layer(shared(store.clone()).scope("nested"))
             .with_state(counters.clone())
     };
     let app = Router::new().nest("/v1", routes()).nest("/v2", routes());
@@ -639,7 +651,7 @@ async fn http_layer_json_fingerprint_ignores_whitespace_and_key_order_when_asked
     let json = [("content-type", "application/json")];
     for aware in [false, true] {
         let counters = Counters::default();
-        let mut layer = IdempotencyLayer::new(MemoryStore::new());
+        let mut layer = shared(MemoryStore::new());
         if aware {
             layer = layer.json_fingerprint();
         }
@@ -664,25 +676,39 @@ async fn http_layer_json_fingerprint_ignores_whitespace_and_key_order_when_asked
     }
 }
 
-/// Answers 401 until the request carries `authorization: ok`, then 201.
+/// Answers 401 (marked `NotProcessed`: refused before anything was done) until the request
+/// carries `authorization: ok`, then 201.
 async fn guarded(State(counters): State<Counters>, headers: HeaderMap) -> Response {
     let run = counters.charges.fetch_add(1, Ordering::SeqCst) + 1;
     match headers.get("authorization").and_then(|v| v.to_str().ok()) {
         Some("ok") => (StatusCode::CREATED, format!("run {run}")).into_response(),
-        Some(_) => StatusCode::FORBIDDEN.into_response(),
-        None => StatusCode::UNAUTHORIZED.into_response(),
+        Some(_) => (StatusCode::FORBIDDEN, NotProcessed).into_response(),
+        None => (StatusCode::UNAUTHORIZED, NotProcessed).into_response(),
+    }
+}
+
+/// Refuses `/charges` without `authorization` with 401, before the layer (as an authentication
+/// layer placed outside it does).
+async fn authenticate(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    if request.uri().path() != "/charges" || request.headers().contains_key("authorization") {
+        next.run(request).await
+    } else {
+        StatusCode::UNAUTHORIZED.into_response()
     }
 }
 
 #[tokio::test]
-async fn http_layer_401_and_403_release_the_key() {
+async fn http_layer_refusals_before_processing_release_the_key() {
     let counters = Counters::default();
     let app = Router::new()
         .route("/guarded", post(guarded))
-        .route_layer(IdempotencyLayer::new(MemoryStore::new()))
+        .route("/charges", post(charge))
+        .route_layer(shared(MemoryStore::new()))
+        .layer(axum::middleware::from_fn(authenticate))
         .with_state(counters.clone());
     let http = serve(app).await;
     let k = key();
+    // The handler's own refusals, marked: not recorded.
     assert_eq!(http.post("/guarded", &[("idempotency-key", &k)], "").await.status, 401);
     let forbidden = http.post("/guarded", &[("idempotency-key", &k), ("authorization", "bad")], "").await;
     assert_eq!((forbidden.status, forbidden.replayed()), (403, false), "the 401 was not replayed");
@@ -691,12 +717,19 @@ async fn http_layer_401_and_403_release_the_key() {
     let replay = http.post("/guarded", &[("idempotency-key", &k), ("authorization", "ok")], "").await;
     assert!(replay.replayed());
     assert_eq!(counters.charges.load(Ordering::SeqCst), 3);
+
+    // Authentication outside the layer: its 401 never reaches the layer, so the key is untouched.
+    let k = key();
+    assert_eq!(http.post("/charges", &[("idempotency-key", &k)], "").await.status, 401);
+    let authenticated = http.post("/charges", &[("idempotency-key", &k), ("authorization", "ok")], "").await;
+    assert_eq!((authenticated.status, authenticated.replayed()), (201, false), "{authenticated:?}");
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 4);
 }
 
 #[tokio::test]
 async fn http_layer_retry_after_is_the_remaining_lease_rounded_up() {
     let counters = Counters::default();
-    let layer = IdempotencyLayer::new(MemoryStore::new()).lease(Duration::from_millis(4_500));
+    let layer = shared(MemoryStore::new()).lease(Duration::from_millis(4_500));
     let app = Router::new().route("/charges", post(charge)).route_layer(layer).with_state(counters.clone());
     let http = serve(app).await;
     let k = key();
@@ -725,7 +758,7 @@ async fn http_layer_handler_panic_is_500_and_releases_the_key() {
     let counters = Counters::default();
     let app = Router::new()
         .route("/panics", post(panics_once))
-        .route_layer(IdempotencyLayer::new(MemoryStore::new()))
+        .route_layer(shared(MemoryStore::new()))
         .with_state(counters.clone());
     let http = serve(app).await;
     let k = key();
@@ -782,7 +815,7 @@ async fn disconnect_layer<St: Store + 'static>(store: St) {
     let counters = Counters::default();
     let app = Router::new()
         .route("/charges", post(charge))
-        .route_layer(IdempotencyLayer::new(store).scope("disconnect"))
+        .route_layer(shared(store).scope("disconnect"))
         .with_state(counters.clone());
     let http = serve(app).await;
     let k = key();
@@ -833,7 +866,7 @@ async fn http_attribute_client_disconnect_then_retry_charges_once_redis() {
     disconnect_attribute(store).await;
 }
 
-#[idempotent(key = key, store = state.store)]
+#[idempotent(key = key.shared_by_all_callers(), store = state.store)]
 async fn pay_panics(
     State(state): State<AppState<MemoryStore>>,
     key: IdempotencyKeyHeader,
@@ -892,4 +925,275 @@ fn http_metrics_are_served_in_the_prometheus_text_format() {
     assert!(body.contains("# TYPE idempotent_calls_total counter"), "{body}");
     assert!(body.contains("idempotent_store_step_seconds_count{store=\"memory\",step=\"claim\"} 2"), "{body}");
     assert!(body.contains("idempotent_store_step_seconds_count{store=\"memory\",step=\"complete\"} 1"), "{body}");
+}
+
+// ---------------------------------------------------------------- issue 20: never twice at the edge
+
+/// Charges (counted), then returns a body that yields one chunk and fails: a stream cut mid-way,
+/// after the handler made its effect.
+async fn charge_then_broken_body(State(counters): State<Counters>) -> Response {
+    counters.charges.fetch_add(1, Ordering::SeqCst);
+    let chunks: Vec<Result<Bytes, std::io::Error>> =
+        vec![Ok(Bytes::from_static(b"{\"charged\":")), Err(std::io::Error::other("the downstream reset"))];
+    (StatusCode::CREATED, axum::body::Body::from_stream(futures_util::stream::iter(chunks))).into_response()
+}
+
+/// Charges (counted), then returns a body whose stream panics after its first chunk.
+async fn charge_then_panicking_body(State(counters): State<Counters>) -> Response {
+    counters.charges.fetch_add(1, Ordering::SeqCst);
+    let mut sent = false;
+    let stream = futures_util::stream::poll_fn(move |_| -> std::task::Poll<Option<Result<Bytes, std::io::Error>>> {
+        assert!(!sent, "the body stream panics (this panic is expected)");
+        sent = true;
+        std::task::Poll::Ready(Some(Ok(Bytes::from_static(b"{\"charged\":"))))
+    });
+    (StatusCode::CREATED, axum::body::Body::from_stream(stream)).into_response()
+}
+
+/// Charges (counted), then streams `x-chunks` chunks of 64 KiB of `x`.
+async fn charge_then_large_stream(State(counters): State<Counters>, headers: HeaderMap) -> Response {
+    counters.large.fetch_add(1, Ordering::SeqCst);
+    let chunks: usize = headers.get("x-chunks").and_then(|v| v.to_str().ok()?.parse().ok()).unwrap_or(1);
+    let stream =
+        futures_util::stream::iter((0..chunks).map(|_| Ok::<_, std::io::Error>(Bytes::from(vec![b'x'; 64 * 1024]))));
+    (StatusCode::OK, [("content-type", "application/octet-stream")], axum::body::Body::from_stream(stream))
+        .into_response()
+}
+
+/// Every route of the layer's tests, under `layer` (with the response limit `MAX_RESPONSE`).
+async fn edge_app<St: Store + 'static>(layer: IdempotencyLayer<St>) -> (Http, Counters) {
+    let counters = Counters::default();
+    let app = Router::new()
+        .route("/broken-body", post(charge_then_broken_body))
+        .route("/panicking-body", post(charge_then_panicking_body))
+        .route("/large", post(large))
+        .route("/large-stream", post(charge_then_large_stream))
+        .route("/flaky", post(flaky))
+        .route("/missing", post(missing))
+        .route("/charges", post(charge))
+        .route("/other", post(charge))
+        .route_layer(layer.max_response_bytes(MAX_RESPONSE))
+        .with_state(counters.clone());
+    (serve(app).await, counters)
+}
+
+#[tokio::test]
+async fn http_layer_response_stream_that_fails_or_panics_after_the_charge_is_recorded_and_never_rerun() {
+    let (http, counters) = edge_app(shared(MemoryStore::new())).await;
+    for (path, how) in [("/broken-body", "failing"), ("/panicking-body", "panicking")] {
+        let before = counters.charges.load(Ordering::SeqCst);
+        let k = key();
+        let first = http.post(path, &[("idempotency-key", &k)], "").await;
+        let retry = http.post(path, &[("idempotency-key", &k)], "").await;
+        let runs = counters.charges.load(Ordering::SeqCst) - before;
+        println!(
+            "a response stream {how} after the charge: {} then {} (replayed: {}), ran {runs} time(s)",
+            first.status,
+            retry.status,
+            retry.replayed()
+        );
+        assert_eq!(runs, 1, "{path}: once the handler returned a response, its key is never released");
+        first.assert_problem(500, "urn:idempotent:response-failed");
+        assert!(!first.replayed());
+        retry.assert_problem(500, "urn:idempotent:response-failed");
+        assert!(retry.replayed(), "{path}: the retry gets the recorded failure, marked: {retry:?}");
+    }
+}
+
+#[tokio::test]
+async fn http_layer_response_over_the_recording_limit_reaches_its_client_whole_and_replays_say_why() {
+    let (http, counters) = edge_app(shared(MemoryStore::new())).await;
+    // One chunk one byte over the limit, and a stream of 16 chunks of 64 KiB (1 MiB) over it.
+    for (path, chunks, expected) in [("/large", "1", MAX_RESPONSE + 1), ("/large-stream", "16", 16 * 64 * 1024)] {
+        let k = key();
+        let headers = [("idempotency-key", k.as_str()), ("x-chunks", chunks)];
+        let first = http.post(path, &headers, "").await;
+        println!(
+            "{path}: a {expected}-byte response over the {MAX_RESPONSE}-byte recording limit: first {} with {} bytes",
+            first.status,
+            first.body.len()
+        );
+        assert_eq!(first.status, 200, "{path}: the client that ran it gets its response: {:?}", first.headers);
+        assert_eq!(first.body.len(), expected, "{path}: the whole body, not truncated");
+        assert!(first.body.iter().all(|&b| b == b'x'), "{path}");
+        assert!(!first.replayed());
+        let retry = http.post(path, &headers, "").await;
+        let problem = retry.assert_problem(500, "urn:idempotent:response-too-large");
+        assert!(retry.replayed(), "{path}: {retry:?}");
+        let detail = problem["detail"].as_str().unwrap();
+        assert!(detail.contains("2048 bytes") && detail.contains("was processed"), "{detail}");
+    }
+    assert_eq!(counters.large.load(Ordering::SeqCst), 2, "each ran once");
+}
+
+#[tokio::test]
+async fn http_layer_response_over_the_store_limit_reaches_its_client_and_replays_are_final() {
+    // The receipt echoes the 1 KiB body: within the layer's limit (2048 bytes), its record over
+    // the store's (1024 bytes).
+    let (http, counters) = edge_app(shared(MemoryStore::with_max_record_bytes(1024))).await;
+    let k = key();
+    let first = http.post("/charges", &[("idempotency-key", &k)], vec![b'a'; MAX_REQUEST]).await;
+    assert_eq!((first.status, first.replayed()), (201, false), "the request that ran gets its response");
+    let retry = http.post("/charges", &[("idempotency-key", &k)], vec![b'a'; MAX_REQUEST]).await;
+    retry.assert_problem(500, "urn:idempotent:internal");
+    assert!(retry.replayed(), "the record is final, and says so: {retry:?}");
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn http_layer_records_a_5xx_the_handler_produced() {
+    let (http, counters) = edge_app(shared(MemoryStore::new())).await;
+    let k = key();
+    let failed = http.post("/flaky", &[("idempotency-key", &k)], "").await;
+    assert_eq!((failed.status, &failed.body[..]), (503, &b"database down"[..]));
+    let retry = http.post("/flaky", &[("idempotency-key", &k)], "").await;
+    println!("a handler's 503: retried with the same key, got {} (replayed: {})", retry.status, retry.replayed());
+    assert_eq!((retry.status, retry.replayed()), (503, true), "the handler's 503 was recorded: {retry:?}");
+    assert_eq!(retry.body, failed.body);
+    assert_eq!(counters.flaky.load(Ordering::SeqCst), 1, "the handler ran once");
+}
+
+#[tokio::test]
+async fn http_layer_echoes_the_request_idempotency_key_on_its_responses() {
+    let (http, _) = layer_app().await;
+    let k = key();
+    let quoted = format!("\"{k}\"");
+    for sent in [k.as_str(), quoted.as_str()] {
+        let first = http.post("/charges", &[("idempotency-key", sent)], "a").await;
+        let replay = http.post("/charges", &[("idempotency-key", sent)], "a").await;
+        let reused = http.post("/charges", &[("idempotency-key", sent)], "b").await;
+        for reply in [&first, &replay, &reused] {
+            assert_eq!(reply.header("idempotency-key"), Some(sent), "the key as sent, echoed: {reply:?}");
+        }
+        assert!(replay.replayed());
+        assert_eq!(reused.status, 422);
+    }
+    let (http, _) = attribute_app().await;
+    let k = key();
+    let first = http.post("/pay", &pay_headers(&k, "alice"), r#"{"amount":1}"#).await;
+    let replay = http.post("/pay", &pay_headers(&k, "alice"), r#"{"amount":1}"#).await;
+    for reply in [&first, &replay] {
+        assert_eq!(reply.header("idempotency-key"), Some(k.as_str()), "the attribute's routes too: {reply:?}");
+    }
+}
+
+#[tokio::test]
+async fn http_layer_json_fingerprint_never_merges_different_number_texts() {
+    let (http, _) = edge_app(shared(MemoryStore::new()).json_fingerprint()).await;
+    let pairs = [
+        ("12345678901234567.89", "12345678901234567.00"),
+        ("18446744073709551616", "18446744073709551617"),
+        ("-18446744073709551616", "-18446744073709551617"),
+        ("0.1", "0.10000000000000001"),
+        ("1.0000000000000001", "1.0"),
+        ("-0", "0"),
+        ("-0.0", "0.0"),
+        ("1e2", "100"),
+        ("1E2", "1e2"),
+        ("1e+2", "1e2"),
+        ("1e400", "1e401"),
+        ("100", "100.0"),
+    ];
+    let mut merged = Vec::new();
+    for (first, second) in pairs {
+        let k = key();
+        let headers = [("idempotency-key", k.as_str()), ("content-type", "application/json")];
+        let one = http.post("/charges", &headers, format!(r#"{{"amount":{first}}}"#)).await;
+        assert_eq!(one.status, 201, "{first}: {one:?}");
+        let two = http.post("/charges", &headers, format!(r#"{{"amount":{second}}}"#)).await;
+        if two.status != 422 {
+            merged.push(format!("{first} ~ {second}: {} (replayed: {})", two.status, two.replayed()));
+        }
+    }
+    println!(
+        "json_fingerprint: {} of {} pairs of different number texts merged: {merged:#?}",
+        merged.len(),
+        pairs.len()
+    );
+    assert!(merged.is_empty(), "different number texts are different requests: {merged:#?}");
+    // What stays the same request: whitespace, key order and string escapes around the same texts.
+    let k = key();
+    let headers = [("idempotency-key", k.as_str()), ("content-type", "application/json")];
+    let one = http.post("/charges", &headers, r#"{"b":1e2,"a":-0,"c":"A"}"#).await;
+    let two = http.post("/charges", &headers, "{ \"c\" : \"\\u0041\", \"a\" : -0 ,\n \"b\" : 1e2 }").await;
+    assert!(two.replayed() && two.body == one.body, "{two:?}");
+}
+
+#[idempotent(key = key.shared_by_all_callers(), store = state.store, lease = "1s")]
+async fn pay_unguarded(
+    State(state): State<AppState<MemoryStore>>,
+    key: IdempotencyKeyHeader,
+) -> Result<JsonResponse<usize>, HttpError> {
+    let run = state.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    Ok(JsonResponse::created(run))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_attribute_without_run_to_completion_fails_loudly_instead_of_running_twice() {
+    let state = AppState { store: MemoryStore::new(), runs: Arc::default() };
+    let runs = Arc::clone(&state.runs);
+    // The mistake: an `#[idempotent]` handler served without `RunToCompletionLayer`.
+    let app = Router::new().route("/pay", post(pay_unguarded)).with_state(state);
+    let http = serve(app).await;
+    let k = key();
+    let headers = [("idempotency-key", k.as_str())];
+    // The client gives up after 200 ms; hyper drops the handler (which charged at once); the
+    // claim is kept for its 1 s lease; a retry after it runs the handler again.
+    http.post_and_disconnect("/pay", &headers, "", Duration::from_millis(200)).await;
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    let retry = retry_while_409(async || http.post("/pay", &headers, Bytes::new()).await).await;
+    let ran = runs.load(Ordering::SeqCst);
+    println!(
+        "#[idempotent] without RunToCompletionLayer, disconnect then retry: {} and ran {ran} time(s)",
+        retry.status
+    );
+    assert!(ran <= 1, "the handler ran {ran} times under one key");
+    let problem = retry.assert_problem(500, "urn:idempotent:misconfigured");
+    assert!(problem["detail"].as_str().unwrap().contains("RunToCompletionLayer"), "{problem}");
+    assert_eq!(ran, 0, "a handler that could be cancelled half-way never starts");
+}
+
+#[test]
+fn http_layer_without_a_caller_choice_fails_at_startup_naming_both_fixes() {
+    let built = std::panic::catch_unwind(|| {
+        Router::<()>::new()
+            .route("/charges", post(|| async { "charged" }))
+            .route_layer(IdempotencyLayer::new(MemoryStore::new()))
+    });
+    let Err(panic) = built else { panic!("a layer that shares keys across callers without saying so was built") };
+    let message = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+    println!("{message}");
+    assert!(message.contains(".caller(") && message.contains(".keys_shared_by_all_callers()"), "{message}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_layer_store_down_before_the_claim_is_503_and_not_recorded_redis() {
+    use idempotent_tests::proxy::{FaultProxy, Mode};
+    let test = "http_layer_store_down_before_the_claim_is_503_and_not_recorded_redis";
+    let Some(url) = idempotent_tests::services::redis_url(test) else { return };
+    let target = url.trim_start_matches("redis://").trim_end_matches('/').to_owned();
+    let proxy = FaultProxy::start(&target).await.expect("start the proxy");
+    let prefix = format!("idempotent-test:{}:", uuid::Uuid::new_v4().simple());
+    let store =
+        RedisStore::connect(&format!("redis://{}", proxy.addr())).await.expect("connect").with_prefix(prefix).unwrap();
+    let (http, counters) = edge_app(shared(store)).await;
+    proxy.set_mode(Mode::Refuse);
+    proxy.kill_connections();
+    let k = key();
+    let down = http.post("/charges", &[("idempotency-key", &k)], "{}").await;
+    down.assert_problem(503, "urn:idempotent:store-unavailable");
+    assert!(down.header("retry-after").is_some(), "{down:?}");
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 0, "nothing ran");
+    proxy.set_mode(Mode::Pass);
+    let mut reply = http.post("/charges", &[("idempotency-key", &k)], "{}").await;
+    for _ in 0..100 {
+        if reply.status != 503 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        reply = http.post("/charges", &[("idempotency-key", &k)], "{}").await;
+    }
+    assert_eq!((reply.status, reply.replayed()), (201, false), "the 503 was not recorded: the retry ran: {reply:?}");
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 1);
 }

@@ -27,9 +27,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{any, post};
 use bytes::Bytes;
 use idempotent_runtime::client::{Attempts, IdempotentRetry, OutboundError, RetryPolicy, Stopped};
-use idempotent_runtime::http::IdempotencyLayer;
+use idempotent_runtime::http::{HttpError, IdempotencyKeyHeader, IdempotencyLayer, JsonResponse, RunToCompletionLayer};
 use idempotent_runtime::stores::AnyStore;
-use idempotent_runtime::{MemoryStore, Store};
+use idempotent_runtime::{MemoryStore, Store, idempotent};
 use idempotent_tests::proxy::{FaultProxy, Mode};
 use reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
 use serde_json::{Value, json};
@@ -119,7 +119,12 @@ impl Api {
         let app = Router::new()
             .route("/charges", post(charge))
             // A short lease: a 409's Retry-After may be the claim's remaining lease.
-            .route_layer(IdempotencyLayer::new(store).scope("charges").lease(Duration::from_secs(3)))
+            .route_layer(
+                IdempotencyLayer::new(store)
+                    .keys_shared_by_all_callers()
+                    .scope("charges")
+                    .lease(Duration::from_secs(3)),
+            )
             .layer(axum::middleware::from_fn_with_state(ledger.clone(), note_key))
             .with_state(ledger.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
@@ -516,4 +521,141 @@ async fn http_client_sends_a_streaming_body_once_and_says_why_it_did_not_retry()
         panic!("expected NotReplayable, got {error:?}");
     };
     assert!(not_replayable.to_string().contains("body is a stream"), "{not_replayable}");
+}
+
+// ---------------------------------------------------------------- issue 20: hostile servers, the two sides' defaults together
+
+/// `POST /charge-then-fail`: charges (the ledger), then answers 500, as a handler whose downstream
+/// timed out after the charge would.
+async fn charge_then_fail(State(ledger): State<Ledger>) -> Response {
+    ledger.started.fetch_add(1, Ordering::SeqCst);
+    let run = ledger.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    (StatusCode::INTERNAL_SERVER_ERROR, format!("charged (run {run}), then the receipt service timed out"))
+        .into_response()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_client_and_server_defaults_run_a_handler_that_charged_then_failed_once() {
+    let ledger = Ledger::default();
+    // Both sides as they come: the layer's defaults (with the caller choice it requires), the
+    // client's default policy (its jitter seeded).
+    let app = Router::new()
+        .route("/charge-then-fail", post(charge_then_fail))
+        .route_layer(IdempotencyLayer::new(MemoryStore::new()).keys_shared_by_all_callers())
+        .layer(axum::middleware::from_fn_with_state(ledger.clone(), note_key))
+        .with_state(ledger.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.expect("the server runs") });
+    let client = client(RetryPolicy::default().jitter_seed(20));
+    let response = client.post(format!("http://{addr}/charge-then-fail")).body("charge 100").send().await.unwrap();
+    let attempts = attempts(&response);
+    let status = response.status();
+    let replayed = response.headers().get("idempotent-replayed").cloned();
+    let body = response.text().await.unwrap();
+    println!(
+        "defaults together: the handler ran {} time(s) under one key in {} attempt(s); the client got {status} ({body:?}, replayed: {replayed:?})",
+        ledger.runs(),
+        attempts.count
+    );
+    assert_eq!(ledger.runs(), 1, "the handler charged {} times under one key", ledger.runs());
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(body, "charged (run 1), then the receipt service timed out", "the recorded 500");
+    assert_eq!(replayed.as_ref().map(|v| v.to_str().unwrap()), Some("true"), "the client's last answer is the replay");
+    assert_eq!(
+        (attempts.count, attempts.stopped),
+        (2, Some(Stopped::Replayed)),
+        "the first 500, then its replay, which is final"
+    );
+    assert!(ledger.keys().iter().all(|k| *k == attempts.key));
+}
+
+#[tokio::test]
+async fn http_client_survives_hostile_retry_after_headers() {
+    // A slow 503 (over 1 s, so the elapsed time has whole seconds) asking for u64::MAX seconds.
+    let (script, base) = Script::serve(&[(503, Some("18446744073709551615")), (201, None)]).await;
+    *script.first_delay.lock().unwrap() = Some(ms(1_100));
+    let start = Instant::now();
+    let response = client(patient()).post(format!("{base}/orders")).send().await.unwrap();
+    let noted = attempts(&response);
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!((noted.count, noted.stopped), (1, Some(Stopped::TimeBudgetExhausted)));
+    assert!(start.elapsed() < Duration::from_secs(5), "returned at once, not after a wait: {:?}", start.elapsed());
+
+    // Values past the budget stop at once; values that are not a wait are ignored (back-off).
+    let hostile: [(&str, bool); 9] = [
+        ("18446744073709551615", true),
+        ("18446744073709551616", false),
+        ("99999999999999999999999999999", false),
+        ("Fri, 31 Dec 9999 23:59:59 GMT", true),
+        ("-1", false),
+        ("1e9", false),
+        ("0x10", false),
+        ("", false),
+        ("3, 4", false),
+    ];
+    for (value, past_budget) in hostile {
+        let (script, base) = Script::serve(&[(503, Some(value)), (201, None)]).await;
+        let start = Instant::now();
+        let response = client(patient()).post(format!("{base}/orders")).send().await.unwrap();
+        let noted = attempts(&response);
+        println!(
+            "Retry-After: {value:?} -> {} after {} attempt(s) in {:?}",
+            response.status(),
+            noted.count,
+            start.elapsed()
+        );
+        if past_budget {
+            assert_eq!((noted.count, noted.stopped), (1, Some(Stopped::TimeBudgetExhausted)), "{value:?}");
+        } else {
+            assert_eq!((response.status(), noted.count), (StatusCode::CREATED, 2), "{value:?}: backed off");
+        }
+        assert!(start.elapsed() < Duration::from_secs(5), "{value:?}: {:?}", start.elapsed());
+        assert_eq!(script.seen().len(), noted.count as usize);
+    }
+}
+
+#[derive(Clone)]
+struct AttributeState {
+    store: MemoryStore,
+    ledger: Ledger,
+}
+
+/// Under `#[idempotent]`: charges (the ledger), then answers 502 as an `Ok` value, which the
+/// attribute records like any other (an `Err` would mean "nothing was done" and release the key).
+#[idempotent(key = key.shared_by_all_callers(), store = state.store)]
+async fn charge_then_fail_attribute(
+    State(state): State<AttributeState>,
+    key: IdempotencyKeyHeader,
+) -> Result<JsonResponse<String>, HttpError> {
+    let run = state.ledger.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    Ok(JsonResponse::with_status(
+        StatusCode::BAD_GATEWAY,
+        format!("charged (run {run}), then the receipt service failed"),
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_client_and_attribute_defaults_run_a_handler_that_charged_then_failed_once() {
+    let ledger = Ledger::default();
+    let state = AttributeState { store: MemoryStore::new(), ledger: ledger.clone() };
+    let app = Router::new()
+        .route("/charge-then-fail", post(charge_then_fail_attribute))
+        .route_layer(RunToCompletionLayer)
+        .with_state(state);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.expect("the server runs") });
+    let response = client(RetryPolicy::default().jitter_seed(25))
+        .post(format!("http://{addr}/charge-then-fail"))
+        .send()
+        .await
+        .unwrap();
+    let (attempts, headers, body) = read(response).await;
+    println!("#[idempotent] and the client's defaults: ran {} time(s) in {} attempt(s)", ledger.runs(), attempts.count);
+    assert_eq!(ledger.runs(), 1);
+    assert_eq!(body, json!("charged (run 1), then the receipt service failed"));
+    assert_eq!(headers.get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(headers.get("idempotency-key").unwrap().to_str().unwrap(), attempts.key, "the key, echoed");
+    assert_eq!((attempts.count, attempts.stopped), (2, Some(Stopped::Replayed)));
 }

@@ -119,7 +119,7 @@ pub struct Attempts {
     pub key: String,
     /// How many attempts were sent, this response's included.
     pub count: u32,
-    /// Set when this response asked for a retry (`409`, `429`, `5xx`) but none was made.
+    /// Set when this response's status asked for a retry (`409`, `429`, `5xx`) but none was made.
     pub stopped: Option<Stopped>,
 }
 
@@ -136,4 +136,8 @@ pub enum Stopped {
     /// The body is a stream, which cannot be sent twice.
     #[error("the request body is a stream, which cannot be sent twice")]
     BodyNotReplayable,
+    /// The response is the server's recorded one (`Idempotent-Replayed: true`): the request ran
+    /// and this is its outcome, which another attempt with this key would get again.
+    #[error("the server replayed its recorded response for this key; another attempt would get it again")]
+    Replayed,
 }

@@ -9,7 +9,7 @@ use tokio::time::Instant;
 
 use super::error::{Attempts, OutboundError, Stopped};
 use super::policy::{RetryPolicy, is_retryable_status, retry_after};
-use crate::headers::IDEMPOTENCY_KEY;
+use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 
 /// `reqwest-middleware` middleware that makes non-idempotent requests safe to retry, and retries
 /// them: each gets an `Idempotency-Key` (a v4 UUID) unless it has one, and every retry carries
@@ -21,14 +21,35 @@ use crate::headers::IDEMPOTENCY_KEY;
 /// | outcome of an attempt | what happens |
 /// |---|---|
 /// | connection refused or lost, timeout (no response) | retried after a back-off |
-/// | `409`, `429`, `5xx` | retried after `Retry-After` if sent, else after a back-off |
+/// | `409`, `429`, `5xx` | retried after `Retry-After` if sent (at most the time budget), else after a back-off |
+/// | a replayed response (`Idempotent-Replayed: true`), whatever its status | returned as it is: it is the recorded outcome, and another attempt would get it again ([`Stopped::Replayed`] if its status asked for a retry) |
 /// | `422` | [`OutboundError::KeyReused`]: the key was used with another request |
 /// | any other status | returned as it is |
 /// | attempts or time budget used up | the last response, or [`OutboundError::GaveUp`] with the key |
 /// | a failure on a streaming body | returned without retry ([`OutboundError::NotReplayable`], or the response marked [`Stopped::BodyNotReplayable`]) |
 ///
 /// Every response it returns carries an [`Attempts`] extension (key, attempts, why it stopped).
-/// Bounds, back-off and jitter are set by a [`RetryPolicy`].
+/// Bounds, back-off and jitter are set by a [`RetryPolicy`]. A `Retry-After` longer than what is
+/// left of the time budget is not waited for: the response is returned at once
+/// ([`Stopped::TimeBudgetExhausted`]), however large the value.
+///
+/// # What it retries, and why that is safe
+///
+/// It retries an attempt that may not have been processed (no response: the request may or may
+/// not have reached the server), or whose answer says "not now" (`409`: the first attempt with
+/// this key is still running; `429`; `5xx`). Each retry carries the first attempt's key, so
+/// **against a server that honours `Idempotency-Key`** the request runs at most once, whatever
+/// happened to the attempts before it: a server that already ran it answers with what it recorded
+/// instead of running it again. [`IdempotencyLayer`](crate::http::IdempotencyLayer) is such a
+/// server: with its defaults it records every response its handler produced, `5xx` included,
+/// so a handler that charged and then failed with `500` is not charged again by this retry; the
+/// retry gets the recorded `500` back, marked `Idempotent-Replayed: true`, and this middleware
+/// stops there. A `409`, `429` or `5xx` that the server answers *without* running the handler
+/// (its store is down, the key is in use) is not recorded, and the retry is what gets it run.
+///
+/// Against a server that ignores the header, a retried `POST` can run twice, as any retried
+/// `POST` can: use this middleware with services that support `Idempotency-Key`, or give it only
+/// the [methods](Self::methods) that are idempotent there.
 ///
 /// ```
 /// use idempotent_runtime::client::{IdempotentRetry, RetryPolicy};
@@ -58,8 +79,8 @@ impl Default for IdempotentRetry {
 
 /// What one attempt's outcome calls for.
 enum Verdict {
-    /// Return it.
-    Done,
+    /// Return it (noting why, when it asked for a retry).
+    Done(Option<Stopped>),
     /// `422` on a keyed request.
     KeyReused,
     /// Retry, after `Retry-After` if the server sent it.
@@ -108,7 +129,7 @@ impl IdempotentRetry {
             let spare = request.try_clone();
             let result = next.clone().run(request, extensions).await;
             let retry_after = match classify(&result) {
-                Verdict::Done => return Ok(mark(result?, &key, count, None)),
+                Verdict::Done(stopped) => return Ok(mark(result?, &key, count, stopped)),
                 Verdict::KeyReused => return Err(key_reused(result?, key, url).await),
                 Verdict::Retry { retry_after } => retry_after,
             };
@@ -123,10 +144,12 @@ impl IdempotentRetry {
                     })),
                 };
             };
-            let wait = retry_after.unwrap_or_else(|| self.policy.next_backoff(count));
+            // A server's Retry-After can be anything up to u64::MAX seconds: bounded by the budget,
+            // and added without overflow.
+            let wait = retry_after.unwrap_or_else(|| self.policy.next_backoff(count)).min(self.policy.budget());
             let stopped = if count >= self.policy.attempts() {
                 Some(Stopped::AttemptsExhausted)
-            } else if start.elapsed() + wait > self.policy.budget() {
+            } else if start.elapsed().saturating_add(wait) > self.policy.budget() {
                 Some(Stopped::TimeBudgetExhausted)
             } else {
                 None
@@ -179,6 +202,10 @@ impl Middleware for IdempotentRetry {
 
 fn classify(result: &Result<Response, reqwest_middleware::Error>) -> Verdict {
     match result {
+        // The server's record of this key: every later attempt gets the same answer.
+        Ok(response) if is_replay(response) => {
+            Verdict::Done(is_retryable_status(response.status()).then_some(Stopped::Replayed))
+        }
         Ok(response) if response.status() == StatusCode::UNPROCESSABLE_ENTITY => Verdict::KeyReused,
         Ok(response) if is_retryable_status(response.status()) => {
             Verdict::Retry { retry_after: retry_after(response.headers()) }
@@ -192,8 +219,13 @@ fn classify(result: &Result<Response, reqwest_middleware::Error>) -> Verdict {
         }
         // Other statuses are answers. Builder, redirect and other middleware's errors: another
         // attempt would fail the same way.
-        Ok(_) | Err(_) => Verdict::Done,
+        Ok(_) | Err(_) => Verdict::Done(None),
     }
+}
+
+/// `Idempotent-Replayed: true`.
+fn is_replay(response: &Response) -> bool {
+    response.headers().get(&IDEMPOTENT_REPLAYED).is_some_and(|value| value.as_bytes().eq_ignore_ascii_case(b"true"))
 }
 
 fn mark(mut response: Response, key: &str, count: u32, stopped: Option<Stopped>) -> Response {

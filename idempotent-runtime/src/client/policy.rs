@@ -1,20 +1,21 @@
 //! When to retry and how long to wait: the attempt and time bounds, exponential back-off with
 //! seeded jitter, and `Retry-After`.
 
-use std::hash::BuildHasher;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, StatusCode, header};
+use rand::rngs::Xoshiro256PlusPlus;
+use rand::{RngExt as _, SeedableRng as _};
 
 /// How [`IdempotentRetry`](super::IdempotentRetry) spaces and bounds its attempts.
 ///
 /// The wait before retry `n` (1 for the first retry) is drawn uniformly from
 /// `[b/2, b]` with `b = min(max_backoff, initial_backoff × 2ⁿ⁻¹)` ("equal jitter": spread out so
 /// that many clients do not retry in step, yet never shorter than half the back-off). A response
-/// with `Retry-After` is waited for exactly as asked instead. Retrying stops after `max_attempts`
-/// attempts in all, or when the next wait would end past `max_elapsed` since the first attempt.
+/// with `Retry-After` is waited for as asked instead. Retrying stops after `max_attempts`
+/// attempts in all, or when the next wait would end past `max_elapsed` since the first attempt
+/// (so a `Retry-After` longer than the budget left ends the retries at once, whatever its size).
 ///
 /// ```
 /// use std::time::Duration;
@@ -52,7 +53,7 @@ impl Default for RetryPolicy {
             initial_backoff: DEFAULT_INITIAL_BACKOFF,
             max_backoff: DEFAULT_MAX_BACKOFF,
             max_elapsed: DEFAULT_MAX_ELAPSED,
-            jitter: Arc::new(Jitter::new(std::hash::RandomState::new().hash_one(0u64))),
+            jitter: Arc::new(Jitter::random()),
         }
     }
 }
@@ -88,7 +89,7 @@ impl RetryPolicy {
     /// waits the same in every run (the default seed is random per policy).
     #[must_use]
     pub fn jitter_seed(mut self, seed: u64) -> Self {
-        self.jitter = Arc::new(Jitter::new(seed));
+        self.jitter = Arc::new(Jitter::seeded(seed));
         self
     }
 
@@ -116,34 +117,30 @@ impl RetryPolicy {
     /// The wait before retry `retry`: a draw from [`backoff_range`](Self::backoff_range).
     pub(super) fn next_backoff(&self, retry: u32) -> Duration {
         let (low, high) = self.backoff_range(retry);
-        low + high.saturating_sub(low).mul_f64(self.jitter.next_unit())
+        self.jitter.between(low, high)
     }
 }
 
-/// A `SplitMix64` generator behind an atomic: lock-free, and reproducible for a given seed and
-/// order of draws.
+/// The jitter's generator: `rand`'s Xoshiro256++, whose output for a seed is fixed across `rand`
+/// releases (a "portable" generator), behind a lock that each draw holds for a few nanoseconds.
 #[derive(Debug)]
-struct Jitter {
-    state: AtomicU64,
-}
+struct Jitter(Mutex<Xoshiro256PlusPlus>);
 
 impl Jitter {
-    const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
-
-    fn new(seed: u64) -> Self {
-        Jitter { state: AtomicU64::new(seed) }
+    fn seeded(seed: u64) -> Self {
+        Jitter(Mutex::new(Xoshiro256PlusPlus::seed_from_u64(seed)))
     }
 
-    /// A uniform draw from `[0, 1)`.
-    fn next_unit(&self) -> f64 {
-        let mut z = self.state.fetch_add(Self::GAMMA, Ordering::Relaxed).wrapping_add(Self::GAMMA);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        // The top 53 bits, as a fraction of 2^53: exactly representable, below 1.
-        #[allow(clippy::cast_precision_loss)]
-        let unit = (z >> 11) as f64 / (1u64 << 53) as f64;
-        unit
+    fn random() -> Self {
+        Jitter(Mutex::new(Xoshiro256PlusPlus::from_rng(&mut rand::rng())))
+    }
+
+    /// A uniform draw from `[low, high]`, to the nanosecond (durations past 584 years count as that).
+    fn between(&self, low: Duration, high: Duration) -> Duration {
+        let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        let (low, high) = (nanos(low), nanos(high).max(nanos(low)));
+        let mut rng = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        Duration::from_nanos(rng.random_range(low..=high))
     }
 }
 
@@ -156,7 +153,9 @@ pub fn is_retryable_status(status: StatusCode) -> bool {
 }
 
 /// The wait a `Retry-After` header asks for: delay-seconds, or an HTTP date (a date in the past
-/// means "now"). `None` without the header or when it is unreadable.
+/// means "now"). `None` without the header or when it is unreadable (not a number that fits in a
+/// `u64`, nor a date). The value is returned as the server sent it, up to `u64::MAX` seconds:
+/// [`IdempotentRetry`](super::IdempotentRetry) bounds it by its time budget.
 #[must_use]
 pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     let value = headers.get(header::RETRY_AFTER)?.to_str().ok()?.trim();
@@ -201,12 +200,16 @@ mod tests {
 
     #[test]
     fn jitter_spreads_over_its_range() {
-        let jitter = Jitter::new(3);
-        let draws: Vec<f64> = (0..10_000).map(|_| jitter.next_unit()).collect();
-        assert!(draws.iter().all(|u| (0.0..1.0).contains(u)));
+        let jitter = Jitter::seeded(3);
+        let draws: Vec<f64> = (0..10_000).map(|_| jitter.between(ms(1000), ms(2000)).as_secs_f64() - 1.0).collect();
+        assert!(draws.iter().all(|u| (0.0..=1.0).contains(u)));
         let mean = draws.iter().sum::<f64>() / 10_000.0;
         assert!((mean - 0.5).abs() < 0.02, "mean {mean}");
         assert!(draws.iter().any(|u| *u < 0.01) && draws.iter().any(|u| *u > 0.99));
+        assert_eq!(jitter.between(ms(5), ms(5)), ms(5));
+        assert_eq!(jitter.between(ms(5), ms(1)), ms(5), "an empty range is its lower end");
+        let far = Duration::MAX;
+        assert!(jitter.between(far, far) >= Duration::from_secs(584 * 365 * 86_400), "no overflow");
     }
 
     #[test]
@@ -233,5 +236,11 @@ mod tests {
         assert!(wait > Duration::from_secs(100) && wait <= Duration::from_secs(120), "{wait:?}");
         headers.insert(header::RETRY_AFTER, "soon".parse().unwrap());
         assert_eq!(retry_after(&headers), None);
+        headers.insert(header::RETRY_AFTER, "18446744073709551615".parse().unwrap());
+        assert_eq!(retry_after(&headers), Some(Duration::from_secs(u64::MAX)), "as sent: the caller bounds it");
+        for unreadable in ["18446744073709551616", "-1", "1.5", "0x10", "", "3, 4"] {
+            headers.insert(header::RETRY_AFTER, unreadable.parse().unwrap());
+            assert_eq!(retry_after(&headers), None, "{unreadable:?}");
+        }
     }
 }

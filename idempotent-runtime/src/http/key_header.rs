@@ -29,6 +29,21 @@ pub(crate) fn from_headers(headers: &HeaderMap) -> Result<Option<String>, KeyHea
     parse(value).map(Some)
 }
 
+/// The request's `Idempotency-Key` value, as sent, to echo on its response (Stripe does, so a
+/// client can log the key each answer belongs to); `None` unless the header is there exactly once.
+pub(crate) fn echo(headers: &HeaderMap) -> Option<HeaderValue> {
+    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+    let value = values.next()?;
+    values.next().is_none().then(|| value.clone())
+}
+
+/// Adds the echoed key to `response`, unless the response sets the header itself.
+pub(crate) fn echo_into<B>(response: &mut http::Response<B>, echo: Option<HeaderValue>) {
+    if let Some(value) = echo {
+        response.headers_mut().entry(IDEMPOTENCY_KEY).or_insert(value);
+    }
+}
+
 /// Parses one header value: an sf-string (`"abc"`, with `\"` and `\\` escapes) or a bare value.
 ///
 /// A bare value is any run of visible ASCII characters except `"`, `\`, `,` and `;` (which would

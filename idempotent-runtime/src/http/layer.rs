@@ -2,6 +2,7 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -12,15 +13,18 @@ use axum::extract::OriginalUri;
 use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use futures_util::FutureExt as _;
 use http::request::Parts;
-use http::{HeaderName, Method, StatusCode, header};
+use http::{HeaderName, HeaderValue, Method, StatusCode, header};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower::{Layer, Service};
 
+use super::IDEMPOTENT_REPLAYED;
 use super::key_header::{self, CallerKey};
+use super::not_processed::NotProcessed;
 use super::problem::{Problem, problem_response};
-use super::recorded::{DEFAULT_RECORDED_HEADERS, Recorded};
-use super::spawn::{CatchUnwind, panicked, spawn};
+use super::recorded::{DEFAULT_RECORDED_HEADERS, Read, Recorded, read_response};
+use super::spawn::{RunsToCompletion, panicked, spawn};
 use crate::{Call, DEFAULT_LEASE, DEFAULT_RETENTION, Error, Fingerprint, Key, ReleaseErrors, Store};
 
 /// The largest request body the layer buffers to fingerprint it by default (1 MiB); larger bodies
@@ -54,7 +58,8 @@ type StatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
 /// Each request runs on its own Tokio task: a client that disconnects never cancels a request
 /// whose handler has started, so its response is still recorded, and a retry sent meanwhile gets
 /// `409` (or, with [`wait`](Self::wait), the recorded response). A handler that panics gets `500`
-/// and its key is released.
+/// and its key is released. Every response to a request with an `Idempotency-Key` carries that
+/// header back, as sent, so a client can log which key an answer belongs to.
 ///
 /// | request | response |
 /// |---|---|
@@ -63,14 +68,34 @@ type StatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
 /// | body over the limit | `413`, `urn:idempotent:request-too-large` |
 /// | the first request with this key is still running | `409` with `Retry-After` (the running claim's remaining lease, in whole seconds rounded up, at least 1) |
 /// | the key was used with another method, path, query or body | `422`, `urn:idempotent:key-reused` |
-/// | response body over [`max_response_bytes`](Self::max_response_bytes) | `500`, `urn:idempotent:response-too-large`, to this request and its retries |
+/// | the handler answered (any status, `5xx` included) | that response, recorded; retries get it replayed |
+/// | the handler answered with [`NotProcessed`] | that response, not recorded: the key is released |
+/// | response body failed mid-way (an error or a panic of its stream) | `500`, `urn:idempotent:response-failed`, to this request and its retries |
+/// | response body over [`max_response_bytes`](Self::max_response_bytes) | the whole response to this request; retries get `500`, `urn:idempotent:response-too-large` |
 /// | the store is down | `503` with `Retry-After` |
 ///
-/// Which responses are recorded is chosen by [`record_status`](Self::record_status); by default
-/// ([`records_by_default`]) every status below 500 except those that mean "not processed": `401`
-/// and `403` (the request was refused before it was processed: a client that fixes its credentials
-/// retries with the same key), `408`, `425` and `429` (come back later). Those and every 5xx release
-/// the key, so a retry runs the request again. Errors of the inner service also release the key.
+/// # Which responses are recorded
+///
+/// Every response the handler produced, whatever its status. A layer cannot tell from a `500`
+/// whether the handler acted before failing (a card charged, then a timeout on the receipt
+/// service), and releasing the key would let the client's retry, which carries the same key for
+/// exactly this case, charge again. A handler that knows it did nothing says so with the
+/// [`NotProcessed`] marker; [`record_status`](Self::record_status) sets a rule by status for a
+/// route whose handlers all follow it. The layer's own refusals (a missing or malformed key, a
+/// body too large or unreadable, `409`, `422`, a store down before the claim) are never recorded:
+/// nothing ran. Once the handler has returned a response, the key is never released, even if the
+/// response's body then fails: that is recorded as a failure, and retries get `500` instead of a
+/// second run. Errors of the inner service (not a response: axum routes have none) and handler
+/// panics release the key, as a panicking `#[idempotent]` body does.
+///
+/// # Whose keys
+///
+/// A key is chosen by the client, and two clients can send the same one, so a layer must say
+/// whose keys it holds: [`caller`](Self::caller) binds each key to the caller who sent it (two
+/// users who send the same key and body each get their own response), and
+/// [`keys_shared_by_all_callers`](Self::keys_shared_by_all_callers) says that any caller may get
+/// any other's response for the same key. A layer with neither panics when it is applied to a
+/// route (at startup), with a message naming both.
 ///
 /// The first response passes through with all its headers; replays carry only the recorded
 /// ones. The layer takes `axum::body::Body` requests and responses, as axum routes do; apply it
@@ -96,7 +121,7 @@ struct Config<St> {
     store: Arc<St>,
     scope: String,
     required: bool,
-    caller: Option<Arc<CallerFn>>,
+    callers: Callers,
     recorded_headers: Vec<HeaderName>,
     record_status: Arc<StatusFn>,
     max_request_bytes: usize,
@@ -114,7 +139,7 @@ impl<St> Clone for Config<St> {
             store: Arc::clone(&self.store),
             scope: self.scope.clone(),
             required: self.required,
-            caller: self.caller.clone(),
+            callers: self.callers.clone(),
             recorded_headers: self.recorded_headers.clone(),
             record_status: Arc::clone(&self.record_status),
             max_request_bytes: self.max_request_bytes,
@@ -125,6 +150,27 @@ impl<St> Clone for Config<St> {
             methods: self.methods.clone(),
             json_fingerprint: self.json_fingerprint,
         }
+    }
+}
+
+/// Whose keys a layer holds.
+#[derive(Clone)]
+enum Callers {
+    /// Not said yet: the layer refuses to be applied.
+    Unchosen,
+    /// Every caller's: [`IdempotencyLayer::keys_shared_by_all_callers`].
+    Shared,
+    /// Each caller's own: [`IdempotencyLayer::caller`].
+    Each(Arc<CallerFn>),
+}
+
+impl std::fmt::Debug for Callers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Callers::Unchosen => "unchosen",
+            Callers::Shared => "shared by all callers",
+            Callers::Each(_) => "each caller's own",
+        })
     }
 }
 
@@ -139,7 +185,7 @@ impl<St> std::fmt::Debug for IdempotencyLayer<St> {
         f.debug_struct("IdempotencyLayer")
             .field("scope", &self.config.scope)
             .field("required", &self.config.required)
-            .field("caller", &self.config.caller.is_some())
+            .field("callers", &self.config.callers)
             .field("recorded_headers", &self.config.recorded_headers)
             .field("max_request_bytes", &self.config.max_request_bytes)
             .field("max_response_bytes", &self.config.max_response_bytes)
@@ -152,44 +198,23 @@ impl<St> std::fmt::Debug for IdempotencyLayer<St> {
     }
 }
 
-/// The default of [`IdempotencyLayer::record_status`]: every status below 500, except those that
-/// say the request was not processed.
-///
-/// | status | recorded | why |
-/// |---|---|---|
-/// | 1xx to 4xx, except below | yes | the request was processed; its answer is final (a `400` or `422` from the handler may come after it acted) |
-/// | `401`, `403` | no | refused before processing (authentication, authorization), like Stripe, which saves nothing then: a client that fixes its credentials retries with the same key |
-/// | `408`, `425`, `429` | no | they ask the client to come back later |
-/// | 5xx | no | the server failed; a retry may succeed |
-///
-/// A route whose validation errors come before any side effect can release them too:
-/// `record_status(|s| records_by_default(s) && s != StatusCode::UNPROCESSABLE_ENTITY)`.
-#[must_use]
-pub fn records_by_default(status: StatusCode) -> bool {
-    !status.is_server_error()
-        && !matches!(
-            status,
-            StatusCode::UNAUTHORIZED
-                | StatusCode::FORBIDDEN
-                | StatusCode::REQUEST_TIMEOUT
-                | StatusCode::TOO_EARLY
-                | StatusCode::TOO_MANY_REQUESTS
-        )
-}
-
 impl<St: Store + 'static> IdempotencyLayer<St> {
-    /// A layer keeping its records in `store`, with the scope `"http"`, a required key, no caller
-    /// scoping, the [default headers](super::DEFAULT_RECORDED_HEADERS), and the default limits,
-    /// lease and retention.
+    /// A layer keeping its records in `store`, with the scope `"http"`, a required key, every
+    /// response recorded, the [default headers](super::DEFAULT_RECORDED_HEADERS), and the default
+    /// limits, lease and retention.
+    ///
+    /// Before it is applied, say whose keys it holds: [`caller`](Self::caller) or
+    /// [`keys_shared_by_all_callers`](Self::keys_shared_by_all_callers) (see
+    /// [whose keys](Self#whose-keys)).
     pub fn new(store: St) -> Self {
         IdempotencyLayer {
             config: Config {
                 store: Arc::new(store),
                 scope: "http".to_owned(),
                 required: true,
-                caller: None,
+                callers: Callers::Unchosen,
                 recorded_headers: DEFAULT_RECORDED_HEADERS.to_vec(),
-                record_status: Arc::new(records_by_default),
+                record_status: Arc::new(|_| true),
                 max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
                 max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
                 lease: DEFAULT_LEASE,
@@ -230,10 +255,22 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
     /// authentication layer in the extensions, an API-key id from a header) and the key is bound to
     /// it (see [`CallerKey`]), so two callers that send the same key never see each other's
     /// responses. Callers mapped to the same text share their keys; map anonymous callers to
-    /// something unique or refuse them before this layer.
+    /// something unique or refuse them before this layer. Replaces
+    /// [`keys_shared_by_all_callers`](Self::keys_shared_by_all_callers) if both are called.
     #[must_use]
     pub fn caller(mut self, identity: impl Fn(&Parts) -> String + Send + Sync + 'static) -> Self {
-        self.config.caller = Some(Arc::new(identity));
+        self.config.callers = Callers::Each(Arc::new(identity));
+        self
+    }
+
+    /// Says that keys are shared by all callers: whoever sends a key that another caller used for
+    /// the same request (method, path, query, body) gets that caller's recorded response. Right for
+    /// a service with one caller, or whose callers trust each other (an internal job queue, a
+    /// single-tenant backend); wrong for a public API, where [`caller`](Self::caller) keeps each
+    /// user's responses to that user. Replaces `caller` if both are called.
+    #[must_use]
+    pub fn keys_shared_by_all_callers(mut self) -> Self {
+        self.config.callers = Callers::Shared;
         self
     }
 
@@ -253,9 +290,25 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
         self
     }
 
-    /// Chooses which responses are recorded (and replayed): a status for which `record` says
-    /// `false` releases the key, so a retry runs the request again. The default is
-    /// [`records_by_default`].
+    /// Chooses by status which of the handler's responses are recorded (and replayed): a status for
+    /// which `record` says `false` releases the key, so a retry runs the request again. The default
+    /// records every status (see [which responses are recorded](Self#which-responses-are-recorded));
+    /// a response marked [`NotProcessed`] is released whatever this says.
+    ///
+    /// A rule by status is only as safe as the route's handlers: releasing `429` is right if every
+    /// handler behind the layer answers `429` before doing anything, and would let a retry act twice
+    /// otherwise.
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use idempotent_runtime::{MemoryStore, http::IdempotencyLayer};
+    ///
+    /// // This route's rate limiter answers 429 before the handler runs.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .keys_shared_by_all_callers()
+    ///     .record_status(|status| status != StatusCode::TOO_MANY_REQUESTS);
+    /// # let _ = layer;
+    /// ```
     #[must_use]
     pub fn record_status(mut self, record: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
         self.config.record_status = Arc::new(record);
@@ -271,10 +324,12 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
 
     /// The largest response body recorded (default [`DEFAULT_MAX_RESPONSE_BYTES`]).
     ///
-    /// A larger body is never truncated: the request has run, but the client gets a `500` problem
-    /// (`urn:idempotent:response-too-large`) and so does every retry with that key, which does not
-    /// run it again. Raise the limit for routes with large responses (the store's own record
-    /// limit applies too: over it, the first response goes through and retries get `500`).
+    /// A larger body is never truncated: the request that ran gets its whole response (the part
+    /// read up to the limit, then the rest as the handler streams it), and every retry with that
+    /// key gets a `500` problem (`urn:idempotent:response-too-large`, marked replayed) saying the
+    /// request was processed and its response cannot be replayed; it does not run again. Raise the
+    /// limit for routes with large responses (the store's own record limit applies too: over it,
+    /// the first response goes through and retries get `500`).
     #[must_use]
     pub fn max_response_bytes(mut self, limit: usize) -> Self {
         self.config.max_response_bytes = limit;
@@ -320,10 +375,14 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
         self
     }
 
-    /// Fingerprints JSON bodies by their meaning, not their bytes: a request whose body
-    /// (`Content-Type: application/json` or `*/*+json`) differs from the first only in whitespace
-    /// or object key order counts as the same request, so it gets the replay, not `422`. Other
-    /// bodies, and JSON bodies that do not parse, are fingerprinted byte for byte. Off by default.
+    /// Fingerprints JSON bodies by their content, not their bytes: a request whose body
+    /// (`Content-Type: application/json` or `*/*+json`) differs from the first only in whitespace,
+    /// object key order or string escapes counts as the same request, so it gets the replay, not
+    /// `422`. Nothing else is merged: numbers are compared as written (`12345678901234567.89` and
+    /// `12345678901234567.00`, `1e2` and `100`, `-0` and `0` are different requests, never one
+    /// read through `f64`), and a repeated object key keeps every occurrence in order. Other
+    /// bodies, JSON that does not parse, and JSON nested deeper than 128 levels are fingerprinted
+    /// byte for byte. Off by default.
     #[must_use]
     pub fn json_fingerprint(mut self) -> Self {
         self.config.json_fingerprint = true;
@@ -334,7 +393,23 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
 impl<S, St> Layer<S> for IdempotencyLayer<St> {
     type Service = IdempotencyService<S, St>;
 
+    /// # Panics
+    ///
+    /// If neither [`caller`](IdempotencyLayer::caller) nor
+    /// [`keys_shared_by_all_callers`](IdempotencyLayer::keys_shared_by_all_callers) was called:
+    /// a layer that silently shared every key across callers would hand one user's responses to
+    /// another. axum applies layers while the router is built, so this fails at startup.
     fn layer(&self, inner: S) -> Self::Service {
+        if matches!(self.config.callers, Callers::Unchosen) {
+            panic!(
+                "IdempotencyLayer (scope {:?}) does not say whose keys it holds: two callers who send the same \
+                 Idempotency-Key and body would get one recorded response, the first caller's. Call \
+                 `.caller(|parts| ...)` to bind each key to who sent it (a user or API-client id, for example from \
+                 the extensions your authentication layer sets), or `.keys_shared_by_all_callers()` if every \
+                 caller may get every other caller's responses (one caller, or callers that trust each other)",
+                self.config.scope
+            );
+        }
         IdempotencyService { inner, config: Arc::new(self.config.clone()) }
     }
 }
@@ -372,7 +447,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: Request) -> Self::Future {
+    fn call(&mut self, mut request: Request) -> Self::Future {
         // The clone may not be ready: keep the ready service for this request (tower's usual dance).
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
@@ -380,9 +455,15 @@ where
             return Box::pin(inner.call(request));
         }
         let config = Arc::clone(&self.config);
+        let echo = key_header::echo(request.headers());
+        RunsToCompletion::mark(&mut request);
         // On its own task: hyper drops this future when the client disconnects, the task runs on.
         let task = spawn(async move { config.handle(inner, request).await });
-        Box::pin(async move { task.await.unwrap_or_else(|()| Ok(panicked())) })
+        Box::pin(async move {
+            let mut response = task.await.unwrap_or_else(|()| Ok(panicked()))?;
+            key_header::echo_into(&mut response, echo);
+            Ok(response)
+        })
     }
 }
 
@@ -392,7 +473,6 @@ enum Failure<E> {
     Inner(E),
     Panicked,
     NotRecorded(Response),
-    ResponseUnreadable(String),
 }
 
 impl<E> From<Error> for Failure<E> {
@@ -420,7 +500,10 @@ impl<St: Store> Config<St> {
             Err(problem) => return Ok(problem.into_response()),
         };
         let fingerprint = request_fingerprint(&parts, &bytes, self.json_fingerprint);
-        let caller = self.caller.as_ref().map(|identity| identity(&parts));
+        let caller = match &self.callers {
+            Callers::Each(identity) => Some(identity(&parts)),
+            Callers::Shared | Callers::Unchosen => None,
+        };
         let call = match &caller {
             Some(caller) => Call::new(&self.scope, &CallerKey::new(caller, &key)),
             None => Call::new(&self.scope, &key),
@@ -433,28 +516,36 @@ impl<St: Store> Config<St> {
         let request = Request::from_parts(parts, Body::from(bytes));
         let mut first = None;
         let body = async {
-            let response = CatchUnwind::new(inner.call(request)).await.map_err(|()| Failure::Panicked)?;
-            let response = response.map_err(Failure::Inner)?;
-            if !(self.record_status)(response.status()) {
+            let response = AssertUnwindSafe(inner.call(request)).catch_unwind().await.map_err(|_| Failure::Panicked)?;
+            let mut response = response.map_err(Failure::Inner)?;
+            if NotProcessed::take(&mut response) || !(self.record_status)(response.status()) {
                 return Err(Failure::NotRecorded(response));
             }
+            // From here on the handler has answered: whatever happens to its body, the key is
+            // recorded, never released, so a retry cannot run the handler a second time.
             let (parts, body) = response.into_parts();
-            let recorded = match Limited::new(body, self.max_response_bytes).collect().await {
-                Ok(collected) => {
-                    let bytes = collected.to_bytes();
+            let recorded = match read_response(body, self.max_response_bytes).await {
+                Read::Whole(bytes) => {
                     let recorded = Recorded::response(parts.status, &parts.headers, &self.recorded_headers, &bytes);
                     first = Some(Response::from_parts(parts, Body::from(bytes)));
                     recorded
                 }
-                Err(error) if error.is::<LengthLimitError>() => {
-                    tracing::error!(
+                Read::TooLarge(body) => {
+                    tracing::warn!(
                         target: "idempotent", limit = self.max_response_bytes,
-                        "a response body is over the recording limit; answering 500 to this request and its retries"
+                        "a response body is over the recording limit; it goes to this request, retries get 500"
                     );
-                    first = Some(Problem::response_too_large(self.max_response_bytes).into_response());
+                    first = Some(Response::from_parts(parts, body));
                     Recorded::TooLarge { limit: self.max_response_bytes }
                 }
-                Err(error) => return Err(Failure::ResponseUnreadable(error.to_string())),
+                Read::Failed(reason) => {
+                    tracing::error!(
+                        target: "idempotent", reason,
+                        "a response body failed after the handler returned; recorded as failed, retries get 500"
+                    );
+                    first = Some(Problem::response_failed().into_response());
+                    Recorded::Failed { reason }
+                }
             };
             Ok(recorded)
         };
@@ -467,14 +558,14 @@ impl<St: Store> Config<St> {
             Err(Failure::Inner(error)) => Err(error),
             Err(Failure::Panicked) => Ok(panicked()),
             Err(Failure::NotRecorded(response)) => Ok(response),
-            Err(Failure::Idempotency(error)) => Ok(problem_response(&error)),
-            Err(Failure::ResponseUnreadable(reason)) => {
-                tracing::error!(target: "idempotent", reason, "a response body failed while being recorded");
-                Ok(Problem::internal(
-                    "Response failed",
-                    "The server failed while sending its response; retry the request.",
-                )
-                .into_response())
+            Err(Failure::Idempotency(error)) => {
+                let mut response = problem_response(&error);
+                // The record says the request ran and its response could not be kept: that too
+                // is this key's final answer, so it is marked like every replay.
+                if matches!(error, Error::Unrecordable { .. }) {
+                    response.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+                }
+                Ok(response)
             }
         }
     }

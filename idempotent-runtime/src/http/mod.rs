@@ -26,6 +26,10 @@
 //! | the key was used with a different request | 422 |
 //! | the store is unreachable | 503 with `Retry-After` |
 //!
+//! A response to a request with an `Idempotency-Key` carries the header back, as the client sent it
+//! (as Stripe's API does), so a client can log which key an answer belongs to: on every method the
+//! layer covers, and on every route under [`RunToCompletionLayer`].
+//!
 //! # The header value
 //!
 //! The draft makes the value a structured-field string (`Idempotency-Key: "8e03978e-..."`). Most
@@ -33,42 +37,60 @@
 //! bare run of visible ASCII without `"`, `\`, `,` and `;`. Keys are at most
 //! [`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES) bytes.
 //!
-//! # Which responses are recorded
+//! # What is recorded
 //!
-//! By default every response below 500 is recorded, except those that mean "not processed":
-//! `401` and `403` (refused before processing: a client that fixes its credentials retries with the
-//! same key), `408`, `425` and `429` (come back later). A `5xx` means the server failed to finish
-//! the request, so the key is released and a retry runs it again; recording it would make a passing
-//! outage permanent for that key. See [`records_by_default`]; the layer's
-//! [`record_status`](IdempotencyLayer::record_status) changes this; under the attribute, an `Err`
-//! releases the key unless `record_err` says otherwise.
+//! Whatever the handler answered. Under the layer, that is every response the handler produced,
+//! `5xx` included: a `500` may come after the handler acted (a charge made, then a timeout on the
+//! receipt), and a client retrying with the same key, as
+//! [`IdempotentRetry`](crate::client::IdempotentRetry) does, must get that `500` back rather than a
+//! second charge. A handler that knows it did nothing marks its response [`NotProcessed`]; the key
+//! is then released and a retry runs. The layer's own refusals (a bad key, a body too large, `409`,
+//! `422`, the store down before the claim) are never recorded. Once the handler has returned, the
+//! key is kept whatever its body does: a body that fails mid-way is recorded as a failure, and a
+//! body over the recording limit goes whole to its own request while retries get `500`
+//! (`urn:idempotent:response-too-large`). See [`IdempotencyLayer`].
+//!
+//! Under the attribute, what is recorded is the handler's `Ok` value, whatever status it carries
+//! (`JsonResponse::with_status(StatusCode::BAD_GATEWAY, ..)` is recorded and replayed like a
+//! `201`). An `Err` is the attribute's "nothing was done": it releases the key, so a retry runs
+//! the handler again, unless `record_err` records it. So answer a failure that comes *after* the
+//! effect with an `Ok` response (or a recorded error), and use `Err` for refusals before it. A
+//! recorded `Err` replays through its own `IntoResponse`, which does not know it is a replay, so
+//! it lacks `Idempotent-Replayed`; a `JsonResponse` has it.
 //!
 //! # Methods, paths and bodies
 //!
 //! The layer applies to `POST` and `PATCH` ([`DEFAULT_METHODS`], configurable with
 //! [`IdempotencyLayer::methods`]); other methods pass through untouched. Its fingerprint covers the
 //! path as the client sent it, also under a nested router, and, with
-//! [`IdempotencyLayer::json_fingerprint`], a JSON body by meaning rather than bytes.
+//! [`IdempotencyLayer::json_fingerprint`], a JSON body by content rather than bytes (whitespace,
+//! key order and string escapes aside; numbers as written).
 //!
 //! # Disconnects and replays under the attribute
 //!
 //! The layer runs each request on its own task, so a client that disconnects never cancels a
-//! started handler; wrap routes whose handlers use the attribute in [`RunToCompletionLayer`] for the
-//! same. Under the attribute, a replayed [`JsonResponse`] (or [`Replayable`](crate::Replayable)
-//! response) carries `Idempotent-Replayed: true`, as the layer's replays do.
+//! started handler. Routes whose handlers use the attribute need [`RunToCompletionLayer`] for the
+//! same, and the [`IdempotencyKeyHeader`] extractor refuses (`500`,
+//! `urn:idempotent:misconfigured`, the fix in the log) requests served without it, before the
+//! handler starts. Under the attribute, a replayed [`JsonResponse`] (or
+//! [`Replayable`](crate::Replayable) response) carries `Idempotent-Replayed: true`, as the layer's
+//! replays do.
 //!
 //! # Callers
 //!
-//! A key is only unique per client, so bind it to the caller:
-//! [`IdempotencyLayer::caller`] for the layer, `key = key.for_caller(&user_id)`
-//! ([`IdempotencyKeyHeader::for_caller`]) for the attribute. Two users sending the same key then
-//! never see each other's responses.
+//! A key is only unique per client, so the server must say whose keys they are, and both ways in
+//! make it say so: [`IdempotencyLayer::caller`] or [`IdempotencyLayer::keys_shared_by_all_callers`]
+//! for the layer (without either, applying it panics at startup), and
+//! `key = key.for_caller(&user_id)` ([`IdempotencyKeyHeader::for_caller`]) or
+//! `key = key.shared_by_all_callers()` for the attribute (the header alone is not a key). Bound to
+//! the caller, two users sending the same key never see each other's responses.
 
 mod canonical_json;
 mod extractor;
 mod json;
 mod key_header;
 mod layer;
+mod not_processed;
 mod problem;
 mod recorded;
 mod spawn;
@@ -78,8 +100,8 @@ pub use json::JsonResponse;
 pub use key_header::CallerKey;
 pub use layer::{
     DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_METHODS, IdempotencyLayer, IdempotencyService,
-    records_by_default,
 };
+pub use not_processed::NotProcessed;
 pub use problem::{HttpError, MAX_RETRY_AFTER_SECS, Problem, RETRY_AFTER_SECS, problem_response, retry_after_secs};
 pub use recorded::DEFAULT_RECORDED_HEADERS;
 pub use spawn::{RunToCompletion, RunToCompletionLayer};

@@ -120,19 +120,47 @@ impl Problem {
         )
     }
 
-    /// `500`: the handler ran, but its response body is over the recording limit. The request will
-    /// not be processed again under this key.
+    /// `500`, to a retry: the request was processed and its response went to the request that ran
+    /// it, but its body is over the recording limit, so it cannot be replayed. The request will not
+    /// be processed again under this key.
     #[must_use]
     pub fn response_too_large(limit: usize) -> Self {
         Problem::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "urn:idempotent:response-too-large",
-            "Response too large to record",
+            "Response too large to replay",
             format!(
-                "The request was processed, but its response body is over the server's limit of {limit} bytes \
-                 for recorded responses, so it cannot be returned or replayed. It will not be processed again \
-                 under this Idempotency-Key; check its effect before repeating it with a new key."
+                "A request with this Idempotency-Key was processed, and its response was sent to that request, \
+                 but its body is over the server's limit of {limit} bytes for recorded responses, so it cannot be \
+                 replayed. It will not be processed again under this key; check its effect (for example with a \
+                 GET on the resource) instead of repeating it with a new key."
             ),
+        )
+    }
+
+    /// `500`: the handler ran and returned a response, but the response's body failed before its
+    /// end. The request will not be processed again under this key.
+    #[must_use]
+    pub fn response_failed() -> Self {
+        Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "urn:idempotent:response-failed",
+            "Response failed",
+            "A request with this Idempotency-Key was processed, but its response failed while it was being \
+             produced, so it cannot be returned or replayed. It will not be processed again under this key; \
+             check its effect before repeating it with a new key.",
+        )
+    }
+
+    /// `500`: the server's idempotency setup is wrong for this route, so the request was refused
+    /// before it was processed. `fix` says what the server's developer must change.
+    #[must_use]
+    pub fn misconfigured(fix: &str) -> Self {
+        Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "urn:idempotent:misconfigured",
+            "Idempotency misconfigured",
+            format!("The request was not processed: the server is misconfigured ({fix})."),
         )
     }
 

@@ -1,9 +1,15 @@
 //! What the layer records of a response, and how a replay is rebuilt from it.
 
+use std::panic::AssertUnwindSafe;
+
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
 use bytes::Bytes;
+use futures_util::{FutureExt as _, StreamExt as _};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use http_body_util::BodyExt as _;
 use serde::{Deserialize, Serialize};
 
 use super::IDEMPOTENT_REPLAYED;
@@ -29,11 +35,16 @@ pub const DEFAULT_RECORDED_HEADERS: [HeaderName; 9] = [
 pub(crate) enum Recorded {
     /// The response: status, allow-listed headers in order, body.
     Response { status: u16, headers: Vec<(String, Data)>, body: Data },
-    /// The handler ran, but its response body was over the layer's limit.
+    /// The handler ran, but its response body was over the layer's limit (it was sent to the
+    /// request that ran it, not recorded).
     TooLarge { limit: usize },
+    /// The handler ran and returned a response whose body failed (an error or a panic of its
+    /// stream) before its end; `reason` is for the server's log only.
+    Failed { reason: String },
 }
 
-/// Bytes as JSON: text when they are UTF-8 (compact and readable), base64 otherwise.
+/// Bytes as JSON: text when they are UTF-8 (compact and readable), base64 otherwise (the standard
+/// alphabet with canonical padding, RFC 4648 section 4).
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum Data {
     Text(String),
@@ -44,14 +55,14 @@ impl Data {
     fn from_bytes(bytes: &[u8]) -> Self {
         match std::str::from_utf8(bytes) {
             Ok(text) => Data::Text(text.to_owned()),
-            Err(_) => Data::Base64(base64_encode(bytes)),
+            Err(_) => Data::Base64(BASE64.encode(bytes)),
         }
     }
 
     fn into_bytes(self) -> Option<Vec<u8>> {
         match self {
             Data::Text(text) => Some(text.into_bytes()),
-            Data::Base64(text) => base64_decode(&text),
+            Data::Base64(text) => BASE64.decode(text).ok(),
         }
     }
 }
@@ -72,6 +83,7 @@ impl Recorded {
         let rebuilt = match self {
             Recorded::Response { status, headers, body } => rebuild(status, headers, body),
             Recorded::TooLarge { limit } => Some(Problem::response_too_large(limit).into_response()),
+            Recorded::Failed { .. } => Some(Problem::response_failed().into_response()),
         };
         let Some(mut response) = rebuilt else {
             tracing::error!(target: "idempotent", "a recorded response is malformed and cannot be replayed");
@@ -86,6 +98,42 @@ impl Recorded {
     }
 }
 
+/// A response body, read for recording.
+pub(crate) enum Read {
+    /// The whole body, within the limit.
+    Whole(Bytes),
+    /// Over the limit: what was read, then the rest of the stream, for the request that ran it.
+    TooLarge(Body),
+    /// The body failed before its end: the error's text, or a note that its stream panicked.
+    Failed(String),
+}
+
+/// Reads `body` up to `limit` bytes; past it, stops reading and hands back the body whole. Only
+/// data is kept: trailers (rare on responses) are neither recorded nor passed on.
+pub(crate) async fn read_response(mut body: Body, limit: usize) -> Read {
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut len = 0usize;
+    loop {
+        let frame = match AssertUnwindSafe(body.frame()).catch_unwind().await {
+            Ok(None) => break,
+            Ok(Some(Ok(frame))) => frame,
+            Ok(Some(Err(error))) => return Read::Failed(error.to_string()),
+            Err(_) => return Read::Failed("the response body's stream panicked".to_owned()),
+        };
+        let Ok(data) = frame.into_data() else { continue };
+        len = len.saturating_add(data.len());
+        chunks.push(data);
+        if len > limit {
+            let read = futures_util::stream::iter(chunks.into_iter().map(Ok));
+            return Read::TooLarge(Body::from_stream(read.chain(body.into_data_stream())));
+        }
+    }
+    Read::Whole(match <[Bytes; 1]>::try_from(chunks) {
+        Ok([one]) => one,
+        Err(chunks) => chunks.concat().into(),
+    })
+}
+
 fn rebuild(status: u16, headers: Vec<(String, Data)>, body: Data) -> Option<Response> {
     let mut response = Response::new(Body::from(Bytes::from(body.into_bytes()?)));
     *response.status_mut() = StatusCode::from_u16(status).ok()?;
@@ -97,63 +145,23 @@ fn rebuild(status: u16, headers: Vec<(String, Data)>, body: Data) -> Option<Resp
     Some(response)
 }
 
-const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
-fn base64_encode(bytes: &[u8]) -> String {
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let b = [chunk[0], chunk.get(1).copied().unwrap_or(0), chunk.get(2).copied().unwrap_or(0)];
-        let n = u32::from(b[0]) << 16 | u32::from(b[1]) << 8 | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(char::from(ALPHABET[(n >> (18 - 6 * i)) as usize & 63]));
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
-fn base64_decode(text: &str) -> Option<Vec<u8>> {
-    let text = text.as_bytes();
-    if !text.len().is_multiple_of(4) {
-        return None;
-    }
-    let mut out = Vec::with_capacity(text.len() / 4 * 3);
-    for (index, chunk) in text.chunks(4).enumerate() {
-        let last = index + 1 == text.len() / 4;
-        let padding = chunk.iter().rev().take_while(|&&c| c == b'=').count();
-        if padding > 2 || (padding > 0 && !last) {
-            return None;
-        }
-        let mut n = 0u32;
-        for &c in &chunk[..4 - padding] {
-            let value = ALPHABET.iter().position(|&a| a == c)?;
-            n = n << 6 | u32::try_from(value).ok()?;
-        }
-        n <<= 6 * padding;
-        let decoded = n.to_be_bytes();
-        out.extend_from_slice(&decoded[1..4 - padding]);
-    }
-    Some(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn http_base64_round_trips() {
+    fn http_recorded_bytes_are_text_when_utf8_and_base64_otherwise() {
         for len in 0..40 {
             let bytes: Vec<u8> = (0..len).map(|i: u8| i.wrapping_mul(37).wrapping_add(200)).collect();
-            let text = base64_encode(&bytes);
-            assert_eq!(base64_decode(&text).as_deref(), Some(&bytes[..]), "{text}");
+            let data = Data::from_bytes(&bytes);
+            assert_eq!(matches!(data, Data::Text(_)), std::str::from_utf8(&bytes).is_ok(), "{data:?}");
+            assert_eq!(data.into_bytes().as_deref(), Some(&bytes[..]));
         }
-        assert_eq!(base64_encode(b"test"), "dGVzdA==");
-        assert_eq!(base64_decode("dGVzdA=="), Some(b"test".to_vec()));
-        assert_eq!(base64_decode("dGVzdA="), None);
-        assert_eq!(base64_decode("dG=zdA=="), None);
-        assert_eq!(base64_decode("dGVz!A=="), None);
+        assert!(matches!(Data::from_bytes(b"caf\xc3\xa9"), Data::Text(t) if t == "caf\u{e9}"));
+        assert!(matches!(Data::from_bytes(b"\xfftest"), Data::Base64(t) if t == "/3Rlc3Q="));
+        // A record edited by hand: non-canonical or broken base64 is refused, not guessed at.
+        for broken in ["/3Rlc3Q", "/3Rlc3R=", "/3Rl!3Q=", "/3=lc3Q="] {
+            assert_eq!(Data::Base64(broken.to_owned()).into_bytes(), None, "{broken}");
+        }
     }
 }

@@ -6,11 +6,15 @@ use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use futures_util::FutureExt as _;
+
 use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
+use http::request::Parts;
 use tower::{Layer, Service};
 use tracing::Instrument as _;
 
+use super::key_header;
 use super::problem::Problem;
 
 /// Runs the routes it wraps on their own Tokio task, so that a request whose handler has started
@@ -25,8 +29,14 @@ use super::problem::Problem;
 /// does the same by itself; this layer is for handlers that use the attribute.
 ///
 /// A handler that panics is answered with `500` (`urn:idempotent:internal`), and the panic does not
-/// reach hyper. Under the attribute, the claim of a panicking body is handled by the protocol's
-/// cancellation policy (see [`Call`](crate::Call)).
+/// reach hyper. Under the attribute, a panicking body releases its key (see [`Call`](crate::Call)).
+/// Every response to a request with an `Idempotency-Key` carries that header back, as sent.
+///
+/// The layer is required, not advised: the [`IdempotencyKeyHeader`](super::IdempotencyKeyHeader)
+/// extractor refuses a request that does not run under it (or under
+/// [`IdempotencyLayer`](super::IdempotencyLayer)) with `500` (`urn:idempotent:misconfigured`) and
+/// an error in the log naming this layer, before the handler starts, so a route that forgot it
+/// fails at its first request instead of running a cancelled handler twice.
 ///
 /// ```
 /// use axum::{Router, routing::post};
@@ -66,18 +76,53 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: Request) -> Self::Future {
+    fn call(&mut self, mut request: Request) -> Self::Future {
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
+        let echo = key_header::echo(request.headers());
+        RunsToCompletion::mark(&mut request);
         let running = inner.call(request);
         let task = spawn(async move {
-            match CatchUnwind::new(running).await {
+            match AssertUnwindSafe(running).catch_unwind().await {
                 Ok(Ok(response)) => response,
                 Ok(Err(never)) => match never {},
-                Err(()) => panicked(),
+                Err(_) => panicked(),
             }
         });
-        Box::pin(async move { Ok(task.await.unwrap_or_else(|()| panicked())) })
+        Box::pin(async move {
+            let mut response = task.await.unwrap_or_else(|()| panicked());
+            key_header::echo_into(&mut response, echo);
+            Ok(response)
+        })
+    }
+}
+
+/// The request extension that says the request runs on its own task, to its end: set by
+/// [`RunToCompletion`] and by the idempotency layer, checked by the key extractor.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RunsToCompletion;
+
+impl RunsToCompletion {
+    pub(crate) fn mark(request: &mut Request) {
+        request.extensions_mut().insert(RunsToCompletion);
+    }
+
+    /// `Ok` under one of the layers; otherwise the refusal, logged with the fix.
+    pub(crate) fn check(parts: &Parts) -> Result<(), Problem> {
+        if parts.extensions.get::<RunsToCompletion>().is_some() {
+            return Ok(());
+        }
+        tracing::error!(
+            target: "idempotent", path = parts.uri.path(),
+            "a handler extracts IdempotencyKeyHeader but is not served under RunToCompletionLayer: hyper would cancel \
+             it when its client disconnects, after its side effect and before its result is recorded, and a retry \
+             would run it again. Add `.route_layer(idempotent_runtime::http::RunToCompletionLayer)` to the route; \
+             the request was refused with 500 before the handler ran"
+        );
+        Err(Problem::misconfigured(
+            "its idempotent handler is not served under RunToCompletionLayer, so a disconnect could cancel it \
+             half-way; the server's developer must add the layer to the route",
+        ))
     }
 }
 
@@ -99,26 +144,4 @@ pub(crate) fn panicked() -> Response {
     tracing::error!(target: "idempotent", "a handler panicked; answering 500");
     Problem::internal("Handler failed", "The server failed while processing the request; retry it later.")
         .into_response()
-}
-
-/// Polls a future, turning a panic into `Err(())`.
-pub(crate) struct CatchUnwind<F>(Pin<Box<F>>);
-
-impl<F: Future> CatchUnwind<F> {
-    pub(crate) fn new(future: F) -> Self {
-        CatchUnwind(Box::pin(future))
-    }
-}
-
-impl<F: Future> Future for CatchUnwind<F> {
-    type Output = Result<F::Output, ()>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let future = self.0.as_mut();
-        match std::panic::catch_unwind(AssertUnwindSafe(move || future.poll(cx))) {
-            Ok(Poll::Ready(output)) => Poll::Ready(Ok(output)),
-            Ok(Poll::Pending) => Poll::Pending,
-            Err(_) => Poll::Ready(Err(())),
-        }
-    }
 }

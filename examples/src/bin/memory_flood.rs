@@ -60,7 +60,7 @@ async fn main() {
     // Keys shared by every caller: the flood has one client.
     let app = Router::new()
         .route("/orders", post(|body: String| async move { (StatusCode::CREATED, body) }))
-        .layer(IdempotencyLayer::new(store.clone()));
+        .layer(IdempotencyLayer::new(store.clone()).keys_shared_by_all_callers());
     let (start_rss, _) = rss_kib();
     let started = Instant::now();
     let deadline = started + Duration::from_secs(seconds);

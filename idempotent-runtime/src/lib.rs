@@ -1,3 +1,4 @@
+#![cfg_attr(docsrs, feature(doc_cfg))]
 //! Exactly-once execution per key for async functions.
 //!
 //! Annotate an `async fn` that returns `Result<T, E>` with [`#[idempotent]`](macro@idempotent) and
@@ -48,6 +49,19 @@
 //!    [`OnCancel::Release`] is chosen; a call dropped while recording is recorded in the
 //!    background (see [`Call::run_with`]).
 //!
+//! # Features
+//!
+//! | feature | what it adds |
+//! |---|---|
+//! | (none) | [`#[idempotent]`](macro@idempotent), [`Call`], [`MemoryStore`], [`AnyStore`] |
+//! | `redis`, `redis-cluster` | `stores::redis`: `RedisStore`, `RedisClusterStore` |
+//! | `postgres`, `mysql`, `sqlite` | `stores::sql`: the pooled and transactional SQL stores |
+//! | `cache` | `stores::cache::CachedStore`, a local replay cache in front of any store |
+//! | `axum` | `http`: the `Idempotency-Key` layer and extractor |
+//! | `reqwest` | `client`: retries that keep their key |
+//! | `amqp`, `jetstream` | `consume`: broker consumers that settle by the record |
+//! | `metrics` | counters and histograms on the `metrics` facade (see [`observe`]) |
+//!
 //! # Record format
 //!
 //! Outcomes are stored as JSON: `{"Ok": <value>}`, `{"Err": <error>}` (only with `record_err`) or
@@ -89,8 +103,16 @@ pub use replayable::Replayable;
 pub use store::{Claim, ClaimRequest, Completion, DEFAULT_MAX_RECORD_BYTES, Record, Store, Token};
 pub use stores::AnyStore;
 pub use stores::memory::MemoryStore;
+#[cfg(feature = "redis-cluster")]
+pub use stores::redis::RedisClusterStore;
 #[cfg(feature = "redis")]
 pub use stores::redis::RedisStore;
+#[cfg(feature = "mysql")]
+pub use stores::sql::{MySqlStore, MySqlTxStore};
+#[cfg(feature = "postgres")]
+pub use stores::sql::{PostgresStore, PostgresTxStore};
+#[cfg(feature = "sqlite")]
+pub use stores::sql::{SqliteStore, SqliteTxStore};
 
 #[doc(inline)]
 pub use idempotent_macros::idempotent;

@@ -252,6 +252,7 @@ pub struct Fencing<'a> {
 impl Fencing<'_> {
     /// For the dialects with numbered placeholders (`$1`, `?1`): key 1, token 2, then the
     /// outcome 3 and the retention 4 of a completion, or the lease 3 of a heartbeat.
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
     pub fn numbered(table: &str, now: &str, placeholder: char, until: impl Fn(u8) -> String) -> Fenced {
         // Key 1, token 2, fingerprint 3, outcome 4, retention 5; the row is taken over only
         // when it has expired.

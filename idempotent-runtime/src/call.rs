@@ -553,13 +553,14 @@ struct Guard<'a, S: Store + ?Sized> {
 
 impl<S: Store + ?Sized> Drop for Guard<'_, S> {
     fn drop(&mut self) {
-        let (key, token) = (self.key.clone(), self.token.clone());
+        // The key and token are copied only for a step that is left to do.
+        let release = |guard: &Self| Detached::Release { key: guard.key.clone(), token: guard.token.clone() };
         let step = match std::mem::replace(&mut self.phase, Phase::Done) {
             Phase::Idle | Phase::Done => return,
-            Phase::Claiming | Phase::Releasing => Detached::Release { key, token },
+            Phase::Claiming | Phase::Releasing => release(self),
             Phase::Running if self.body_polling || std::thread::panicking() => {
                 tracing::warn!(target: "idempotent", "the body panicked; releasing the key");
-                Detached::Release { key, token }
+                release(self)
             }
             Phase::Running => match self.on_cancel {
                 OnCancel::Keep => {
@@ -571,12 +572,19 @@ impl<S: Store + ?Sized> Drop for Guard<'_, S> {
                 }
                 OnCancel::Release => {
                     tracing::debug!(target: "idempotent", "cancelled while the body ran; releasing (on_cancel = release)");
-                    Detached::Release { key, token }
+                    release(self)
                 }
             },
             Phase::Recording { outcome, retention, lease_end } => {
                 tracing::debug!(target: "idempotent", "dropped while recording; finishing the record in the background");
-                Detached::Complete { key, token, fingerprint: self.fingerprint.cloned(), outcome, retention, lease_end }
+                Detached::Complete {
+                    key: self.key.clone(),
+                    token: self.token.clone(),
+                    fingerprint: self.fingerprint.cloned(),
+                    outcome,
+                    retention,
+                    lease_end,
+                }
             }
         };
         self.store.detach(step);

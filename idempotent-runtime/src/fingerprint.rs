@@ -25,8 +25,16 @@ const HEX_LEN: usize = 64;
 /// assert_ne!(a, c);
 /// assert_eq!(a.as_str().len(), 64);
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Fingerprint(String);
+///
+/// It is held inline (64 bytes, no allocation), so replays and claims copy it cheaply.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; HEX_LEN]);
+
+impl std::fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Fingerprint").field(&self.as_str()).finish()
+    }
+}
 
 impl Fingerprint {
     /// Fingerprints a serialisable value by hashing its JSON encoding.
@@ -60,10 +68,12 @@ impl Fingerprint {
     /// assert!(matches!(Fingerprint::parse(""), Err(StoreError::Corrupt(_))));
     /// assert!(matches!(Fingerprint::parse(format!("{}\t", made.as_str())), Err(StoreError::Corrupt(_))));
     /// ```
-    pub fn parse(text: impl Into<String>) -> Result<Self, StoreError> {
-        let text = text.into();
-        if text.len() == HEX_LEN && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
-            Ok(Fingerprint(text))
+    pub fn parse(text: impl AsRef<str>) -> Result<Self, StoreError> {
+        let text = text.as_ref();
+        if let Ok(hex) = <[u8; HEX_LEN]>::try_from(text.as_bytes())
+            && hex.iter().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        {
+            Ok(Fingerprint(hex))
         } else {
             let shown: String = text.chars().take(80).collect();
             Err(StoreError::Corrupt(format!(
@@ -77,17 +87,12 @@ impl Fingerprint {
     /// The hex text that stores keep.
     #[must_use]
     pub fn as_str(&self) -> &str {
-        &self.0
+        // Only lowercase hex digits are ever stored (`from_digest`, `parse`): always UTF-8.
+        std::str::from_utf8(&self.0).unwrap_or_default()
     }
 
     fn from_digest(hasher: Sha256) -> Self {
-        use std::fmt::Write as _;
-        let digest = hasher.finalize();
-        let mut hex = String::with_capacity(64);
-        for byte in digest {
-            let _ = write!(hex, "{byte:02x}");
-        }
-        Fingerprint(hex)
+        Fingerprint(crate::hex::encode(&hasher.finalize().into()))
     }
 }
 

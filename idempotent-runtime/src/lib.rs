@@ -83,6 +83,7 @@ mod expansion;
 mod fingerprint;
 #[cfg(any(feature = "axum", feature = "reqwest"))]
 mod headers;
+mod hex;
 #[cfg(feature = "axum")]
 pub mod http;
 mod key;

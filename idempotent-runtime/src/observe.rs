@@ -156,7 +156,7 @@ const UNSET: u8 = u8::MAX;
 pub(crate) struct CallObserver {
     span: Span,
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
-    scope: Option<String>,
+    scope: Option<Scope>,
     started: Option<tokio::time::Instant>,
     outcome: AtomicU8,
 }
@@ -173,7 +173,7 @@ impl CallObserver {
         let listening = !span.is_disabled() || cfg!(feature = "metrics");
         CallObserver {
             span,
-            scope: if cfg!(feature = "metrics") { scope.map(str::to_owned) } else { None },
+            scope: scope.filter(|_| cfg!(feature = "metrics")).map(Scope::of),
             started: listening.then(tokio::time::Instant::now),
             outcome: AtomicU8::new(UNSET),
         }
@@ -210,11 +210,93 @@ impl Drop for CallObserver {
         #[cfg(feature = "metrics")]
         {
             describe();
-            let scope = self.scope.take().unwrap_or_default();
-            metrics::counter!("idempotent_calls_total", "scope" => scope, "outcome" => outcome.as_str()).increment(1);
+            let name = "idempotent_calls_total";
+            let key = match self.scope.take().unwrap_or(Scope::Interned("")) {
+                Scope::Interned(scope) => {
+                    metrics::Key::from_static_parts(name, labels([("scope", scope), ("outcome", outcome.as_str())]))
+                }
+                Scope::Owned(scope) => metrics::Key::from_parts(
+                    name,
+                    vec![
+                        metrics::Label::new("scope", scope),
+                        metrics::Label::from_static_parts("outcome", outcome.as_str()),
+                    ],
+                ),
+            };
+            metrics::with_recorder(|recorder| recorder.register_counter(&key, metadata())).increment(1);
         }
     }
 }
+
+/// A call's scope as its metric label: interned (no allocation per call) or, past the interned
+/// ones, its own copy.
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+enum Scope {
+    Interned(&'static str),
+    Owned(String),
+}
+
+impl Scope {
+    #[cfg(feature = "metrics")]
+    fn of(scope: &str) -> Self {
+        interned(scope).map_or_else(|| Scope::Owned(scope.to_owned()), Scope::Interned)
+    }
+
+    #[cfg(not(feature = "metrics"))]
+    fn of(scope: &str) -> Self {
+        Scope::Owned(scope.to_owned())
+    }
+}
+
+/// The metadata of the library's metrics (target `idempotent`, level info).
+#[cfg(feature = "metrics")]
+fn metadata() -> &'static metrics::Metadata<'static> {
+    static METADATA: metrics::Metadata<'static> =
+        metrics::Metadata::new("idempotent", metrics::Level::INFO, Some(module_path!()));
+    &METADATA
+}
+
+/// A label set made once per distinct pair of values and kept for the process's life, so that
+/// recording a metric allocates nothing: the values are store and step names, scopes and outcome
+/// names, a small set (`interned` caps the scopes).
+#[cfg(feature = "metrics")]
+fn labels(pairs: [(&'static str, &'static str); 2]) -> &'static [metrics::Label] {
+    use std::collections::HashMap;
+    use std::sync::{LazyLock, RwLock};
+    type Sets = HashMap<[(&'static str, &'static str); 2], &'static [metrics::Label]>;
+    static SETS: LazyLock<RwLock<Sets>> = LazyLock::new(RwLock::default);
+    if let Some(set) = SETS.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(&pairs) {
+        return set;
+    }
+    let set: &'static [metrics::Label] =
+        Box::leak(pairs.map(|(name, value)| metrics::Label::from_static_parts(name, value)).into());
+    SETS.write().unwrap_or_else(std::sync::PoisonError::into_inner).insert(pairs, set);
+    set
+}
+
+/// `scope` as a `&'static str`, leaked once, for the first [`MAX_INTERNED_SCOPES`] distinct
+/// scopes of the process; `None` past them (a program that makes scopes from data), whose
+/// metrics then allocate their labels per call.
+#[cfg(feature = "metrics")]
+fn interned(scope: &str) -> Option<&'static str> {
+    use std::collections::HashSet;
+    use std::sync::{LazyLock, RwLock};
+    static SCOPES: LazyLock<RwLock<HashSet<&'static str>>> = LazyLock::new(RwLock::default);
+    if let Some(known) = SCOPES.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(scope) {
+        return Some(known);
+    }
+    let mut scopes = SCOPES.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if scopes.len() >= MAX_INTERNED_SCOPES {
+        return None;
+    }
+    let leaked: &'static str = Box::leak(scope.to_owned().into_boxed_str());
+    scopes.insert(leaked);
+    Some(leaked)
+}
+
+/// How many distinct scopes get allocation-free metric labels.
+#[cfg(feature = "metrics")]
+const MAX_INTERNED_SCOPES: usize = 1024;
 
 /// Registers the metrics' descriptions with the recorder, once per process.
 #[cfg(feature = "metrics")]
@@ -242,7 +324,11 @@ pub(crate) async fn timed<F: Future>(store: &'static str, step: &'static str, fu
     {
         let started = std::time::Instant::now();
         let output = future.await;
-        metrics::histogram!("idempotent_store_step_seconds", "store" => store, "step" => step)
+        let key = metrics::Key::from_static_parts(
+            "idempotent_store_step_seconds",
+            labels([("store", store), ("step", step)]),
+        );
+        metrics::with_recorder(|recorder| recorder.register_histogram(&key, metadata()))
             .record(started.elapsed().as_secs_f64());
         output
     }

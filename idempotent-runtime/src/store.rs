@@ -187,34 +187,52 @@ impl Record {
 }
 
 /// The owner token of one claim: random, unique per call; completion and release are fenced by it.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Token(String);
+///
+/// A token made by [`Token::new`] is held inline (32 bytes, no allocation).
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Token(Repr);
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+enum Repr {
+    /// 32 lowercase hex digits, as [`Token::new`] makes them (and stores give them back).
+    Hex([u8; 32]),
+    /// Any other text read back from a store.
+    Text(Box<str>),
+}
 
 impl Token {
     /// A fresh random token (a v4 UUID, as 32 hex digits).
     #[must_use]
     pub fn new() -> Self {
         // 122 random bits from the thread's CSPRNG (uuid's `fast-rng`), as hex without going
-        // through `fmt`: this runs once per call, replays included.
-        const HEX: &[u8; 16] = b"0123456789abcdef";
-        let mut text = String::with_capacity(32);
-        for byte in uuid::Uuid::new_v4().into_bytes() {
-            text.push(char::from(HEX[usize::from(byte >> 4)]));
-            text.push(char::from(HEX[usize::from(byte & 0x0f)]));
-        }
-        Token(text)
+        // through `fmt` or the heap: this runs once per call, replays included.
+        Token(Repr::Hex(crate::hex::encode(&uuid::Uuid::new_v4().into_bytes())))
     }
 
     /// Takes a token read back from a store.
     #[must_use]
-    pub fn from_stored(text: impl Into<String>) -> Self {
-        Token(text.into())
+    pub fn from_stored(text: impl AsRef<str>) -> Self {
+        let text = text.as_ref();
+        match <[u8; 32]>::try_from(text.as_bytes()) {
+            Ok(hex) if hex.iter().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) => Token(Repr::Hex(hex)),
+            _ => Token(Repr::Text(text.into())),
+        }
     }
 
     /// The text stores keep.
     #[must_use]
     pub fn as_str(&self) -> &str {
-        &self.0
+        match &self.0 {
+            // Only lowercase hex digits: always UTF-8.
+            Repr::Hex(hex) => std::str::from_utf8(hex).unwrap_or_default(),
+            Repr::Text(text) => text,
+        }
+    }
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Token").field(&self.as_str()).finish()
     }
 }
 

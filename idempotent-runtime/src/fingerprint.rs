@@ -53,6 +53,19 @@ impl Fingerprint {
         Self::from_digest(Sha256::new_with_prefix(bytes))
     }
 
+    /// Fingerprints `fields` as one byte string of each field's length (8 bytes, big-endian)
+    /// followed by the field, without building that string (the HTTP layer's method, target and
+    /// body).
+    #[cfg(feature = "axum")]
+    pub(crate) fn of_fields(fields: &[&[u8]]) -> Self {
+        let mut hasher = Sha256::new();
+        for field in fields {
+            hasher.update((field.len() as u64).to_be_bytes());
+            hasher.update(field);
+        }
+        Self::from_digest(hasher)
+    }
+
     /// Reads a fingerprint back from a store, which keeps it as text.
     ///
     /// # Errors

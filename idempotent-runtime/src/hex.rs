@@ -2,13 +2,40 @@
 
 const DIGITS: &[u8; 16] = b"0123456789abcdef";
 
+/// The two digits of every byte value, so a byte costs one lookup.
+const PAIRS: [[u8; 2]; 256] = {
+    let mut pairs = [[0u8; 2]; 256];
+    let mut byte = 0;
+    while byte < 256 {
+        pairs[byte] = [DIGITS[byte >> 4], DIGITS[byte & 0x0f]];
+        byte += 1;
+    }
+    pairs
+};
+
 /// The lowercase hex of `bytes`: `N` bytes give `2 * N` digits, in `M` (which must be `2 * N`).
 pub(crate) fn encode<const N: usize, const M: usize>(bytes: &[u8; N]) -> [u8; M] {
     const { assert!(M == 2 * N, "hex of N bytes takes 2 * N digits") };
     let mut out = [0u8; M];
-    for (i, byte) in bytes.iter().enumerate() {
-        out[2 * i] = DIGITS[usize::from(byte >> 4)];
-        out[2 * i + 1] = DIGITS[usize::from(byte & 0x0f)];
+    for (pair, byte) in out.chunks_exact_mut(2).zip(bytes) {
+        pair.copy_from_slice(&PAIRS[usize::from(*byte)]);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn memory_hex_is_lowercase_and_complete() {
+        let bytes: [u8; 4] = [0x00, 0x0f, 0xa5, 0xff];
+        assert_eq!(&super::encode::<4, 8>(&bytes), b"000fa5ff");
+        let all: [u8; 256] = std::array::from_fn(|i| u8::try_from(i).unwrap());
+        let hex: [u8; 512] = super::encode(&all);
+        let expected = (0..=255u8).fold(String::new(), |mut all, b| {
+            use std::fmt::Write as _;
+            let _ = write!(all, "{b:02x}");
+            all
+        });
+        assert_eq!(std::str::from_utf8(&hex).unwrap(), expected);
+    }
 }

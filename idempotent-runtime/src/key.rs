@@ -58,15 +58,109 @@ impl IdempotencyKey for uuid::Uuid {
 }
 
 macro_rules! integer_keys {
-    ($($t:ty),*) => {$(
+    ($wide:ty, $unsigned:ty: $($t:ty),*) => {$(
         impl IdempotencyKey for $t {
             fn write_key(&self, out: &mut String) {
-                let _ = write!(out, "{self}");
+                // Widened without loss to the widest type of the same signedness.
+                let wide = <$wide>::from(*self);
+                #[allow(unused_comparisons)] // the unsigned types are never negative
+                let negative = wide < 0;
+                write_decimal::<$unsigned>(negative, wide.unsigned_abs_or_self(), out);
             }
         }
     )*};
 }
-integer_keys!(u8, u16, u32, u64, u128, usize, i8, i16, i32, i64, i128, isize);
+integer_keys!(u64, u64: u8, u16, u32, u64);
+integer_keys!(i64, u64: i8, i16, i32, i64);
+integer_keys!(u128, u128: u128);
+integer_keys!(i128, u128: i128);
+
+impl IdempotencyKey for usize {
+    fn write_key(&self, out: &mut String) {
+        (*self as u64).write_key(out);
+    }
+}
+
+impl IdempotencyKey for isize {
+    fn write_key(&self, out: &mut String) {
+        (*self as i64).write_key(out);
+    }
+}
+
+/// The magnitude of a widened integer key.
+trait Magnitude<U> {
+    fn unsigned_abs_or_self(self) -> U;
+}
+
+impl Magnitude<u64> for u64 {
+    fn unsigned_abs_or_self(self) -> u64 {
+        self
+    }
+}
+
+impl Magnitude<u64> for i64 {
+    fn unsigned_abs_or_self(self) -> u64 {
+        self.unsigned_abs()
+    }
+}
+
+impl Magnitude<u128> for u128 {
+    fn unsigned_abs_or_self(self) -> u128 {
+        self
+    }
+}
+
+impl Magnitude<u128> for i128 {
+    fn unsigned_abs_or_self(self) -> u128 {
+        self.unsigned_abs()
+    }
+}
+
+/// The unsigned integers a key's magnitude is written from.
+trait Digits: Copy + PartialEq + std::ops::Div<Output = Self> + std::ops::Rem<Output = Self> {
+    const ZERO: Self;
+    const TEN: Self;
+    fn digit(self) -> u8;
+}
+
+impl Digits for u64 {
+    const ZERO: Self = 0;
+    const TEN: Self = 10;
+    #[allow(clippy::cast_possible_truncation)] // below ten
+    fn digit(self) -> u8 {
+        self as u8
+    }
+}
+
+impl Digits for u128 {
+    const ZERO: Self = 0;
+    const TEN: Self = 10;
+    #[allow(clippy::cast_possible_truncation)] // below ten
+    fn digit(self) -> u8 {
+        self as u8
+    }
+}
+
+/// Appends `magnitude` in decimal, with a `-` when `negative`, without `fmt` (a key is made on
+/// every call, and `write!` is most of the cost of a small one).
+fn write_decimal<U: Digits>(negative: bool, mut magnitude: U, out: &mut String) {
+    let mut digits = [0u8; 40];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (magnitude % U::TEN).digit();
+        magnitude = magnitude / U::TEN;
+        if magnitude == U::ZERO {
+            break;
+        }
+    }
+    if negative {
+        out.push('-');
+    }
+    for &digit in &digits[at..] {
+        out.push(char::from(digit));
+    }
+}
 
 impl<T: IdempotencyKey + ?Sized> IdempotencyKey for &T {
     fn write_key(&self, out: &mut String) {
@@ -150,7 +244,10 @@ impl Key {
         if user.len() > MAX_KEY_BYTES {
             return Err(KeyError::TooLong { len: user.len() });
         }
-        if let Some((at, ch)) = user.char_indices().find(|(_, c)| c.is_control()) {
+        // Printable ASCII, the usual key, is checked byte by byte; other text by character.
+        if !user.bytes().all(|b| (0x20..0x7f).contains(&b))
+            && let Some((at, ch)) = user.char_indices().find(|(_, c)| c.is_control())
+        {
             return Err(KeyError::ControlCharacter { ch, at });
         }
         Ok(Key { scope_len: scope.len(), full })
@@ -182,7 +279,11 @@ impl std::fmt::Display for Key {
 }
 
 fn validate_scope(scope: &str) -> Result<(), KeyError> {
-    if scope.is_empty() || scope.len() > MAX_KEY_BYTES || scope.chars().any(|c| c == ':' || c.is_control()) {
+    let printable_ascii = scope.bytes().all(|b| (0x20..0x7f).contains(&b) && b != b':');
+    if scope.is_empty()
+        || scope.len() > MAX_KEY_BYTES
+        || (!printable_ascii && scope.chars().any(|c| c == ':' || c.is_control()))
+    {
         return Err(KeyError::InvalidScope(scope.to_owned()));
     }
     Ok(())
@@ -207,6 +308,15 @@ mod tests {
     fn memory_keys_of_every_kind() {
         assert_eq!(Key::new("s", &42u64).unwrap().key(), "42");
         assert_eq!(Key::new("s", &-7i32).unwrap().key(), "-7");
+        for (value, text) in
+            [(0i64, "0"), (9, "9"), (10, "10"), (i64::MIN, "-9223372036854775808"), (i64::MAX, "9223372036854775807")]
+        {
+            assert_eq!(Key::new("s", &value).unwrap().key(), text);
+        }
+        assert_eq!(Key::new("s", &u128::MAX).unwrap().key(), u128::MAX.to_string());
+        assert_eq!(Key::new("s", &i128::MIN).unwrap().key(), i128::MIN.to_string());
+        assert_eq!(Key::new("s", &u8::MAX).unwrap().key(), "255");
+        assert_eq!(Key::new("s", &i8::MIN).unwrap().key(), "-128");
         assert_eq!(Key::new("s", &String::from("x")).unwrap().key(), "x");
         let id = uuid::Uuid::nil();
         assert_eq!(Key::new("s", &id).unwrap().key(), "00000000-0000-0000-0000-000000000000");

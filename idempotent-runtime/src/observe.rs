@@ -258,41 +258,85 @@ fn metadata() -> &'static metrics::Metadata<'static> {
 
 /// A label set made once per distinct pair of values and kept for the process's life, so that
 /// recording a metric allocates nothing: the values are store and step names, scopes and outcome
-/// names, a small set (`interned` caps the scopes).
+/// names, a small set (`interned` caps the scopes). Each thread remembers the sets it used last,
+/// by the values' addresses (they are `'static`), so the common case takes no lock and no hash.
 #[cfg(feature = "metrics")]
 fn labels(pairs: [(&'static str, &'static str); 2]) -> &'static [metrics::Label] {
+    use std::cell::RefCell;
     use std::collections::HashMap;
     use std::sync::{LazyLock, RwLock};
     type Sets = HashMap<[(&'static str, &'static str); 2], &'static [metrics::Label]>;
+    type Addresses = [(usize, usize); 4];
     static SETS: LazyLock<RwLock<Sets>> = LazyLock::new(RwLock::default);
-    if let Some(set) = SETS.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(&pairs) {
+    thread_local! {
+        static RECENT: RefCell<Vec<(Addresses, &'static [metrics::Label])>> = const { RefCell::new(Vec::new()) };
+    }
+    let address = |text: &str| (text.as_ptr() as usize, text.len());
+    let addresses = [address(pairs[0].0), address(pairs[0].1), address(pairs[1].0), address(pairs[1].1)];
+    if let Some(set) = RECENT.with_borrow(|recent| recent.iter().find(|(a, _)| *a == addresses).map(|(_, set)| *set)) {
         return set;
     }
-    let set: &'static [metrics::Label] =
-        Box::leak(pairs.map(|(name, value)| metrics::Label::from_static_parts(name, value)).into());
-    SETS.write().unwrap_or_else(std::sync::PoisonError::into_inner).insert(pairs, set);
+    let known = SETS.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(&pairs).copied();
+    let set = known.unwrap_or_else(|| {
+        let set: &'static [metrics::Label] =
+            Box::leak(pairs.map(|(name, value)| metrics::Label::from_static_parts(name, value)).into());
+        *SETS.write().unwrap_or_else(std::sync::PoisonError::into_inner).entry(pairs).or_insert(set)
+    });
+    RECENT.with_borrow_mut(|recent| {
+        if recent.len() >= RECENT_SETS {
+            recent.clear();
+        }
+        recent.push((addresses, set));
+    });
     set
 }
 
+/// How many label sets a thread remembers by address.
+#[cfg(feature = "metrics")]
+const RECENT_SETS: usize = 64;
+
 /// `scope` as a `&'static str`, leaked once, for the first [`MAX_INTERNED_SCOPES`] distinct
 /// scopes of the process; `None` past them (a program that makes scopes from data), whose
-/// metrics then allocate their labels per call.
+/// metrics then allocate their labels per call. Each thread remembers the last few scopes it saw.
 #[cfg(feature = "metrics")]
 fn interned(scope: &str) -> Option<&'static str> {
+    use std::cell::RefCell;
     use std::collections::HashSet;
     use std::sync::{LazyLock, RwLock};
     static SCOPES: LazyLock<RwLock<HashSet<&'static str>>> = LazyLock::new(RwLock::default);
-    if let Some(known) = SCOPES.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(scope) {
+    thread_local! {
+        static RECENT: RefCell<Vec<&'static str>> = const { RefCell::new(Vec::new()) };
+    }
+    if let Some(known) = RECENT.with_borrow(|recent| recent.iter().find(|known| **known == scope).copied()) {
         return Some(known);
     }
-    let mut scopes = SCOPES.write().unwrap_or_else(std::sync::PoisonError::into_inner);
-    if scopes.len() >= MAX_INTERNED_SCOPES {
-        return None;
-    }
-    let leaked: &'static str = Box::leak(scope.to_owned().into_boxed_str());
-    scopes.insert(leaked);
-    Some(leaked)
+    let known = SCOPES.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(scope).copied();
+    let known = if let Some(known) = known {
+        known
+    } else {
+        let mut scopes = SCOPES.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(known) = scopes.get(scope) {
+            known
+        } else if scopes.len() >= MAX_INTERNED_SCOPES {
+            return None;
+        } else {
+            let leaked: &'static str = Box::leak(scope.to_owned().into_boxed_str());
+            scopes.insert(leaked);
+            leaked
+        }
+    };
+    RECENT.with_borrow_mut(|recent| {
+        if recent.len() >= RECENT_SCOPES {
+            recent.remove(0);
+        }
+        recent.push(known);
+    });
+    Some(known)
 }
+
+/// How many scopes a thread remembers.
+#[cfg(feature = "metrics")]
+const RECENT_SCOPES: usize = 8;
 
 /// How many distinct scopes get allocation-free metric labels.
 #[cfg(feature = "metrics")]

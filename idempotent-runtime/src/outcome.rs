@@ -100,6 +100,13 @@ pub(crate) fn decode<T: DeserializeOwned, E>(
     outcome: &[u8],
     policy: &impl ErrorPolicy<E>,
 ) -> Result<Replayed<T, E>, String> {
+    // What `encode_ok` writes, `{"Ok":<value>}`, read as the value alone (the common replay);
+    // anything else takes the general path below.
+    if let Some(value) = outcome.strip_prefix(br#"{"Ok":"#).and_then(|rest| rest.strip_suffix(b"}"))
+        && let Ok(value) = serde_json::from_slice::<T>(value)
+    {
+        return Ok(Replayed::Value(Ok(value)));
+    }
     match serde_json::from_slice::<Outcome<T, IgnoredAny>>(outcome) {
         Ok(Outcome::Ok(value)) => Ok(Replayed::Value(Ok(value))),
         Ok(Outcome::Unrecordable(reason)) => Ok(Replayed::Unrecordable(reason)),

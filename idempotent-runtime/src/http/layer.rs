@@ -24,7 +24,7 @@ use super::key_header::{self, CallerKey};
 use super::not_processed::NotProcessed;
 use super::problem::{Problem, problem_response};
 use super::recorded::{DEFAULT_RECORDED_HEADERS, Read, Recorded, read_response};
-use super::spawn::{RunsToCompletion, panicked, spawn};
+use super::spawn::{RunsToCompletion, panicked, run_to_completion};
 use crate::{Call, DEFAULT_LEASE, DEFAULT_RETENTION, Error, Fingerprint, Key, ReleaseErrors, Store};
 
 /// The largest request body the layer buffers to fingerprint it by default (1 MiB); larger bodies
@@ -114,7 +114,9 @@ type StatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
 /// );
 /// ```
 pub struct IdempotencyLayer<St> {
-    config: Config<St>,
+    /// Shared with every service the layer makes: axum applies a route's layers again for each
+    /// request, so making a service must not copy the configuration.
+    config: Arc<Config<St>>,
 }
 
 struct Config<St> {
@@ -176,7 +178,7 @@ impl std::fmt::Debug for Callers {
 
 impl<St> Clone for IdempotencyLayer<St> {
     fn clone(&self) -> Self {
-        IdempotencyLayer { config: self.config.clone() }
+        IdempotencyLayer { config: Arc::clone(&self.config) }
     }
 }
 
@@ -208,7 +210,7 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
     /// [whose keys](Self#whose-keys)).
     pub fn new(store: St) -> Self {
         IdempotencyLayer {
-            config: Config {
+            config: Arc::new(Config {
                 store: Arc::new(store),
                 scope: "http".to_owned(),
                 required: true,
@@ -222,8 +224,13 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
                 wait: None,
                 methods: DEFAULT_METHODS.to_vec(),
                 json_fingerprint: false,
-            },
+            }),
         }
+    }
+
+    /// The configuration, to change while the layer is built (copied first if a service shares it).
+    fn config_mut(&mut self) -> &mut Config<St> {
+        Arc::make_mut(&mut self.config)
     }
 
     /// The namespace of this layer's keys in the store (default `"http"`): give routes that share
@@ -239,7 +246,7 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
         if let Err(e) = Key::new(&scope, "k") {
             panic!("IdempotencyLayer::scope: {e}");
         }
-        self.config.scope = scope;
+        self.config_mut().scope = scope;
         self
     }
 
@@ -247,7 +254,7 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
     /// get `400`). A malformed key is still refused.
     #[must_use]
     pub fn optional(mut self) -> Self {
-        self.config.required = false;
+        self.config_mut().required = false;
         self
     }
 
@@ -259,7 +266,7 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
     /// [`keys_shared_by_all_callers`](Self::keys_shared_by_all_callers) if both are called.
     #[must_use]
     pub fn caller(mut self, identity: impl Fn(&Parts) -> String + Send + Sync + 'static) -> Self {
-        self.config.callers = Callers::Each(Arc::new(identity));
+        self.config_mut().callers = Callers::Each(Arc::new(identity));
         self
     }
 
@@ -270,7 +277,7 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
     /// user's responses to that user. Replaces `caller` if both are called.
     #[must_use]
     pub fn keys_shared_by_all_callers(mut self) -> Self {
-        self.config.callers = Callers::Shared;
+        self.config_mut().callers = Callers::Shared;
         self
     }
 
@@ -278,7 +285,7 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
     #[must_use]
     pub fn record_header(mut self, name: HeaderName) -> Self {
         if !self.config.recorded_headers.contains(&name) {
-            self.config.recorded_headers.push(name);
+            self.config_mut().recorded_headers.push(name);
         }
         self
     }
@@ -286,7 +293,7 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
     /// Records exactly these response headers, instead of [`DEFAULT_RECORDED_HEADERS`](super::DEFAULT_RECORDED_HEADERS).
     #[must_use]
     pub fn recorded_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
-        self.config.recorded_headers = names.into_iter().collect();
+        self.config_mut().recorded_headers = names.into_iter().collect();
         self
     }
 
@@ -311,14 +318,14 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
     /// ```
     #[must_use]
     pub fn record_status(mut self, record: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
-        self.config.record_status = Arc::new(record);
+        self.config_mut().record_status = Arc::new(record);
         self
     }
 
     /// The largest request body buffered (default [`DEFAULT_MAX_REQUEST_BYTES`]); larger ones get `413`.
     #[must_use]
     pub fn max_request_bytes(mut self, limit: usize) -> Self {
-        self.config.max_request_bytes = limit;
+        self.config_mut().max_request_bytes = limit;
         self
     }
 
@@ -332,7 +339,7 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
     /// the first response goes through and retries get `500`).
     #[must_use]
     pub fn max_response_bytes(mut self, limit: usize) -> Self {
-        self.config.max_response_bytes = limit;
+        self.config_mut().max_response_bytes = limit;
         self
     }
 
@@ -340,14 +347,14 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
     /// longer than the route can take.
     #[must_use]
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.config.lease = lease;
+        self.config_mut().lease = lease;
         self
     }
 
     /// How long a recorded response is replayed (default [`DEFAULT_RETENTION`]).
     #[must_use]
     pub fn retention(mut self, retention: Duration) -> Self {
-        self.config.retention = retention;
+        self.config_mut().retention = retention;
         self
     }
 
@@ -355,7 +362,7 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
     /// its response, instead of getting `409` at once.
     #[must_use]
     pub fn wait(mut self, wait: Duration) -> Self {
-        self.config.wait = Some(wait);
+        self.config_mut().wait = Some(wait);
         self
     }
 
@@ -371,7 +378,7 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
     /// ```
     #[must_use]
     pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
-        self.config.methods = methods.into_iter().collect();
+        self.config_mut().methods = methods.into_iter().collect();
         self
     }
 
@@ -385,7 +392,7 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
     /// byte for byte. Off by default.
     #[must_use]
     pub fn json_fingerprint(mut self) -> Self {
-        self.config.json_fingerprint = true;
+        self.config_mut().json_fingerprint = true;
         self
     }
 }
@@ -410,7 +417,7 @@ impl<S, St> Layer<S> for IdempotencyLayer<St> {
                 self.config.scope
             );
         }
-        IdempotencyService { inner, config: Arc::new(self.config.clone()) }
+        IdempotencyService { inner, config: Arc::clone(&self.config) }
     }
 }
 
@@ -458,7 +465,7 @@ where
         let echo = key_header::echo(request.headers());
         RunsToCompletion::mark(&mut request);
         // On its own task: hyper drops this future when the client disconnects, the task runs on.
-        let task = spawn(async move { config.handle(inner, request).await });
+        let task = run_to_completion(async move { config.handle(inner, request).await });
         Box::pin(async move {
             let mut response = task.await.unwrap_or_else(|()| Ok(panicked()))?;
             key_header::echo_into(&mut response, echo);
@@ -592,12 +599,7 @@ fn request_fingerprint(parts: &Parts, body: &[u8], json: bool) -> Fingerprint {
     let target = uri.path_and_query().map_or("/", http::uri::PathAndQuery::as_str);
     let canonical = if json && is_json(parts) { super::canonical_json::canonical(body) } else { None };
     let body = canonical.as_deref().unwrap_or(body);
-    let mut bytes = Vec::with_capacity(32 + target.len() + body.len());
-    for field in [parts.method.as_str().as_bytes(), target.as_bytes(), body] {
-        bytes.extend_from_slice(&(field.len() as u64).to_be_bytes());
-        bytes.extend_from_slice(field);
-    }
-    Fingerprint::of_bytes(&bytes)
+    Fingerprint::of_fields(&[parts.method.as_str().as_bytes(), target.as_bytes(), body])
 }
 
 /// `Content-Type: application/json` or `*/*+json`, with or without parameters.

@@ -82,11 +82,10 @@ where
         let echo = key_header::echo(request.headers());
         RunsToCompletion::mark(&mut request);
         let running = inner.call(request);
-        let task = spawn(async move {
-            match AssertUnwindSafe(running).catch_unwind().await {
-                Ok(Ok(response)) => response,
-                Ok(Err(never)) => match never {},
-                Err(_) => panicked(),
+        let task = run_to_completion(async move {
+            match running.await {
+                Ok(response) => response,
+                Err(never) => match never {},
             }
         });
         Box::pin(async move {
@@ -126,16 +125,65 @@ impl RunsToCompletion {
     }
 }
 
-/// Spawns `future` on its own task (in the current span), so dropping the returned future does not
-/// cancel it; `Err(())` if the task panicked or the runtime shut down first.
-pub(crate) fn spawn<T: Send + 'static>(
+/// Runs `future` to its end whatever happens to the returned future: it is polled once right
+/// here and, if it is not done by then, moved to a Tokio task of its own (in the current span),
+/// so dropping the returned future never cancels it. A request that finishes in its first poll
+/// (a replay from an in-process store, a refusal) costs no task. `Err(())` if it panicked or the
+/// runtime shut down before it finished.
+pub(crate) fn run_to_completion<T: Send + 'static>(
     future: impl Future<Output = T> + Send + 'static,
 ) -> impl Future<Output = Result<T, ()>> + Send {
-    let handle = tokio::spawn(future.in_current_span());
-    async move {
-        handle.await.map_err(|error| {
+    type Running<T> = Pin<Box<dyn Future<Output = std::thread::Result<T>> + Send>>;
+    enum State<T> {
+        /// Not polled yet, or polled here once.
+        Here(Running<T>),
+        /// Moved to its own task.
+        Spawned(tokio::task::JoinHandle<std::thread::Result<T>>),
+        Done,
+    }
+    // Boxed before its first poll, so the task it moves to takes the box, not the future.
+    let mut state = State::Here(Box::pin(AssertUnwindSafe(future.in_current_span()).catch_unwind()));
+    std::future::poll_fn(move |cx| match &mut state {
+        State::Here(running) => match running.as_mut().poll(cx) {
+            Poll::Ready(output) => {
+                state = State::Done;
+                Poll::Ready(output.map_err(|_| ()))
+            }
+            Poll::Pending => {
+                let State::Here(running) = std::mem::replace(&mut state, State::Done) else { unreachable!() };
+                let mut handle = tokio::spawn(running);
+                // Polled now so this future is woken when the task ends (the task itself polls
+                // `running` again, registering its own wakers).
+                let polled = Pin::new(&mut handle).poll(cx);
+                state = State::Spawned(handle);
+                match polled {
+                    Poll::Ready(joined) => {
+                        state = State::Done;
+                        Poll::Ready(flatten(joined))
+                    }
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        },
+        State::Spawned(handle) => match Pin::new(handle).poll(cx) {
+            Poll::Ready(joined) => {
+                state = State::Done;
+                Poll::Ready(flatten(joined))
+            }
+            Poll::Pending => Poll::Pending,
+        },
+        State::Done => Poll::Ready(Err(())),
+    })
+}
+
+fn flatten<T>(joined: Result<std::thread::Result<T>, tokio::task::JoinError>) -> Result<T, ()> {
+    match joined {
+        Ok(Ok(output)) => Ok(output),
+        Ok(Err(_)) => Err(()),
+        Err(error) => {
             tracing::error!(target: "idempotent", %error, "a request's task failed");
-        })
+            Err(())
+        }
     }
 }
 

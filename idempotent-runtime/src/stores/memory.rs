@@ -1,6 +1,5 @@
 //! The in-memory store: sharded, lease- and TTL-expiring, purged as it goes, bounded.
 
-use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -163,7 +162,7 @@ struct Inner {
 
 #[derive(Default)]
 struct Shard {
-    entries: HashMap<Box<str>, Entry>,
+    entries: Entries,
     inserts_since_sweep: usize,
     /// No entry of the shard expires before this (a lower bound): sweeping earlier finds nothing.
     earliest_expiry: Option<Instant>,
@@ -180,6 +179,55 @@ enum State {
     /// The outcome, and the token of the call that recorded it (a repeated completion by that
     /// token succeeds).
     Completed(Token, Bytes),
+}
+
+/// A key and its hash, computed once per store step: the shard and the map both use it.
+#[derive(Clone, Copy)]
+struct Hashed<'a> {
+    key: &'a str,
+    hash: u64,
+}
+
+/// One shard's entries, looked up by a [`Hashed`] key: a step hashes its key once (`SipHash`,
+/// seeded per store: keys come from clients, so collisions must not be cheap to make), however
+/// many lookups it makes.
+#[derive(Default)]
+struct Entries(hashbrown::HashTable<(Box<str>, Entry)>);
+
+impl Entries {
+    fn get(&self, key: Hashed<'_>) -> Option<&Entry> {
+        self.0.find(key.hash, |(stored, _)| **stored == *key.key).map(|(_, entry)| entry)
+    }
+
+    fn get_mut(&mut self, key: Hashed<'_>) -> Option<&mut Entry> {
+        self.0.find_mut(key.hash, |(stored, _)| **stored == *key.key).map(|(_, entry)| entry)
+    }
+
+    fn contains(&self, key: Hashed<'_>) -> bool {
+        self.get(key).is_some()
+    }
+
+    /// Inserts an entry for a key it does not hold.
+    fn insert_new(&mut self, key: Hashed<'_>, entry: Entry, hasher: &std::hash::RandomState) {
+        self.0.insert_unique(key.hash, (key.key.into(), entry), |(stored, _)| hasher.hash_one(&**stored));
+    }
+
+    fn remove(&mut self, key: Hashed<'_>) -> Option<Entry> {
+        let found = self.0.find_entry(key.hash, |(stored, _)| **stored == *key.key).ok()?;
+        Some(found.remove().0.1)
+    }
+
+    fn retain(&mut self, mut keep: impl FnMut(&str, &Entry) -> bool) {
+        self.0.retain(|(key, entry)| keep(key, entry));
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (&str, &Entry)> {
+        self.0.iter().map(|(key, entry)| (&**key, entry))
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
 }
 
 impl MemoryStore {
@@ -233,24 +281,23 @@ impl MemoryStore {
         self.inner.limits
     }
 
-    fn shard_index(&self, key: &Key) -> usize {
-        let hash = self.inner.hasher.hash_one(key.as_str());
-        // The shard count is a power of two; the low bits of the hash pick one.
+    /// `key` hashed, and the index of its shard.
+    fn hashed<'a>(&self, key: &'a Key) -> (Hashed<'a>, usize) {
+        let hashed = self.inner.hashed(key.as_str());
+        // Bits of the hash that the table does not use for its buckets or tags pick the shard
+        // (64 of them, a power of two).
         #[allow(clippy::cast_possible_truncation)]
-        let index = (hash as usize) & (SHARDS - 1);
-        index
-    }
-
-    fn shard(&self, key: &Key) -> MutexGuard<'_, Shard> {
-        lock(&self.inner.shards[self.shard_index(key)])
+        let index = ((hashed.hash >> 32) as usize) & (SHARDS - 1);
+        (hashed, index)
     }
 
     fn release_now(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
         let now = Instant::now();
-        let mut shard = self.shard(key);
-        match shard.entries.get(key.as_str()) {
+        let (key, index) = self.hashed(key);
+        let mut shard = lock(&self.inner.shards[index]);
+        match shard.entries.get(key) {
             Some(entry) if entry.claimed_by(token, now) => {
-                shard.remove(key.as_str(), &self.inner);
+                shard.remove(key, &self.inner);
                 Ok(())
             }
             _ => Err(StoreError::NotOwner),
@@ -261,8 +308,8 @@ impl MemoryStore {
         let now = Instant::now();
         // Computed before anything changes: an entry is never left half-written.
         let expires = expiry(now, completion.retention)?;
-        let key = completion.key.as_str();
-        let mut shard = self.shard(completion.key);
+        let (key, index) = self.hashed(completion.key);
+        let mut shard = lock(&self.inner.shards[index]);
         let entry = match shard.entries.get(key) {
             // Another caller holds the key (its claim or its record is live): refused.
             Some(entry) if entry.expires > now && entry.token() != completion.token => {
@@ -278,10 +325,9 @@ impl MemoryStore {
             // the key, record. A completion is never refused for room (see "Bounded").
             _ => Entry::completed(completion, expires),
         };
-        let inserted = !shard.entries.contains_key(key);
-        shard.put(key, entry, &self.inner);
+        let inserted = shard.put(key, entry, &self.inner);
         if self.inner.over(0) && self.inner.limits.when_full == WhenFull::EvictOldestCompleted {
-            shard.evict_completed(0, &self.inner, Some(key));
+            shard.evict_completed(0, &self.inner, Some(key.key));
         }
         if inserted {
             shard.note_insert(now, &self.inner);
@@ -298,6 +344,10 @@ fn expiry(now: Instant, duration: Duration) -> Result<Instant, StoreError> {
 }
 
 impl Inner {
+    fn hashed<'a>(&self, key: &'a str) -> Hashed<'a> {
+        Hashed { key, hash: self.hasher.hash_one(key) }
+    }
+
     /// Makes room for one more entry charged `weight`, or fails with [`StoreError::Full`]: sweeps
     /// out what has expired in every shard (a shard whose entries cannot have expired yet costs a
     /// lock and a comparison), then, if the limits say so, drops the completed records that
@@ -372,26 +422,28 @@ fn weight(key: &str, entry: &Entry) -> usize {
 }
 
 impl Shard {
-    /// Inserts or replaces `key`'s entry, keeping the counters right.
-    fn put(&mut self, key: &str, entry: Entry, inner: &Inner) {
-        let added = weight(key, &entry);
+    /// Inserts or replaces `key`'s entry, keeping the counters right; `true` if it was new.
+    fn put(&mut self, key: Hashed<'_>, entry: Entry, inner: &Inner) -> bool {
+        let added = weight(key.key, &entry);
         self.earliest_expiry = Some(self.earliest_expiry.map_or(entry.expires, |e| e.min(entry.expires)));
         if let Some(old) = self.entries.get_mut(key) {
-            let removed = weight(key, old);
+            let removed = weight(key.key, old);
             *old = entry;
             inner.bytes.fetch_add(added, Ordering::Relaxed);
             inner.bytes.fetch_sub(removed, Ordering::Relaxed);
+            false
         } else {
-            self.entries.insert(key.into(), entry);
+            self.entries.insert_new(key, entry, &inner.hasher);
             inner.entries.fetch_add(1, Ordering::Relaxed);
             inner.bytes.fetch_add(added, Ordering::Relaxed);
+            true
         }
     }
 
-    fn remove(&mut self, key: &str, inner: &Inner) {
+    fn remove(&mut self, key: Hashed<'_>, inner: &Inner) {
         if let Some(old) = self.entries.remove(key) {
             inner.entries.fetch_sub(1, Ordering::Relaxed);
-            inner.bytes.fetch_sub(weight(key, &old), Ordering::Relaxed);
+            inner.bytes.fetch_sub(weight(key.key, &old), Ordering::Relaxed);
         }
     }
 
@@ -432,17 +484,17 @@ impl Shard {
         let mut completed: Vec<(Instant, Box<str>)> = self
             .entries
             .iter()
-            .filter(|(key, entry)| matches!(entry.state, State::Completed(..)) && Some(&***key) != keep)
-            .map(|(key, entry)| (entry.expires, key.clone()))
+            .filter(|(key, entry)| matches!(entry.state, State::Completed(..)) && Some(*key) != keep)
+            .map(|(key, entry)| (entry.expires, Box::<str>::from(key)))
             .collect();
         completed.sort_unstable();
         let spare = completed.len() / 16;
         let mut extra = 0;
         for (_, key) in completed {
             if inner.over(weight) {
-                self.remove(&key, inner);
+                self.remove(inner.hashed(&key), inner);
             } else if extra < spare {
-                self.remove(&key, inner);
+                self.remove(inner.hashed(&key), inner);
                 extra += 1;
             } else {
                 break;
@@ -455,8 +507,7 @@ impl Store for MemoryStore {
     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         let now = Instant::now();
         let expires = expiry(now, request.lease)?;
-        let key = request.key.as_str();
-        let index = self.shard_index(request.key);
+        let (key, index) = self.hashed(request.key);
         let mut made_room = false;
         loop {
             let mut shard = lock(&self.inner.shards[index]);
@@ -476,16 +527,16 @@ impl Store for MemoryStore {
                 });
             }
             let claimed = Entry::claimed(request, expires);
-            let inserted = !shard.entries.contains_key(key);
+            let inserted = !shard.entries.contains(key);
             // A new key is admitted only if it fits (an expired entry is taken over in place).
             // Making room locks every shard, so it runs with this one unlocked, and the claim
             // then starts over: the key may have been claimed meanwhile.
-            if inserted && self.inner.over(weight(key, &claimed)) {
+            if inserted && self.inner.over(weight(key.key, &claimed)) {
                 if made_room {
                     return Err(self.inner.full());
                 }
                 drop(shard);
-                self.inner.make_room(now, weight(key, &claimed), index)?;
+                self.inner.make_room(now, weight(key.key, &claimed), index)?;
                 made_room = true;
                 continue;
             }
@@ -508,8 +559,9 @@ impl Store for MemoryStore {
     async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
         let now = Instant::now();
         let expires = expiry(now, lease)?;
-        let mut shard = self.shard(key);
-        match shard.entries.get_mut(key.as_str()) {
+        let (key, index) = self.hashed(key);
+        let mut shard = lock(&self.inner.shards[index]);
+        match shard.entries.get_mut(key) {
             Some(entry) if entry.claimed_by(token, now) => {
                 entry.expires = expires;
                 Ok(())

@@ -1,0 +1,68 @@
+//! A fixed workload per case, for counting instructions with callgrind (`scripts/instructions`):
+//! instruction counts do not depend on what else the machine is doing, so they can be compared
+//! across runs on a busy machine, where wall-clock figures cannot.
+//!
+//! `cargo bench -p idempotent-runtime --bench instructions -- <case> <calls>` runs `calls` calls of
+//! one case after a fixed warm-up: `memory_replay`, `memory_first`, `naive_replay`, `naive_first`.
+//! The per-call count is the difference between two runs with different `calls`, divided by the
+//! difference, so the warm-up and start-up cancel out.
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::sync::Mutex;
+
+use idempotent_runtime::{Error, MemoryStore, idempotent};
+
+const KEYS: u64 = 2_000;
+
+#[idempotent(key = id, store = store, scope = "bench")]
+async fn wrapped(store: &MemoryStore, id: u64) -> Result<u64, Error> {
+    Ok(black_box(id))
+}
+
+/// The design notes' naive approach, as in the `overhead` bench.
+#[derive(Default)]
+struct Naive(Mutex<HashMap<String, Vec<u8>>>);
+
+impl Naive {
+    fn call(&self, id: u64) -> Result<u64, Error> {
+        let key = format!("bench:{id}");
+        let found = self.0.lock().unwrap().get(&key).cloned();
+        if let Some(bytes) = found {
+            return serde_json::from_slice(&bytes).map_err(|e| Error::Fingerprint(e.to_string()));
+        }
+        let value = black_box(id);
+        let bytes = serde_json::to_vec(&value).map_err(|e| Error::Fingerprint(e.to_string()))?;
+        self.0.lock().unwrap().insert(key, bytes);
+        Ok(value)
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    // `cargo bench` passes `--bench`; skip flags.
+    let mut rest = args.iter().skip(1).filter(|a| !a.starts_with("--"));
+    let (Some(case), Some(calls)) = (rest.next(), rest.next()) else {
+        eprintln!("usage: instructions <memory_replay|memory_first|naive_replay|naive_first> <calls>");
+        return;
+    };
+    let calls: u64 = calls.parse().expect("a number of calls");
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+    let store = MemoryStore::new();
+    let naive = Naive::default();
+    runtime.block_on(async {
+        for id in 0..KEYS {
+            wrapped(&store, id).await.unwrap();
+            naive.call(id).unwrap();
+        }
+        for i in 0..calls {
+            match case.as_str() {
+                "memory_replay" => drop(black_box(wrapped(&store, i % KEYS).await)),
+                "memory_first" => drop(black_box(wrapped(&store, KEYS + i).await)),
+                "naive_replay" => drop(black_box(naive.call(i % KEYS))),
+                "naive_first" => drop(black_box(naive.call(KEYS + i))),
+                other => panic!("unknown case {other}"),
+            }
+        }
+    });
+}

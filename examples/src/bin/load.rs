@@ -13,7 +13,10 @@
 //!
 //! So the ideal is `first/s = 0.5 × raw/s` and `replay/s = 1.0 × raw/s`. The store `redis-cached`
 //! is the Redis store behind a `CachedStore` (a local replay cache): its replays are answered from
-//! this process's memory, with no round trip, so they can beat the raw write. It prints one CSV row per
+//! this process's memory, with no round trip, so they can beat the raw write. The store
+//! `redis-peer` runs the same function through the crates.io `idempotent` 0.3.0 crate's Redis
+//! store (the best other Rust crate; a dependency of this program only), so its ratios to the same
+//! raw write can be set beside ours. It prints one CSV row per
 //! phase (to `--csv`) and a Markdown table of medians over the runs, with the ratios measured side
 //! by side in each run. `--rss-keys N` instead measures the memory store's resident memory with `N`
 //! completed keys, and after they expire and are purged.
@@ -50,7 +53,7 @@ use idempotent_runtime::stores::sql::{MySqlStore, PostgresStore, SqliteStore, sq
 use idempotent_runtime::{Call, Error, MemoryStore, RedisStore, Store, idempotent};
 
 const USAGE: &str = "\
-usage: load [--store memory|redis|redis-cached|redis-cluster|redis-cluster-wait|postgres|mysql|sqlite|all]
+usage: load [--store memory|redis|redis-peer|redis-cached|redis-cluster|redis-cluster-wait|postgres|mysql|sqlite|all]
             [--concurrency 1,16,64]
             [--seconds 3] [--slices 1] [--runs 3] [--warmup-ms 300] [--csv PATH]
        load --rss-keys 1000000";
@@ -59,6 +62,11 @@ usage: load [--store memory|redis|redis-cached|redis-cluster|redis-cluster-wait|
 #[idempotent(key = id, store = store, scope = "load", retention = "10m")]
 async fn op<S: Store>(store: &S, id: &str) -> Result<u64, Error> {
     Ok(id.len() as u64)
+}
+
+/// [`op`] through one of our stores.
+async fn ours<S: Store>(store: &S, key: &str) -> Result<(), String> {
+    op(store, key).await.map(drop).map_err(|e| e.to_string())
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,13 +88,12 @@ impl Phase {
 
 /// A store under test, with its raw baseline operation.
 trait Target: Send + Sync + 'static {
-    type Store: Store + 'static;
-
     /// The name (`comm`) of the server processes whose CPU time is counted, if any.
     const SERVER: Option<&'static str>;
 
-    /// The idempotency store.
-    fn store(&self) -> &Self::Store;
+    /// The function under test through the idempotency layer under `key`: a first execution
+    /// when the key is fresh, a replay when an earlier phase completed it.
+    fn call(&self, key: &str) -> impl Future<Output = Result<(), String>> + Send;
 
     /// The store's own minimal write of a fresh `key`: one round trip.
     fn raw(&self, key: &str) -> impl Future<Output = Result<(), String>> + Send;
@@ -188,9 +195,7 @@ async fn drive<T: Target>(
                     let began = Instant::now();
                     let result = match phase {
                         Phase::Raw => target.raw(&key).await,
-                        Phase::First | Phase::Replay => {
-                            op(target.store(), &key).await.map(drop).map_err(|e| e.to_string())
-                        }
+                        Phase::First | Phase::Replay => target.call(&key).await,
                     };
                     latencies.push(u32::try_from(began.elapsed().as_nanos()).unwrap_or(u32::MAX));
                     // The memory store never suspends: yield now and then so that the other
@@ -385,6 +390,7 @@ async fn measure(store: &str, concurrency: usize, run: usize, options: &Options)
     match store {
         "memory" => phases(Arc::new(MemoryTarget::new()), "memory", concurrency, run, options).await,
         "redis" => phases(Arc::new(RedisTarget::open().await?), "redis", concurrency, run, options).await,
+        "redis-peer" => phases(Arc::new(PeerRedisTarget::open().await?), "redis-peer", concurrency, run, options).await,
         "redis-cached" => {
             phases(Arc::new(CachedRedisTarget::open().await?), "redis-cached", concurrency, run, options).await
         }
@@ -401,7 +407,7 @@ async fn measure(store: &str, concurrency: usize, run: usize, options: &Options)
         "mysql" => phases(Arc::new(MySqlTarget::open(concurrency).await?), "mysql", concurrency, run, options).await,
         "sqlite" => phases(Arc::new(SqliteTarget::open().await?), "sqlite", concurrency, run, options).await,
         other => Err(format!(
-            "unknown store {other:?} (expected memory, redis, redis-cached, redis-cluster, redis-cluster-wait, \
+            "unknown store {other:?} (expected memory, redis, redis-peer, redis-cached, redis-cluster, redis-cluster-wait, \
              postgres, mysql or sqlite)"
         )),
     }
@@ -577,11 +583,10 @@ impl MemoryTarget {
 }
 
 impl Target for MemoryTarget {
-    type Store = MemoryStore;
     const SERVER: Option<&'static str> = None;
 
-    fn store(&self) -> &MemoryStore {
-        &self.store
+    fn call(&self, key: &str) -> impl Future<Output = Result<(), String>> + Send {
+        ours(&self.store, key)
     }
 
     async fn raw(&self, key: &str) -> Result<(), String> {
@@ -611,11 +616,69 @@ impl RedisTarget {
 }
 
 impl Target for RedisTarget {
-    type Store = RedisStore;
     const SERVER: Option<&'static str> = Some("redis-server");
 
-    fn store(&self) -> &RedisStore {
-        &self.store
+    fn call(&self, key: &str) -> impl Future<Output = Result<(), String>> + Send {
+        ours(&self.store, key)
+    }
+
+    async fn raw(&self, key: &str) -> Result<(), String> {
+        redis_raw(&mut self.connection.clone(), key).await
+    }
+
+    async fn server_usec(&self) -> Option<f64> {
+        let info: String = redis::cmd("INFO").arg("cpu").query_async(&mut self.connection.clone()).await.ok()?;
+        Some(info_cpu_usec(&info))
+    }
+}
+
+/// The same function through the crates.io `idempotent` 0.3.0 crate's Redis store, as its README
+/// uses it: claim (`try_insert`, one Lua script), run, record (`complete`, a second script); a
+/// replay is one `try_insert` that finds the completed entry. The raw operation is ours, on a
+/// connection of its own to the same server.
+struct PeerRedisTarget {
+    store: peer::store::valkey::ValkeyStore,
+    connection: ConnectionManager,
+}
+
+impl PeerRedisTarget {
+    async fn open() -> Result<Self, String> {
+        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let client = redis::Client::open(url.as_str()).map_err(|e| format!("{url}: {e}"))?;
+        let store = peer::store::valkey::ValkeyStore::with_prefix(client, Some("idempotent-bench-peer"))
+            .await
+            .map_err(|e| format!("{url}: {e}"))?;
+        let ours = redis::Client::open(url.as_str()).map_err(|e| format!("{url}: {e}"))?;
+        let connection = ours.get_connection_manager().await.map_err(|e| format!("{url}: {e}"))?;
+        Ok(PeerRedisTarget { store, connection })
+    }
+}
+
+impl Target for PeerRedisTarget {
+    const SERVER: Option<&'static str> = Some("redis-server");
+
+    async fn call(&self, key: &str) -> Result<(), String> {
+        use peer::entry::ExistingEntry;
+        use peer::fingerprint::{DefaultFingerprintStrategy, FingerprintStrategy as _};
+        use peer::store::{IdempotencyStore as _, InsertResult};
+        use peer::{CachedResponse, IdempotencyEntry, Metadata};
+        let id = peer::IdempotencyKey::new(key).map_err(|e| e.to_string())?;
+        // The same request identity our `op` fingerprints: the function and its argument.
+        let fingerprint = DefaultFingerprintStrategy.compute("load", key.as_bytes());
+        let entry = IdempotencyEntry::new(fingerprint, Duration::from_mins(10));
+        match self.store.try_insert(&id, entry.clone()).await.map_err(|e| e.to_string())? {
+            InsertResult::Claimed { fencing_token } => {
+                let value = key.len() as u64;
+                let body = serde_json::to_vec(&value).map_err(|e| e.to_string())?;
+                let response = CachedResponse { status_code: 200, metadata: Metadata::default(), body: body.into() };
+                self.store.complete(&id, entry.complete(response), fencing_token).await.map_err(|e| e.to_string())
+            }
+            InsertResult::Exists(ExistingEntry::Completed(done)) => {
+                let value: u64 = serde_json::from_slice(&done.response().body).map_err(|e| e.to_string())?;
+                if value == key.len() as u64 { Ok(()) } else { Err(format!("replayed {value} for {key}")) }
+            }
+            InsertResult::Exists(ExistingEntry::Processing(_)) => Err(format!("{key} is still processing")),
+        }
     }
 
     async fn raw(&self, key: &str) -> Result<(), String> {
@@ -682,11 +745,10 @@ impl RedisClusterTarget {
 }
 
 impl Target for RedisClusterTarget {
-    type Store = RedisClusterStore;
     const SERVER: Option<&'static str> = Some("redis-server");
 
-    fn store(&self) -> &RedisClusterStore {
-        &self.store
+    fn call(&self, key: &str) -> impl Future<Output = Result<(), String>> + Send {
+        ours(&self.store, key)
     }
 
     async fn raw(&self, key: &str) -> Result<(), String> {
@@ -721,11 +783,10 @@ impl CachedRedisTarget {
 }
 
 impl Target for CachedRedisTarget {
-    type Store = CachedStore<RedisStore>;
     const SERVER: Option<&'static str> = Some("redis-server");
 
-    fn store(&self) -> &CachedStore<RedisStore> {
-        &self.store
+    fn call(&self, key: &str) -> impl Future<Output = Result<(), String>> + Send {
+        ours(&self.store, key)
     }
 
     fn raw(&self, key: &str) -> impl Future<Output = Result<(), String>> + Send {
@@ -783,11 +844,10 @@ impl PostgresTarget {
 }
 
 impl Target for PostgresTarget {
-    type Store = PostgresStore;
     const SERVER: Option<&'static str> = Some("postgres");
 
-    fn store(&self) -> &PostgresStore {
-        &self.store
+    fn call(&self, key: &str) -> impl Future<Output = Result<(), String>> + Send {
+        ours(&self.store, key)
     }
 
     async fn raw(&self, key: &str) -> Result<(), String> {
@@ -834,11 +894,10 @@ impl MySqlTarget {
 }
 
 impl Target for MySqlTarget {
-    type Store = MySqlStore;
     const SERVER: Option<&'static str> = Some("mariadbd");
 
-    fn store(&self) -> &MySqlStore {
-        &self.store
+    fn call(&self, key: &str) -> impl Future<Output = Result<(), String>> + Send {
+        ours(&self.store, key)
     }
 
     async fn raw(&self, key: &str) -> Result<(), String> {
@@ -881,11 +940,10 @@ impl SqliteTarget {
 }
 
 impl Target for SqliteTarget {
-    type Store = SqliteStore;
     const SERVER: Option<&'static str> = None;
 
-    fn store(&self) -> &SqliteStore {
-        &self.store
+    fn call(&self, key: &str) -> impl Future<Output = Result<(), String>> + Send {
+        ours(&self.store, key)
     }
 
     async fn raw(&self, key: &str) -> Result<(), String> {

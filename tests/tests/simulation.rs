@@ -9,7 +9,7 @@ use std::time::Duration;
 use idempotent_tests::simulation::{self, Bug, DEFAULT_SEED, Summary, scheduler};
 
 /// Histories of the default run on the memory store.
-const DEFAULT_HISTORIES: u64 = 12_000;
+const DEFAULT_HISTORIES: u64 = 15_000;
 /// How many histories a planted bug may take to be found in the default run.
 const BUG_BUDGET: u64 = 3_000;
 
@@ -81,7 +81,7 @@ mod servers {
 
     pub const LEASE: Duration = Duration::from_millis(1200);
     pub const SETTLE: Duration = Duration::from_millis(300);
-    pub const SEEDS: u64 = 12;
+    pub const SEEDS: u64 = 32;
 
     pub async fn explore<S: Store + Clone + 'static>(name: &str, store: S) {
         let prefix = format!("{name}{}", idempotent_tests::fresh::suffix());

@@ -16,7 +16,7 @@
 //!    probe give exactly the bytes whose completion the store acknowledged, and only one record
 //!    is ever acknowledged per key.
 //! 4. **Every caller gets its own result, the recorded result or a typed error**, and
-//!    `LeaseLost` only when another token took the key over.
+//!    `LeaseLost` only when another token took the key over (was granted it, or recorded it).
 //! 5. **Renewal and release after the lease ended are refused**; an `InProgress` answer means a
 //!    claim that may still be live; **no key is blocked a lease after its last owner stopped**.
 //! 6. **No panic escapes the library** (the bodies' own planted panics come out as they should).
@@ -308,9 +308,13 @@ pub fn judge(entries: &[Entry]) -> Verdict {
                 let Some(t) = token else { continue };
                 let life = &tokens[&t];
                 let claimed = life.claimed.map_or(0, |(s, _)| s.1);
-                let taken = tokens
-                    .iter()
-                    .any(|(o, l)| *o != t && l.key == life.key && l.claimed.is_some_and(|(_, r)| r.1 > claimed));
+                // Taken over: another token was granted the key, or recorded it, after our claim.
+                let taken = tokens.iter().any(|(o, l)| {
+                    *o != t
+                        && l.key == life.key
+                        && (l.claimed.is_some_and(|(_, r)| r.1 > claimed)
+                            || l.completed.as_ref().is_some_and(|(_, r, _)| r.1 > claimed))
+                });
                 if !taken {
                     verdict.violations.push(format!("c{caller}.{attempt} got LeaseLost, but nobody took k{} over", life.key));
                 }

@@ -106,7 +106,11 @@ mod servers {
         for failure in &failures {
             println!("{failure}");
         }
-        assert!(failures.is_empty(), "simulation_{name}: {} histories break a guarantee (printed above)", failures.len());
+        assert!(
+            failures.is_empty(),
+            "simulation_{name}: {} histories break a guarantee (printed above)",
+            failures.len()
+        );
     }
 }
 

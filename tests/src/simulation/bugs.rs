@@ -117,7 +117,11 @@ impl<S: Store> Store for Planted<S> {
                 return Ok(());
             }
             Some(Bug::CompleteRefusedAfterLease) => {
-                let ended = self.seen().holders.get(c.key.as_str()).is_some_and(|(t, end)| t == c.token && *end <= Instant::now());
+                let ended = self
+                    .seen()
+                    .holders
+                    .get(c.key.as_str())
+                    .is_some_and(|(t, end)| t == c.token && *end <= Instant::now());
                 if ended {
                     return Err(StoreError::NotOwner);
                 }

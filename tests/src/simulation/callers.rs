@@ -69,7 +69,9 @@ pub struct Caller {
 impl Caller {
     /// Draws caller `id` on one of `keys` keys, with durations scaled to `lease`.
     pub fn draw(id: usize, keys: usize, lease: Duration, rng: &mut SplitMix64) -> Self {
-        let frac = |rng: &mut SplitMix64, max_percent: u64| lease.mul_f64(rng.below(max_percent + 1) as f64 / 100.0);
+        let frac = |rng: &mut SplitMix64, max_percent: u64| {
+            lease * u32::try_from(rng.below(max_percent + 1)).unwrap_or(0) / 100
+        };
         let key = usize::try_from(rng.below(keys as u64)).unwrap_or(0);
         let start = frac(rng, 200);
         let count = 1 + rng.below(3);
@@ -166,7 +168,14 @@ fn error_name(error: &Error) -> &'static str {
 }
 
 /// Runs `caller` against `store` with `lease`, logging to `history`.
-pub async fn run<S: Store + ?Sized>(caller: Caller, store: &S, lease: Duration, scope: &str, prefix: &str, history: History) {
+pub async fn run<S: Store + ?Sized>(
+    caller: Caller,
+    store: &S,
+    lease: Duration,
+    scope: &str,
+    prefix: &str,
+    history: History,
+) {
     tokio::time::sleep(caller.start).await;
     let key = format!("{prefix}-{}", caller.key);
     for (attempt, plan) in (0u32..).zip(&caller.attempts) {

@@ -92,6 +92,7 @@ impl<S: Store + 'static> FaultStore<S> {
     }
 
     /// The store under test, without faults or logging (for the end-of-history probe).
+    #[must_use]
     pub fn inner(&self) -> &Planted<S> {
         &self.shared.store
     }
@@ -108,7 +109,7 @@ impl<S: Store + 'static> FaultStore<S> {
         let lose = fail + u64::from(rates.lose_reply);
         let delay = lose + u64::from(rates.delay);
         let lease = self.shared.lease;
-        let long = lease + lease.mul_f64(rng.below(100) as f64 / 200.0);
+        let long = lease + lease * u32::try_from(rng.below(50)).unwrap_or(0) / 100;
         if roll < fail {
             Fault::Fail
         } else if roll < lose {
@@ -221,4 +222,3 @@ impl<S: Store + 'static> Store for FaultStore<S> {
         "sim"
     }
 }
-

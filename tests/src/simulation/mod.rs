@@ -98,7 +98,10 @@ impl Summary {
     /// Histories per second of wall time.
     #[must_use]
     pub fn per_second(&self) -> f64 {
-        self.histories as f64 / self.elapsed.as_secs_f64().max(1e-9)
+        // Exact below 2^52 histories.
+        #[allow(clippy::cast_precision_loss)]
+        let histories = self.histories as f64;
+        histories / self.elapsed.as_secs_f64().max(1e-9)
     }
 }
 
@@ -176,5 +179,7 @@ pub fn env_histories() -> Option<u64> {
 #[must_use]
 pub fn env_bug() -> Option<Bug> {
     let name = std::env::var("IDEMPOTENT_SIM_BUG").ok()?;
-    Some(Bug::ALL.into_iter().find(|b| format!("{b:?}") == name.trim()).expect("IDEMPOTENT_SIM_BUG names a planted bug"))
+    Some(
+        Bug::ALL.into_iter().find(|b| format!("{b:?}") == name.trim()).expect("IDEMPOTENT_SIM_BUG names a planted bug"),
+    )
 }

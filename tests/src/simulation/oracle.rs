@@ -67,7 +67,8 @@ impl TokenLife {
         if claim_replied.1 > sent.1 {
             return false;
         }
-        let renewed = self.renewals.iter().filter(|(_, r, _)| r.1 < sent.1).any(|(s, _, lease)| s.0 + *lease > replied.0);
+        let renewed =
+            self.renewals.iter().filter(|(_, r, _)| r.1 < sent.1).any(|(s, _, lease)| s.0 + *lease > replied.0);
         let ended = |stamp: Option<Stamp>| stamp.is_some_and(|s| s.1 < replied.1);
         renewed && !ended(self.released.map(|(s, _)| s)) && !ended(self.completed.as_ref().map(|(s, _, _)| *s))
     }
@@ -93,27 +94,48 @@ struct Body {
 
 /// Judges one history.
 #[must_use]
+/// Everything the log says, by token, by caller and attempt, and in order.
+#[derive(Default)]
+struct Facts<'a> {
+    tokens: BTreeMap<TokenId, TokenLife>,
+    token_of: BTreeMap<(usize, u32), TokenId>,
+    bodies: BTreeMap<(usize, u32), Body>,
+    ends: BTreeMap<(usize, u32), CallEnd>,
+    steps: Vec<&'a Step>,
+    probes: Vec<(usize, &'a Reply)>,
+    on_cancel_release: BTreeMap<(usize, u32), bool>,
+}
+
+/// Judges one history.
+#[must_use]
 pub fn judge(entries: &[Entry]) -> Verdict {
     let mut verdict = Verdict::default();
-    let mut tokens: BTreeMap<TokenId, TokenLife> = BTreeMap::new();
-    let mut token_of: BTreeMap<(usize, u32), TokenId> = BTreeMap::new();
-    let mut bodies: BTreeMap<(usize, u32), Body> = BTreeMap::new();
-    let mut ends: BTreeMap<(usize, u32), CallEnd> = BTreeMap::new();
-    let mut steps: Vec<&Step> = Vec::new();
-    let mut probes: Vec<(usize, &Reply)> = Vec::new();
-    let mut on_cancel_release: BTreeMap<(usize, u32), bool> = BTreeMap::new();
+    let facts = read(entries, &mut verdict);
+    store_rules(&facts, &mut verdict);
+    grants(&facts, &mut verdict);
+    let records = records(&facts, &mut verdict);
+    results(&facts, &records, &mut verdict);
+    verdict
+}
 
+/// Reads the log into [`Facts`]; counts calls and bodies, and notes escaped panics (6).
+fn read<'a>(entries: &'a [Entry], verdict: &mut Verdict) -> Facts<'a> {
+    let mut facts = Facts::default();
+    let Facts { tokens, token_of, bodies, ends, steps, probes, on_cancel_release } = &mut facts;
     for entry in entries {
         match &entry.event {
             Event::Step(step) => {
                 steps.push(step);
-                let life = tokens.entry(step.token).or_insert_with(|| TokenLife { key: step.key, ..TokenLife::default() });
+                let life =
+                    tokens.entry(step.token).or_insert_with(|| TokenLife { key: step.key, ..TokenLife::default() });
                 if let Some(owner) = step.caller {
                     life.owner.get_or_insert(owner);
                     token_of.entry(owner).or_insert(step.token);
                 }
                 let span = (step.sent, step.replied);
-                if matches!(step.op, Op::Claim | Op::Extend) && (step.fault.injected() || matches!(step.store, Reply::Failed(_))) {
+                if matches!(step.op, Op::Claim | Op::Extend)
+                    && (step.fault.injected() || matches!(step.store, Reply::Failed(_)))
+                {
                     life.unreachable = true;
                 }
                 match (step.op, &step.store) {
@@ -154,10 +176,13 @@ pub fn judge(entries: &[Entry]) -> Verdict {
             Event::Probe { key, store } => probes.push((*key, store)),
         }
     }
-    let body_of_token = |token: TokenId| tokens.get(&token).and_then(|l| l.owner).and_then(|o| bodies.get(&o).copied());
+    facts
+}
 
-    // 5. Store rules: late renewals and releases refused; InProgress only with a possible owner.
-    for step in &steps {
+/// 5. Store rules: late renewals and releases refused; InProgress only with a possible owner.
+fn store_rules(facts: &Facts<'_>, verdict: &mut Verdict) {
+    let Facts { tokens, steps, .. } = facts;
+    for step in steps {
         let life = &tokens[&step.token];
         match (step.op, &step.store) {
             (Op::Extend | Op::Release, Reply::Ok) => {
@@ -186,11 +211,15 @@ pub fn judge(entries: &[Entry]) -> Verdict {
             _ => {}
         }
     }
+}
 
-    // 1 and 2. Every grant: nobody else certainly live, no record before it; every re-run a cause.
-    for (&t2, life2) in &tokens {
+/// 1 and 2. Every grant: nobody else certainly live, no record before it; every re-run a cause.
+fn grants(facts: &Facts<'_>, verdict: &mut Verdict) {
+    let Facts { tokens, bodies, on_cancel_release, .. } = facts;
+    let body_of_token = |token: TokenId| tokens.get(&token).and_then(|l| l.owner).and_then(|o| bodies.get(&o).copied());
+    for (&t2, life2) in tokens {
         let Some((c2_sent, c2_replied)) = life2.claimed else { continue };
-        for (&t1, life1) in &tokens {
+        for (&t1, life1) in tokens {
             if t1 == t2 || life1.key != life2.key || life1.claimed.is_none_or(|(_, r)| r.1 > c2_sent.1) {
                 continue;
             }
@@ -241,8 +270,11 @@ pub fn judge(entries: &[Entry]) -> Verdict {
             }
         }
     }
+}
 
-    // 3. One acknowledged record per key, replayed byte for byte.
+/// 3. One acknowledged record per key, replayed byte for byte. Returns the records.
+fn records(facts: &Facts<'_>, verdict: &mut Verdict) -> BTreeMap<usize, Vec<u8>> {
+    let Facts { tokens, steps, probes, .. } = facts;
     let mut records: BTreeMap<usize, Vec<u8>> = BTreeMap::new();
     for life in tokens.values() {
         if let Some((_, _, bytes)) = &life.completed {
@@ -260,7 +292,7 @@ pub fn judge(entries: &[Entry]) -> Verdict {
             }
         }
     }
-    for step in &steps {
+    for step in steps {
         if let (Op::Claim, Reply::Completed(bytes)) = (step.op, &step.store)
             && records.get(&step.key) != Some(bytes)
         {
@@ -271,25 +303,31 @@ pub fn judge(entries: &[Entry]) -> Verdict {
             ));
         }
     }
-    for (key, reply) in &probes {
+    for (key, reply) in probes {
         match (reply, records.get(key)) {
-            (Reply::InProgress, _) => verdict
-                .violations
-                .push(format!("k{key}: still blocked a lease after every caller stopped")),
+            (Reply::InProgress, _) => {
+                verdict.violations.push(format!("k{key}: still blocked a lease after every caller stopped"));
+            }
             (Reply::Completed(bytes), Some(record)) if bytes == record => {}
             (Reply::Claimed, None) => {}
             (got, Some(record)) => verdict.violations.push(format!(
                 "k{key}: the acknowledged record {} is not replayed byte for byte (the probe got {got})",
                 String::from_utf8_lossy(record)
             )),
-            (got, None) => verdict.violations.push(format!("k{key}: the probe got {got} but no record was acknowledged")),
+            (got, None) => {
+                verdict.violations.push(format!("k{key}: the probe got {got} but no record was acknowledged"));
+            }
         }
     }
+    records
+}
 
-    // 4. Each caller's own result, the record, or a typed error; LeaseLost only after a takeover.
-    for (&(caller, attempt), how) in &ends {
-        let token = token_of.get(&(caller, attempt)).copied();
-        let key = token.map(|t| tokens[&t].key);
+/// 4. Each caller's own result, the record, or a typed error; LeaseLost only after a takeover.
+fn results(facts: &Facts<'_>, records: &BTreeMap<usize, Vec<u8>>, verdict: &mut Verdict) {
+    let Facts { tokens, token_of, bodies, ends, .. } = facts;
+    for (&(caller, attempt), how) in ends {
+        let own_token = token_of.get(&(caller, attempt)).copied();
+        let key = own_token.map(|t| tokens[&t].key);
         match how {
             CallEnd::Ok(value) => {
                 let own = *value == body_value(caller, attempt)
@@ -299,13 +337,13 @@ pub fn judge(entries: &[Entry]) -> Verdict {
                     .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(bytes).ok())
                     .is_some_and(|v| v.get("Ok").and_then(|v| v.as_str()) == Some(value.as_str()));
                 if !own && !recorded {
-                    verdict.violations.push(format!(
-                        "c{caller}.{attempt} got Ok({value}): neither its own result nor the record"
-                    ));
+                    verdict
+                        .violations
+                        .push(format!("c{caller}.{attempt} got Ok({value}): neither its own result nor the record"));
                 }
             }
             CallEnd::Error("LeaseLost") => {
-                let Some(t) = token else { continue };
+                let Some(t) = own_token else { continue };
                 let life = &tokens[&t];
                 let claimed = life.claimed.map_or(0, |(s, _)| s.1);
                 // Taken over: another token was granted the key, or recorded it, after our claim.
@@ -316,11 +354,12 @@ pub fn judge(entries: &[Entry]) -> Verdict {
                             || l.completed.as_ref().is_some_and(|(_, r, _)| r.1 > claimed))
                 });
                 if !taken {
-                    verdict.violations.push(format!("c{caller}.{attempt} got LeaseLost, but nobody took k{} over", life.key));
+                    verdict
+                        .violations
+                        .push(format!("c{caller}.{attempt} got LeaseLost, but nobody took k{} over", life.key));
                 }
             }
             _ => {}
         }
     }
-    verdict
 }

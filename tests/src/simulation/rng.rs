@@ -1,11 +1,11 @@
-//! The simulation's seeded random numbers: SplitMix64, a few lines of our own.
+//! The simulation's seeded random numbers: `SplitMix64`, a few lines of our own.
 //!
 //! Every choice of a history (its callers, their timing, the faults) is drawn from one seed, so a
-//! seed replays its history exactly. SplitMix64 is enough for choosing schedules (it passes
-//! BigCrush, needs one `u64` of state and no crate), and a generator we own cannot change its
+//! seed replays its history exactly. `SplitMix64` is enough for choosing schedules (it passes
+//! `BigCrush`, needs one `u64` of state and no crate), and a generator we own cannot change its
 //! sequence under us in a dependency update, which would silently change every recorded seed.
 
-/// A SplitMix64 generator.
+/// A `SplitMix64` generator.
 #[derive(Debug, Clone)]
 pub struct SplitMix64(u64);
 
@@ -42,6 +42,7 @@ impl SplitMix64 {
 
     /// A generator of its own for a sub-part of the history, so that part's draws do not depend on
     /// how many draws the others made.
+    #[must_use]
     pub fn fork(&mut self) -> Self {
         SplitMix64(self.next_u64())
     }

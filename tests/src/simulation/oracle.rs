@@ -179,7 +179,7 @@ fn read<'a>(entries: &'a [Entry], verdict: &mut Verdict) -> Facts<'a> {
     facts
 }
 
-/// 5. Store rules: late renewals and releases refused; InProgress only with a possible owner.
+/// 5. Store rules: late renewals and releases refused; `InProgress` only with a possible owner.
 fn store_rules(facts: &Facts<'_>, verdict: &mut Verdict) {
     let Facts { tokens, steps, .. } = facts;
     for step in steps {
@@ -322,7 +322,7 @@ fn records(facts: &Facts<'_>, verdict: &mut Verdict) -> BTreeMap<usize, Vec<u8>>
     records
 }
 
-/// 4. Each caller's own result, the record, or a typed error; LeaseLost only after a takeover.
+/// 4. Each caller's own result, the record, or a typed error; `LeaseLost` only after a takeover.
 fn results(facts: &Facts<'_>, records: &BTreeMap<usize, Vec<u8>>, verdict: &mut Verdict) {
     let Facts { tokens, token_of, bodies, ends, .. } = facts;
     for (&(caller, attempt), how) in ends {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use idempotent_tests::simulation::{self, Bug, DEFAULT_SEED, Summary, scheduler};
 
 /// Histories of the default run on the memory store.
-const DEFAULT_HISTORIES: u64 = 15_000;
+const DEFAULT_HISTORIES: u64 = 40_000;
 /// How many histories a planted bug may take to be found in the default run.
 const BUG_BUDGET: u64 = 3_000;
 
@@ -74,7 +74,7 @@ fn simulation_planted_bugs() {
 }
 
 /// Real servers: real time, a short lease, a few histories at once, each under its own keys.
-#[cfg(any(feature = "redis", feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql", feature = "sqlite"))]
 mod servers {
     use super::{Duration, scheduler, simulation};
     use idempotent_runtime::Store;
@@ -129,6 +129,15 @@ async fn simulation_postgres() {
     simulation::callers::quiet_planted_panics();
     let Some((store, cleanup)) = idempotent_tests::fresh::postgres("simulation_postgres").await else { return };
     servers::explore("postgres", store).await;
+    cleanup.run().await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "current_thread")]
+async fn simulation_mysql() {
+    simulation::callers::quiet_planted_panics();
+    let Some((store, cleanup)) = idempotent_tests::fresh::mysql("simulation_mysql").await else { return };
+    servers::explore("mysql", store).await;
     cleanup.run().await;
 }
 

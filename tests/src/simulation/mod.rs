@@ -142,7 +142,9 @@ pub fn explore(seeds: impl IntoIterator<Item = u64>, bug: Option<Bug>, stop: boo
 #[must_use]
 pub fn repro_line(seed: u64, bug: Option<Bug>) -> String {
     let bug = bug.map(|b| format!("IDEMPOTENT_SIM_BUG={b:?} ")).unwrap_or_default();
-    format!("{bug}IDEMPOTENT_SIM_SEED={seed} cargo test -p idempotent-tests --test simulation -- --nocapture")
+    format!(
+        "{bug}IDEMPOTENT_SIM_SEED={seed} cargo test -p idempotent-tests --test simulation simulation_memory -- --nocapture"
+    )
 }
 
 /// A history, step by step, with its verdict.

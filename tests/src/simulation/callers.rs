@@ -167,6 +167,48 @@ fn error_name(error: &Error) -> &'static str {
     }
 }
 
+/// One body: its side effect (logged), its work, its end.
+struct Body {
+    history: History,
+    caller: usize,
+    attempt: u32,
+    key: usize,
+    kind: BodyKind,
+    work: Duration,
+}
+
+impl Body {
+    async fn run(self) -> Result<String, SimError> {
+        let Body { history, caller, attempt, key, kind, work } = self;
+        history.log(Event::BodyStart { caller, attempt, key });
+        let mut guard = BodyGuard { history, caller, attempt, ended: false };
+        tokio::time::sleep(work).await;
+        guard.ended = true;
+        let how = match kind {
+            BodyKind::Ok => BodyEnd::Ok,
+            BodyKind::Err => BodyEnd::Err,
+            BodyKind::Panic => BodyEnd::Panic,
+        };
+        guard.history.log(Event::BodyEnd { caller, attempt, how });
+        match kind {
+            BodyKind::Ok => Ok(body_value(caller, attempt)),
+            BodyKind::Err => Err(SimError::Body),
+            BodyKind::Panic => panic!("{BODY_PANIC}"),
+        }
+    }
+}
+
+/// The same call through the attribute (scope [`SCOPE`](super::scheduler::SCOPE), `on_cancel` keep).
+#[idempotent_runtime::idempotent(key = key, store = store, scope = "sim", lease = lease)]
+async fn through_attribute<S: Store + ?Sized>(
+    store: &S,
+    key: &str,
+    lease: Duration,
+    body: Body,
+) -> Result<String, SimError> {
+    body.run().await
+}
+
 /// Runs `caller` against `store` with `lease`, logging to `history`.
 pub async fn run<S: Store + ?Sized>(
     caller: Caller,
@@ -185,34 +227,32 @@ pub async fn run<S: Store + ?Sized>(
             attempt,
             key: caller.key,
             plan: format!(
-                "{:?} after {:?}, cancel {:?} ({:?}), wait {:?}",
-                plan.body, plan.work, plan.cancel_after, plan.on_cancel, plan.wait
+                "{:?} after {:?}, cancel {:?} ({:?}), wait {:?}{}",
+                plan.body,
+                plan.work,
+                plan.cancel_after,
+                plan.on_cancel,
+                plan.wait,
+                if plan.wait.is_none() && plan.on_cancel == OnCancel::Keep && id % 2 == 1 {
+                    ", via #[idempotent]"
+                } else {
+                    ""
+                }
             ),
         });
         let mut call = Call::new(scope, &key).lease(lease).on_cancel(plan.on_cancel);
         if let Some(wait) = plan.wait {
             call = call.wait(wait);
         }
-        let body_history = history.clone();
-        let (kind, work) = (plan.body, plan.work);
-        let body = async move {
-            body_history.log(Event::BodyStart { caller: id, attempt, key: caller.key });
-            let mut guard = BodyGuard { history: body_history, caller: id, attempt, ended: false };
-            tokio::time::sleep(work).await;
-            guard.ended = true;
-            let how = match kind {
-                BodyKind::Ok => BodyEnd::Ok,
-                BodyKind::Err => BodyEnd::Err,
-                BodyKind::Panic => BodyEnd::Panic,
-            };
-            guard.history.log(Event::BodyEnd { caller: id, attempt, how });
-            match kind {
-                BodyKind::Ok => Ok(body_value(id, attempt)),
-                BodyKind::Err => Err(SimError::Body),
-                BodyKind::Panic => panic!("{BODY_PANIC}"),
-            }
+        let body =
+            Body { history: history.clone(), caller: id, attempt, key: caller.key, kind: plan.body, work: plan.work };
+        // Odd callers' plain calls (no `wait`, `OnCancel::Keep`) go through the attribute.
+        let attribute = plan.wait.is_none() && plan.on_cancel == OnCancel::Keep && id % 2 == 1;
+        let running: Pin<Box<dyn Future<Output = Result<String, SimError>> + Send + '_>> = if attribute {
+            Box::pin(through_attribute(store, &key, lease, body))
+        } else {
+            Box::pin(call.run(store, body.run()))
         };
-        let running = call.run(store, body);
         let guarded = async {
             match plan.cancel_after {
                 Some(deadline) => tokio::time::timeout(deadline, running).await.ok(),

@@ -55,11 +55,19 @@ struct TokenLife {
     released: Option<(Stamp, Stamp)>,
     /// The store acknowledged a completion, with its bytes.
     completed: Option<(Stamp, Stamp, Vec<u8>)>,
-    /// A fault (injected or the store's own error) hit its claim or a renewal.
-    unreachable: bool,
+    /// When (sequence of the request) a fault, injected or the store's own error, hit its claim
+    /// or a renewal.
+    faults: Vec<u64>,
 }
 
 impl TokenLife {
+    /// The store was unreachable for this token's claim or renewals after its last renewal
+    /// acknowledged before `before` (so its lease could run out with its owner alive).
+    fn unreachable_before(&self, before: u64) -> bool {
+        let last = self.renewals.iter().filter(|(_, r, _)| r.1 < before).map(|(s, _, _)| s.1).max().unwrap_or(0);
+        self.faults.iter().any(|f| *f >= last && *f < before)
+    }
+
     /// Certainly live at the instant a step sent at `sent` was answered at `replied`: renewed less
     /// than a lease before the step could have been applied, neither released nor completed.
     fn certainly_live(&self, sent: Stamp, replied: Stamp) -> bool {
@@ -136,7 +144,7 @@ fn read<'a>(entries: &'a [Entry], verdict: &mut Verdict) -> Facts<'a> {
                 if matches!(step.op, Op::Claim | Op::Extend)
                     && (step.fault.injected() || matches!(step.store, Reply::Failed(_)))
                 {
-                    life.unreachable = true;
+                    life.faults.push(step.sent.1);
                 }
                 match (step.op, &step.store) {
                     (Op::Claim, Reply::Claimed) => {
@@ -247,8 +255,9 @@ fn grants(facts: &Facts<'_>, verdict: &mut Verdict) {
             let released = life1.released.is_some_and(|(_, r)| r.1 < c2_sent.1);
             let owner1 = life1.owner.unwrap_or_default();
             let recorded_before = life1.completed.as_ref().is_some_and(|(_, r, _)| r.1 < c2_sent.1);
+            let unreachable = life1.unreachable_before(c2_sent.1);
             let cause = match (released, body1.end.map(|(_, how)| how)) {
-                _ if overlap && life1.unreachable => Some("lost lease (store unreachable for the running body)"),
+                _ if overlap && unreachable => Some("lost lease (store unreachable for the running body)"),
                 _ if overlap => None,
                 (true, Some(BodyEnd::Err)) => Some("released Err"),
                 (true, Some(BodyEnd::Panic)) => Some("panic released"),
@@ -265,7 +274,7 @@ fn grants(facts: &Facts<'_>, verdict: &mut Verdict) {
                 None => verdict.violations.push(format!(
                     "k{}: body of t{t2} ran after (or while) t{t1}'s, with no cause the guarantees name \
                      (released {released}, t{t1} reachable {}, body {:?})",
-                    life2.key, !life1.unreachable, body1.end
+                    life2.key, !unreachable, body1.end
                 )),
             }
         }

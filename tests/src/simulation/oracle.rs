@@ -7,7 +7,8 @@
 //! 1. **One owner at a time.** A store grants a claim only when no other token's claim is
 //!    certainly live (renewed less than a lease ago, not released or completed) and no record was
 //!    acknowledged; so two bodies of one key overlap only when the first one's lease ran out
-//!    while the store was unreachable for it (a fault hit its claim or renewals).
+//!    while the store was unreachable for it (a fault hit its claim or a renewal after its last
+//!    acknowledged renewal).
 //! 2. **Every re-run has a named cause**, found in the log: the earlier body's `Err` released the
 //!    key, it panicked, it was cancelled under `OnCancel::Release`, or its claim ended with its
 //!    lease because its renewals could not reach the store, its result was left unrecorded, or it

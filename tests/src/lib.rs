@@ -9,6 +9,7 @@ pub mod consume;
 pub mod fresh;
 pub mod proxy;
 pub mod services;
+pub mod simulation;
 pub mod stress;
 
 use std::future::Future;

@@ -1,0 +1,224 @@
+//! The fault injector: a `Store` in front of the store under test that, at any step, fails it,
+//! applies it and loses the reply, or delays it (past the lease, typically), and logs every step
+//! to the history.
+//!
+//! Steps that a dropped call leaves to finish ([`Store::detach`]) go through the same wrapper
+//! without faults, so the log sees them too: the memory store finishes them at once (this polls
+//! them once, in place), remote stores in a task.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use idempotent_runtime::{Claim, ClaimRequest, Completion, Detached, Key, Store, StoreError, Token};
+
+use super::bugs::Planted;
+use super::callers::CALLER;
+use super::history::{Event, Fault, History, Op, Reply, Step};
+use super::rng::SplitMix64;
+
+/// How often each fault strikes, in percent of the steps, for one history.
+#[derive(Debug, Clone, Copy)]
+pub struct FaultRates {
+    /// A step fails before reaching the store.
+    pub fail: u32,
+    /// A step is applied and its reply lost.
+    pub lose_reply: u32,
+    /// A step is delayed past the lease (before or after the store applies it).
+    pub delay: u32,
+    /// A renewal fails while its owner lives (on top of `fail`).
+    pub extend_fail: u32,
+}
+
+impl FaultRates {
+    /// No faults.
+    pub const NONE: FaultRates = FaultRates { fail: 0, lose_reply: 0, delay: 0, extend_fail: 0 };
+}
+
+/// The store the callers use: faults and logging in front of a [`Planted`] store.
+#[derive(Debug)]
+pub struct FaultStore<S> {
+    shared: Arc<Shared<S>>,
+    /// This handle finishes detached steps: no faults.
+    detached: bool,
+}
+
+#[derive(Debug)]
+struct Shared<S> {
+    store: Planted<S>,
+    history: History,
+    rates: FaultRates,
+    rng: Mutex<SplitMix64>,
+    lease: Duration,
+}
+
+impl<S> Clone for FaultStore<S> {
+    fn clone(&self) -> Self {
+        FaultStore { shared: Arc::clone(&self.shared), detached: self.detached }
+    }
+}
+
+/// The number of a simulation key (`<prefix>-<n>`).
+fn key_number(key: &Key) -> usize {
+    key.key().rsplit('-').next().and_then(|n| n.parse().ok()).unwrap_or(usize::MAX)
+}
+
+fn injected() -> StoreError {
+    StoreError::Backend { backend: "sim", source: "injected fault: the store could not be reached".into() }
+}
+
+fn reply_of<T>(result: &Result<T, StoreError>, ok: impl FnOnce(&T) -> Reply) -> Reply {
+    match result {
+        Ok(value) => ok(value),
+        Err(StoreError::NotOwner) => Reply::NotOwner,
+        Err(e) => Reply::Failed(e.to_string()),
+    }
+}
+
+fn claim_reply(claim: &Claim) -> Reply {
+    match claim {
+        Claim::Claimed => Reply::Claimed,
+        Claim::Completed(record) => Reply::Completed(record.outcome.to_vec()),
+        _ => Reply::InProgress,
+    }
+}
+
+impl<S: Store + 'static> FaultStore<S> {
+    /// `store` behind faults drawn at `rates` from `rng`, logging to `history`; `lease` is the
+    /// lease the history's calls use (how long a delay must be to outlast it).
+    pub fn new(store: Planted<S>, history: History, rates: FaultRates, rng: SplitMix64, lease: Duration) -> Self {
+        FaultStore { shared: Arc::new(Shared { store, history, rates, rng: Mutex::new(rng), lease }), detached: false }
+    }
+
+    /// The store under test, without faults or logging (for the end-of-history probe).
+    #[must_use]
+    pub fn inner(&self) -> &Planted<S> {
+        &self.shared.store
+    }
+
+    fn draw(&self, op: Op) -> Fault {
+        if self.detached {
+            return Fault::None;
+        }
+        let rates = self.shared.rates;
+        let mut rng = self.shared.rng.lock().unwrap_or_else(PoisonError::into_inner);
+        let roll = rng.below(100);
+        let extend_fail = if op == Op::Extend { rates.extend_fail } else { 0 };
+        let fail = u64::from(rates.fail + extend_fail);
+        let lose = fail + u64::from(rates.lose_reply);
+        let delay = lose + u64::from(rates.delay);
+        let lease = self.shared.lease;
+        let long = lease + lease * u32::try_from(rng.below(50)).unwrap_or(0) / 100;
+        if roll < fail {
+            Fault::Fail
+        } else if roll < lose {
+            Fault::LoseReply
+        } else if roll < delay {
+            if rng.chance(50) { Fault::DelayBefore(long) } else { Fault::DelayAfter(long) }
+        } else {
+            Fault::None
+        }
+    }
+
+    /// Runs one step through the fault drawn for it and logs it.
+    #[allow(clippy::too_many_arguments)]
+    async fn step<T>(
+        &self,
+        op: Op,
+        key: &Key,
+        token: &Token,
+        lease: Duration,
+        outcome: Option<&[u8]>,
+        run: impl Future<Output = Result<T, StoreError>>,
+        reply: impl Fn(&Result<T, StoreError>) -> Reply,
+    ) -> Result<T, StoreError> {
+        let history = &self.shared.history;
+        let fault = self.draw(op);
+        let caller = CALLER.try_with(|c| *c).ok();
+        let token_id = history.token_id(token);
+        let log = |sent, replied, store: Reply, delivered: Reply| {
+            history.log(Event::Step(Step {
+                op,
+                key: key_number(key),
+                token: token_id,
+                caller,
+                detached: self.detached,
+                fault,
+                lease,
+                outcome: outcome.map(<[u8]>::to_vec),
+                sent,
+                replied,
+                store,
+                delivered,
+            }));
+        };
+        let mut sent = history.stamp();
+        if fault == Fault::Fail {
+            log(sent, sent, Reply::NotSent, Reply::Failed("injected".into()));
+            return Err(injected());
+        }
+        if let Fault::DelayBefore(d) = fault {
+            // Logged now (the store is unreachable for this step), and again if it arrives.
+            log(sent, sent, Reply::NotSent, Reply::Failed("delayed".into()));
+            tokio::time::sleep(d).await;
+            sent = history.stamp();
+        }
+        let result = run.await;
+        let replied = history.stamp();
+        let store = reply(&result);
+        // Logged as soon as the store has answered: a caller dropped during a delayed reply
+        // never sees it, but the store has applied the step.
+        if fault == Fault::LoseReply {
+            log(sent, replied, store, Reply::Failed("injected".into()));
+            return Err(injected());
+        }
+        log(sent, replied, store.clone(), store);
+        if let Fault::DelayAfter(d) = fault {
+            tokio::time::sleep(d).await;
+        }
+        result
+    }
+}
+
+impl<S: Store + 'static> Store for FaultStore<S> {
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        let run = self.shared.store.claim(request);
+        self.step(Op::Claim, request.key, request.token, request.lease, None, run, |r| reply_of(r, claim_reply)).await
+    }
+
+    async fn complete(&self, c: &Completion<'_>) -> Result<(), StoreError> {
+        let run = self.shared.store.complete(c);
+        let lease = self.shared.lease;
+        self.step(Op::Complete, c.key, c.token, lease, Some(c.outcome), run, |r| reply_of(r, |()| Reply::Ok)).await
+    }
+
+    async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
+        let run = self.shared.store.release(key, token);
+        self.step(Op::Release, key, token, self.shared.lease, None, run, |r| reply_of(r, |()| Reply::Ok)).await
+    }
+
+    async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
+        let run = self.shared.store.extend(key, token, lease);
+        self.step(Op::Extend, key, token, lease, None, run, |r| reply_of(r, |()| Reply::Ok)).await
+    }
+
+    fn detach(&self, step: Detached) {
+        let store = FaultStore { shared: Arc::clone(&self.shared), detached: true };
+        let mut task = Box::pin(async move {
+            let _ = step.finish(&store).await;
+        });
+        // The memory store finishes at once; a remote store's step goes on in a task.
+        if task.as_mut().poll(&mut Context::from_waker(Waker::noop())) == Poll::Pending {
+            tokio::spawn(task);
+        }
+    }
+
+    fn max_record_bytes(&self) -> usize {
+        self.shared.store.max_record_bytes()
+    }
+
+    fn name(&self) -> &'static str {
+        "sim"
+    }
+}

@@ -1,0 +1,375 @@
+//! The oracle: README's guarantees, checked over one history.
+//!
+//! It knows only what the log shows: the store's answers (with when each request left and when
+//! its answer came back, which bound when the store applied it), the faults injected, and what
+//! every body and caller did. From README's "Guarantees, and their limits":
+//!
+//! 1. **One owner at a time.** A store grants a claim only when no other token's claim is
+//!    certainly live (renewed less than a lease ago, not released or completed) and no record was
+//!    acknowledged; so two bodies of one key overlap only when the first one's lease ran out
+//!    while the store was unreachable for it (a fault hit its claim or a renewal after its last
+//!    acknowledged renewal).
+//! 2. **Every re-run has a named cause**, found in the log: the earlier body's `Err` released the
+//!    key, it panicked, it was cancelled under `OnCancel::Release`, or its claim ended with its
+//!    lease because its renewals could not reach the store, its result was left unrecorded, or it
+//!    was cancelled under `OnCancel::Keep` (a crash).
+//! 3. **Every acknowledged record replays byte for byte**: every `Completed` answer and the final
+//!    probe give exactly the bytes whose completion the store acknowledged, and only one record
+//!    is ever acknowledged per key.
+//! 4. **Every caller gets its own result, the recorded result or a typed error**, and
+//!    `LeaseLost` only when another token took the key over (was granted it, or recorded it).
+//! 5. **Renewal and release after the lease ended are refused**; an `InProgress` answer means a
+//!    claim that may still be live; **no key is blocked a lease after its last owner stopped**.
+//! 6. **No panic escapes the library** (the bodies' own planted panics come out as they should).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use super::callers::body_value;
+use super::history::{BodyEnd, CallEnd, Entry, Event, Op, Reply, Step, TokenId};
+
+/// What the oracle found in one history.
+#[derive(Debug, Default, Clone)]
+pub struct Verdict {
+    /// Broken guarantees, each in a sentence.
+    pub violations: Vec<String>,
+    /// Re-runs by design, by cause.
+    pub causes: BTreeMap<&'static str, u64>,
+    /// Calls made.
+    pub calls: u64,
+    /// Bodies run.
+    pub bodies: u64,
+}
+
+/// A (time, sequence) stamp.
+type Stamp = (Duration, u64);
+
+#[derive(Debug, Default, Clone)]
+struct TokenLife {
+    key: usize,
+    owner: Option<(usize, u32)>,
+    /// The store granted the claim (request sent, answer back).
+    claimed: Option<(Stamp, Stamp)>,
+    /// Every grant or renewal the store acknowledged: (sent, replied, lease).
+    renewals: Vec<(Stamp, Stamp, Duration)>,
+    /// The store acknowledged a release.
+    released: Option<(Stamp, Stamp)>,
+    /// The store acknowledged a completion, with its bytes.
+    completed: Option<(Stamp, Stamp, Vec<u8>)>,
+    /// When (sequence of the request) a fault, injected or the store's own error, hit its claim
+    /// or a renewal.
+    faults: Vec<u64>,
+}
+
+impl TokenLife {
+    /// The store was unreachable for this token's claim or renewals after its last renewal
+    /// acknowledged before `before` (so its lease could run out with its owner alive).
+    fn unreachable_before(&self, before: u64) -> bool {
+        let last = self.renewals.iter().filter(|(_, r, _)| r.1 < before).map(|(s, _, _)| s.1).max().unwrap_or(0);
+        self.faults.iter().any(|f| *f >= last && *f < before)
+    }
+
+    /// Certainly live at the instant a step sent at `sent` was answered at `replied`: renewed less
+    /// than a lease before the step could have been applied, neither released nor completed.
+    fn certainly_live(&self, sent: Stamp, replied: Stamp) -> bool {
+        let Some((_, claim_replied)) = self.claimed else { return false };
+        if claim_replied.1 > sent.1 {
+            return false;
+        }
+        let renewed =
+            self.renewals.iter().filter(|(_, r, _)| r.1 < sent.1).any(|(s, _, lease)| s.0 + *lease > replied.0);
+        let ended = |stamp: Option<Stamp>| stamp.is_some_and(|s| s.1 < replied.1);
+        renewed && !ended(self.released.map(|(s, _)| s)) && !ended(self.completed.as_ref().map(|(s, _, _)| *s))
+    }
+
+    /// Possibly live when a step was sent at `sent`: its lease may not have ended, and no release
+    /// or completion was certainly applied before.
+    fn possibly_live(&self, sent: Stamp, replied: Stamp) -> bool {
+        let Some((claim_sent, _)) = self.claimed else { return false };
+        if claim_sent.1 > replied.1 {
+            return false;
+        }
+        let renewed = self.renewals.iter().any(|(s, r, lease)| s.1 < replied.1 && r.0 + *lease >= sent.0);
+        let before = |stamp: Option<Stamp>| stamp.is_some_and(|r| r.1 < sent.1);
+        renewed && !before(self.released.map(|(_, r)| r)) && !before(self.completed.as_ref().map(|(_, r, _)| *r))
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Body {
+    start: u64,
+    end: Option<(u64, BodyEnd)>,
+}
+
+/// Judges one history.
+#[must_use]
+/// Everything the log says, by token, by caller and attempt, and in order.
+#[derive(Default)]
+struct Facts<'a> {
+    tokens: BTreeMap<TokenId, TokenLife>,
+    token_of: BTreeMap<(usize, u32), TokenId>,
+    bodies: BTreeMap<(usize, u32), Body>,
+    ends: BTreeMap<(usize, u32), CallEnd>,
+    steps: Vec<&'a Step>,
+    probes: Vec<(usize, &'a Reply)>,
+    on_cancel_release: BTreeMap<(usize, u32), bool>,
+}
+
+/// Judges one history.
+#[must_use]
+pub fn judge(entries: &[Entry]) -> Verdict {
+    let mut verdict = Verdict::default();
+    let facts = read(entries, &mut verdict);
+    store_rules(&facts, &mut verdict);
+    grants(&facts, &mut verdict);
+    let records = records(&facts, &mut verdict);
+    results(&facts, &records, &mut verdict);
+    verdict
+}
+
+/// Reads the log into [`Facts`]; counts calls and bodies, and notes escaped panics (6).
+fn read<'a>(entries: &'a [Entry], verdict: &mut Verdict) -> Facts<'a> {
+    let mut facts = Facts::default();
+    let Facts { tokens, token_of, bodies, ends, steps, probes, on_cancel_release } = &mut facts;
+    for entry in entries {
+        match &entry.event {
+            Event::Step(step) => {
+                steps.push(step);
+                let life =
+                    tokens.entry(step.token).or_insert_with(|| TokenLife { key: step.key, ..TokenLife::default() });
+                if let Some(owner) = step.caller {
+                    life.owner.get_or_insert(owner);
+                    token_of.entry(owner).or_insert(step.token);
+                }
+                let span = (step.sent, step.replied);
+                if matches!(step.op, Op::Claim | Op::Extend)
+                    && (step.fault.injected() || matches!(step.store, Reply::Failed(_)))
+                {
+                    life.faults.push(step.sent.1);
+                }
+                match (step.op, &step.store) {
+                    (Op::Claim, Reply::Claimed) => {
+                        life.claimed.get_or_insert(span);
+                        life.renewals.push((step.sent, step.replied, step.lease));
+                    }
+                    (Op::Extend, Reply::Ok) => life.renewals.push((step.sent, step.replied, step.lease)),
+                    (Op::Release, Reply::Ok) => {
+                        life.released.get_or_insert(span);
+                    }
+                    (Op::Complete, Reply::Ok) => {
+                        let bytes = step.outcome.clone().unwrap_or_default();
+                        life.completed.get_or_insert((step.sent, step.replied, bytes));
+                    }
+                    _ => {}
+                }
+            }
+            Event::CallStart { caller, attempt, plan, .. } => {
+                verdict.calls += 1;
+                on_cancel_release.insert((*caller, *attempt), plan.contains("(Release)"));
+            }
+            Event::BodyStart { caller, attempt, .. } => {
+                verdict.bodies += 1;
+                bodies.insert((*caller, *attempt), Body { start: entry.seq, end: None });
+            }
+            Event::BodyEnd { caller, attempt, how } => {
+                if let Some(body) = bodies.get_mut(&(*caller, *attempt)) {
+                    body.end.get_or_insert((entry.seq, *how));
+                }
+            }
+            Event::CallEnd { caller, attempt, how } => {
+                if let CallEnd::EscapedPanic(message) = how {
+                    verdict.violations.push(format!("c{caller}.{attempt}: a panic escaped the library: {message}"));
+                }
+                ends.insert((*caller, *attempt), how.clone());
+            }
+            Event::Probe { key, store } => probes.push((*key, store)),
+        }
+    }
+    facts
+}
+
+/// 5. Store rules: late renewals and releases refused; `InProgress` only with a possible owner.
+fn store_rules(facts: &Facts<'_>, verdict: &mut Verdict) {
+    let Facts { tokens, steps, .. } = facts;
+    for step in steps {
+        let life = &tokens[&step.token];
+        match (step.op, &step.store) {
+            (Op::Extend | Op::Release, Reply::Ok) => {
+                let earlier = TokenLife {
+                    renewals: life.renewals.iter().filter(|(_, r, _)| r.1 < step.sent.1).copied().collect(),
+                    ..life.clone()
+                };
+                if !earlier.possibly_live(step.sent, step.replied) {
+                    verdict.violations.push(format!(
+                        "{:?} of t{} on k{} acknowledged (sent at {:.3?}) after its lease had certainly ended",
+                        step.op, step.token, step.key, step.sent.0
+                    ));
+                }
+            }
+            (Op::Claim, Reply::InProgress) => {
+                let holder = tokens
+                    .iter()
+                    .any(|(t, l)| *t != step.token && l.key == step.key && l.possibly_live(step.sent, step.replied));
+                if !holder {
+                    verdict.violations.push(format!(
+                        "claim of t{} on k{} (sent at {:.3?}) answered InProgress, but no claim on the key could be live",
+                        step.token, step.key, step.sent.0
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// 1 and 2. Every grant: nobody else certainly live, no record before it; every re-run a cause.
+fn grants(facts: &Facts<'_>, verdict: &mut Verdict) {
+    let Facts { tokens, bodies, on_cancel_release, .. } = facts;
+    let body_of_token = |token: TokenId| tokens.get(&token).and_then(|l| l.owner).and_then(|o| bodies.get(&o).copied());
+    for (&t2, life2) in tokens {
+        let Some((c2_sent, c2_replied)) = life2.claimed else { continue };
+        for (&t1, life1) in tokens {
+            if t1 == t2 || life1.key != life2.key || life1.claimed.is_none_or(|(_, r)| r.1 > c2_sent.1) {
+                continue;
+            }
+            if life1.certainly_live(c2_sent, c2_replied) {
+                verdict.violations.push(format!(
+                    "k{}: t{t2} was granted the claim (sent at {:.3?}) while t{t1}'s claim was certainly live",
+                    life2.key, c2_sent.0
+                ));
+                continue;
+            }
+            if let Some((_, done, _)) = &life1.completed
+                && done.1 < c2_sent.1
+            {
+                verdict.violations.push(format!(
+                    "k{}: t{t2} was granted the claim (sent at {:.3?}) after t{t1}'s record was acknowledged",
+                    life2.key, c2_sent.0
+                ));
+                continue;
+            }
+            let (Some(body1), Some(body2)) = (body_of_token(t1), body_of_token(t2)) else { continue };
+            if body1.start > body2.start {
+                continue;
+            }
+            let overlap = body1.end.is_none_or(|(end, _)| end > body2.start);
+            let released = life1.released.is_some_and(|(_, r)| r.1 < c2_sent.1);
+            let owner1 = life1.owner.unwrap_or_default();
+            let recorded_before = life1.completed.as_ref().is_some_and(|(_, r, _)| r.1 < c2_sent.1);
+            let unreachable = life1.unreachable_before(c2_sent.1);
+            let cause = match (released, body1.end.map(|(_, how)| how)) {
+                _ if overlap && unreachable => Some("lost lease (store unreachable for the running body)"),
+                _ if overlap => None,
+                (true, Some(BodyEnd::Err)) => Some("released Err"),
+                (true, Some(BodyEnd::Panic)) => Some("panic released"),
+                (true, Some(BodyEnd::Dropped)) if on_cancel_release.get(&owner1) == Some(&true) => {
+                    Some("on_cancel = release")
+                }
+                (false, Some(BodyEnd::Ok)) if !recorded_before => Some("unrecorded result, lease ended"),
+                (false, Some(BodyEnd::Dropped)) => Some("cancelled (keep), lease ended"),
+                (false, Some(BodyEnd::Err | BodyEnd::Panic)) => Some("release lost, lease ended"),
+                _ => None,
+            };
+            match cause {
+                Some(cause) => *verdict.causes.entry(cause).or_default() += 1,
+                None => verdict.violations.push(format!(
+                    "k{}: body of t{t2} ran after (or while) t{t1}'s, with no cause the guarantees name \
+                     (released {released}, t{t1} reachable {}, body {:?})",
+                    life2.key, !unreachable, body1.end
+                )),
+            }
+        }
+    }
+}
+
+/// 3. One acknowledged record per key, replayed byte for byte. Returns the records.
+fn records(facts: &Facts<'_>, verdict: &mut Verdict) -> BTreeMap<usize, Vec<u8>> {
+    let Facts { tokens, steps, probes, .. } = facts;
+    let mut records: BTreeMap<usize, Vec<u8>> = BTreeMap::new();
+    for life in tokens.values() {
+        if let Some((_, _, bytes)) = &life.completed {
+            match records.get(&life.key) {
+                Some(first) if first != bytes => verdict.violations.push(format!(
+                    "k{}: two different records acknowledged: {} and {}",
+                    life.key,
+                    String::from_utf8_lossy(first),
+                    String::from_utf8_lossy(bytes)
+                )),
+                Some(_) => {}
+                None => {
+                    records.insert(life.key, bytes.clone());
+                }
+            }
+        }
+    }
+    for step in steps {
+        if let (Op::Claim, Reply::Completed(bytes)) = (step.op, &step.store)
+            && records.get(&step.key) != Some(bytes)
+        {
+            verdict.violations.push(format!(
+                "k{}: a replay gave {}, not the acknowledged record",
+                step.key,
+                String::from_utf8_lossy(bytes)
+            ));
+        }
+    }
+    for (key, reply) in probes {
+        match (reply, records.get(key)) {
+            (Reply::InProgress, _) => {
+                verdict.violations.push(format!("k{key}: still blocked a lease after every caller stopped"));
+            }
+            (Reply::Completed(bytes), Some(record)) if bytes == record => {}
+            (Reply::Claimed, None) => {}
+            (got, Some(record)) => verdict.violations.push(format!(
+                "k{key}: the acknowledged record {} is not replayed byte for byte (the probe got {got})",
+                String::from_utf8_lossy(record)
+            )),
+            (got, None) => {
+                verdict.violations.push(format!("k{key}: the probe got {got} but no record was acknowledged"));
+            }
+        }
+    }
+    records
+}
+
+/// 4. Each caller's own result, the record, or a typed error; `LeaseLost` only after a takeover.
+fn results(facts: &Facts<'_>, records: &BTreeMap<usize, Vec<u8>>, verdict: &mut Verdict) {
+    let Facts { tokens, token_of, bodies, ends, .. } = facts;
+    for (&(caller, attempt), how) in ends {
+        let own_token = token_of.get(&(caller, attempt)).copied();
+        let key = own_token.map(|t| tokens[&t].key);
+        match how {
+            CallEnd::Ok(value) => {
+                let own = *value == body_value(caller, attempt)
+                    && bodies.get(&(caller, attempt)).is_some_and(|b| matches!(b.end, Some((_, BodyEnd::Ok))));
+                let recorded = key
+                    .and_then(|k| records.get(&k))
+                    .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(bytes).ok())
+                    .is_some_and(|v| v.get("Ok").and_then(|v| v.as_str()) == Some(value.as_str()));
+                if !own && !recorded {
+                    verdict
+                        .violations
+                        .push(format!("c{caller}.{attempt} got Ok({value}): neither its own result nor the record"));
+                }
+            }
+            CallEnd::Error("LeaseLost") => {
+                let Some(t) = own_token else { continue };
+                let life = &tokens[&t];
+                let claimed = life.claimed.map_or(0, |(s, _)| s.1);
+                // Taken over: another token was granted the key, or recorded it, after our claim.
+                let taken = tokens.iter().any(|(o, l)| {
+                    *o != t
+                        && l.key == life.key
+                        && (l.claimed.is_some_and(|(_, r)| r.1 > claimed)
+                            || l.completed.as_ref().is_some_and(|(_, r, _)| r.1 > claimed))
+                });
+                if !taken {
+                    verdict
+                        .violations
+                        .push(format!("c{caller}.{attempt} got LeaseLost, but nobody took k{} over", life.key));
+                }
+            }
+            _ => {}
+        }
+    }
+}

@@ -1,0 +1,151 @@
+//! Deterministic simulation of the protocol (issue 21; the harness is `tests/src/simulation/`).
+//!
+//! `cargo test -p idempotent-tests --test simulation -- --nocapture` prints the counts. A failing
+//! seed prints the one line that replays it; `IDEMPOTENT_SIM_SEED=<n>` replays that history step
+//! by step, `IDEMPOTENT_SIM_HISTORIES=<n>` explores `n` histories on the memory store.
+
+use std::time::Duration;
+
+use idempotent_tests::simulation::{self, Bug, DEFAULT_SEED, Summary, scheduler};
+
+/// Histories of the default run on the memory store.
+const DEFAULT_HISTORIES: u64 = 40_000;
+/// How many histories a planted bug may take to be found in the default run.
+const BUG_BUDGET: u64 = 3_000;
+
+fn fail_with_repro(summary: &Summary, bug: Option<Bug>) -> ! {
+    let (seed, violation) = summary.first_failure.clone().expect("a failure");
+    let run = simulation::memory_history(seed, bug);
+    println!("{}", simulation::render(seed, &run.entries, &run.verdict));
+    panic!("seed {seed}: {violation}\nreplay it with:\n  {}", simulation::repro_line(seed, bug));
+}
+
+#[test]
+fn simulation_memory() {
+    if let Some(seed) = simulation::env_seed() {
+        let bug = simulation::env_bug();
+        let summary = simulation::explore([seed], bug, true);
+        let run = simulation::memory_history(seed, bug);
+        println!("{}", simulation::render(seed, &run.entries, &run.verdict));
+        assert_eq!(summary.violations, 0, "seed {seed} breaks a guarantee (bug planted: {bug:?})");
+        return;
+    }
+    let histories = simulation::env_histories().unwrap_or(DEFAULT_HISTORIES);
+    let summary = simulation::explore(DEFAULT_SEED..DEFAULT_SEED + histories, None, false);
+    println!("simulation_memory: {summary}");
+    if summary.violations > 0 {
+        fail_with_repro(&summary, None);
+    }
+    assert_eq!(summary.histories, histories);
+    if simulation::env_histories().is_none() {
+        assert!(summary.histories >= 10_000, "the default run explores at least 10,000 histories");
+        assert!(summary.calls >= 100_000, "the default run makes at least 100,000 calls: {}", summary.calls);
+    }
+    assert!(summary.causes.values().sum::<u64>() > 0, "the histories re-ran bodies by design: {summary}");
+}
+
+#[test]
+fn simulation_replays_a_seed_exactly() {
+    for seed in [DEFAULT_SEED, DEFAULT_SEED + 7, DEFAULT_SEED + 1234] {
+        let first = simulation::memory_history(seed, None);
+        let second = simulation::memory_history(seed, None);
+        let text = |run: &simulation::Run| simulation::render(run.seed, &run.entries, &run.verdict);
+        assert!(first.entries.len() > 5, "seed {seed} did something");
+        assert_eq!(text(&first), text(&second), "seed {seed} replays the same history");
+    }
+}
+
+#[test]
+fn simulation_planted_bugs() {
+    let mut found = Vec::new();
+    for bug in Bug::ALL {
+        let summary = simulation::explore(DEFAULT_SEED..DEFAULT_SEED + BUG_BUDGET, Some(bug), true);
+        let Some((seed, violation)) = summary.first_failure.clone() else {
+            panic!("planted bug {bug:?} not found in {BUG_BUDGET} histories: {summary}");
+        };
+        println!(
+            "simulation_planted_bugs: {bug:?} found after {} histories (seed {seed}): {violation}\n  replay: {}",
+            summary.histories,
+            simulation::repro_line(seed, Some(bug))
+        );
+        found.push((bug, summary.histories));
+    }
+    assert_eq!(found.len(), Bug::ALL.len());
+}
+
+/// Real servers: real time, a short lease, a few histories at once, each under its own keys.
+#[cfg(any(feature = "redis", feature = "postgres", feature = "mysql", feature = "sqlite"))]
+mod servers {
+    use super::{Duration, scheduler, simulation};
+    use idempotent_runtime::Store;
+
+    pub const LEASE: Duration = Duration::from_millis(1200);
+    pub const SETTLE: Duration = Duration::from_millis(300);
+    pub const SEEDS: u64 = 32;
+
+    pub async fn explore<S: Store + Clone + 'static>(name: &str, store: S) {
+        let prefix = format!("{name}{}", idempotent_tests::fresh::suffix());
+        let started = std::time::Instant::now();
+        let runs = (0..SEEDS).map(|i| {
+            let (store, prefix) = (store.clone(), format!("{prefix}s{i}"));
+            let seed = simulation::DEFAULT_SEED + i;
+            tokio::spawn(async move { (seed, scheduler::run_history(seed, store, None, LEASE, SETTLE, &prefix).await) })
+        });
+        let runs: Vec<_> = runs.collect();
+        let mut summary = simulation::Summary::default();
+        let mut failures = Vec::new();
+        for run in runs {
+            let (seed, (entries, verdict)) = run.await.expect("a history task");
+            summary.add(seed, &verdict);
+            if !verdict.violations.is_empty() {
+                failures.push(simulation::render(seed, &entries, &verdict));
+            }
+        }
+        summary.elapsed = started.elapsed();
+        println!("simulation_{name}: {summary}");
+        for failure in &failures {
+            println!("{failure}");
+        }
+        assert!(
+            failures.is_empty(),
+            "simulation_{name}: {} histories break a guarantee (printed above)",
+            failures.len()
+        );
+    }
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "current_thread")]
+async fn simulation_redis() {
+    simulation::callers::quiet_planted_panics();
+    let Some((store, cleanup)) = idempotent_tests::fresh::redis("simulation_redis").await else { return };
+    servers::explore("redis", store).await;
+    cleanup.run().await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "current_thread")]
+async fn simulation_postgres() {
+    simulation::callers::quiet_planted_panics();
+    let Some((store, cleanup)) = idempotent_tests::fresh::postgres("simulation_postgres").await else { return };
+    servers::explore("postgres", store).await;
+    cleanup.run().await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "current_thread")]
+async fn simulation_mysql() {
+    simulation::callers::quiet_planted_panics();
+    let Some((store, cleanup)) = idempotent_tests::fresh::mysql("simulation_mysql").await else { return };
+    servers::explore("mysql", store).await;
+    cleanup.run().await;
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "current_thread")]
+async fn simulation_sqlite() {
+    simulation::callers::quiet_planted_panics();
+    let (store, cleanup) = idempotent_tests::fresh::sqlite("simulation").await;
+    servers::explore("sqlite", store).await;
+    cleanup.run().await;
+}

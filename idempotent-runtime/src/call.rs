@@ -35,6 +35,8 @@ pub const MAX_LEASE: Duration = Duration::from_hours(24);
 pub const MAX_RETENTION: Duration = Duration::from_hours(3650 * 24);
 /// The longest `wait` accepted (one day, like the lease).
 pub const MAX_WAIT: Duration = MAX_LEASE;
+/// How many claims answered after their lease a call sends before it gives up (without running).
+const MAX_LATE_CLAIM_REPLIES: u32 = 3;
 /// The lease is renewed every third of its length while the body runs.
 const HEARTBEATS_PER_LEASE: u32 = 3;
 
@@ -235,6 +237,7 @@ impl Call {
         };
         let deadline = self.wait.map(|wait| Instant::now() + wait);
         let mut backoff = FIRST_BACKOFF;
+        let mut late_replies = 0;
         let lease_end = loop {
             // The lease is counted from before the request, so our estimate of its end is never late.
             let sent = Instant::now();
@@ -244,6 +247,20 @@ impl Call {
                 .map_err(|source| observer.error(store_error(&key, "claim", source)))?;
             guard.phase = Phase::Idle;
             match claim {
+                // A reply that took longer than the lease: the claim may have ended already and
+                // another caller may be running the body. Asked again with the same token, the
+                // store renews the claim if it is still ours, or says who holds the key now.
+                Claim::Claimed if Instant::now() >= sent + self.lease => {
+                    late_replies += 1;
+                    if late_replies == MAX_LATE_CLAIM_REPLIES {
+                        let source = StoreError::backend(
+                            store.name(),
+                            "every claim was answered after its lease had ended; the body was not started",
+                        );
+                        return Err(observer.error(store_error(&key, "claim", source)).into());
+                    }
+                    tracing::warn!(target: "idempotent", "a claim was answered after its lease ended; claiming again");
+                }
                 Claim::Claimed => break sent + self.lease,
                 Claim::Completed(record) => {
                     check_fingerprint(&key, fingerprint.as_ref(), record.fingerprint.as_ref())
@@ -484,7 +501,8 @@ where
 pub(crate) enum Completed {
     /// Recorded (by this attempt or, its reply lost, by an earlier one of the same token).
     Recorded { attempts: u32 },
-    /// Another token holds the key: it took the key over after this claim's lease ended.
+    /// Another token took the key over after this claim's lease ended: it holds the key now, or
+    /// it already recorded its own result there (a late owner's record is never overwritten).
     LeaseLost,
     /// The store failed for good (a refusal), or kept failing until the lease ended.
     Failed(StoreError),

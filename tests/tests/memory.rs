@@ -209,3 +209,71 @@ mod bounded {
         assert_eq!((store.len(), store.bytes()), (0, 0));
     }
 }
+
+/// A claim whose reply arrives after its lease has ended must not start the body: by then another
+/// caller may hold the key and be running it. Found by the simulation (issue 21's report): the
+/// late reply started a second body beside the new owner's.
+#[tokio::test(start_paused = true)]
+async fn memory_claim_answered_after_its_lease_does_not_start_the_body() {
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
+    use std::time::Duration;
+
+    use idempotent_runtime::{Claim, ClaimRequest, Completion, Detached, Error, Key, StoreError, Token};
+
+    /// The memory store, whose first claim is applied at once but answered `lease + 10 ms` later.
+    struct LateFirstReply {
+        inner: MemoryStore,
+        delayed: AtomicBool,
+    }
+    impl Store for LateFirstReply {
+        async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+            let claim = self.inner.claim(request).await;
+            if !self.delayed.swap(true, SeqCst) {
+                tokio::time::sleep(request.lease + Duration::from_millis(10)).await;
+            }
+            claim
+        }
+        async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
+            self.inner.complete(completion).await
+        }
+        async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
+            self.inner.release(key, token).await
+        }
+        async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
+            self.inner.extend(key, token, lease).await
+        }
+        fn detach(&self, step: Detached) {
+            self.inner.detach(step);
+        }
+    }
+
+    let store = LateFirstReply { inner: MemoryStore::new(), delayed: AtomicBool::new(false) };
+    let lease = Duration::from_millis(300);
+    let (running, bodies, overlaps) = (AtomicBool::new(false), AtomicU32::new(0), AtomicU32::new(0));
+    let call = |delay: Duration| {
+        let (running, bodies, overlaps, store) = (&running, &bodies, &overlaps, &store);
+        async move {
+            tokio::time::sleep(delay).await;
+            Call::new("late-claim-reply", &"k")
+                .lease(lease)
+                .run(store, async move {
+                    bodies.fetch_add(1, SeqCst);
+                    if running.swap(true, SeqCst) {
+                        overlaps.fetch_add(1, SeqCst);
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    running.store(false, SeqCst);
+                    Ok::<_, Error>(7)
+                })
+                .await
+        }
+    };
+    use idempotent_runtime::Call;
+    // The first caller's claim lands at 0 ms and its reply at 310 ms; the second claims the
+    // expired key at 301 ms and runs its body until 401 ms.
+    let (late, second) = tokio::join!(call(Duration::ZERO), call(lease + Duration::from_millis(1)));
+    assert_eq!(second.unwrap(), 7);
+    assert_eq!(overlaps.load(SeqCst), 0, "two bodies of one key ran at once");
+    assert_eq!(bodies.load(SeqCst), 1, "the late claim reply started a second body");
+    assert!(matches!(late, Err(Error::InProgress { .. })), "{late:?}");
+}

@@ -92,7 +92,9 @@ fn response_text(response: &Value) -> String {
     let body = response.get("body").map(data).unwrap_or_default();
     // A JSON body is shown indented.
     match serde_json::from_str::<Value>(&body) {
-        Ok(json) if json.is_object() || json.is_array() => out.push_str(&serde_json::to_string_pretty(&json).unwrap_or(body)),
+        Ok(json) if json.is_object() || json.is_array() => {
+            out.push_str(&serde_json::to_string_pretty(&json).unwrap_or(body))
+        }
         _ => out.push_str(&body),
     }
     out
@@ -106,7 +108,8 @@ pub fn page_text(page: &Page, header: bool) -> String {
     }
     for e in &page.entries {
         let left = e.remaining.map_or_else(|| "-".to_owned(), duration);
-        let _ = writeln!(out, "{:<8} {:>9}  {:<20} {:<32}  {}", e.state.as_str(), left, e.scope(), e.token, e.user_key());
+        let _ =
+            writeln!(out, "{:<8} {:>9}  {:<20} {:<32}  {}", e.state.as_str(), left, e.scope(), e.token, e.user_key());
     }
     out
 }

@@ -228,7 +228,11 @@ pub trait Admin: Send + Sync {
 }
 
 /// Adds `entry` to `stats` (for stores that count on the client side).
-pub(crate) fn tally(counts: &mut std::collections::BTreeMap<(String, State), u64>, next: &mut Option<(String, Duration)>, entry: &Entry) {
+pub(crate) fn tally(
+    counts: &mut std::collections::BTreeMap<(String, State), u64>,
+    next: &mut Option<(String, Duration)>,
+    entry: &Entry,
+) {
     *counts.entry((entry.scope().to_owned(), entry.state)).or_default() += 1;
     if entry.state == State::Running
         && let Some(left) = entry.remaining
@@ -239,7 +243,10 @@ pub(crate) fn tally(counts: &mut std::collections::BTreeMap<(String, State), u64
 }
 
 /// The [`Stats`] of a finished tally.
-pub(crate) fn stats_of(counts: std::collections::BTreeMap<(String, State), u64>, next: Option<(String, Duration)>) -> Stats {
+pub(crate) fn stats_of(
+    counts: std::collections::BTreeMap<(String, State), u64>,
+    next: Option<(String, Duration)>,
+) -> Stats {
     Stats {
         counts: counts.into_iter().map(|((scope, state), count)| Count { scope, state, count }).collect(),
         next_to_expire: next,

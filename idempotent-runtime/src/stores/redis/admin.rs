@@ -94,7 +94,11 @@ impl RedisStore<ConnectionManager> {
 
     async fn list_now(&self, query: &ListQuery) -> Result<Page, StoreError> {
         let size = query.page_size();
-        let pattern = format!("{}{}*", glob_escape(&self.prefix), query.scope.as_deref().map_or(String::new(), |s| glob_escape(&format!("{s}:"))));
+        let pattern = format!(
+            "{}{}*",
+            glob_escape(&self.prefix),
+            query.scope.as_deref().map_or(String::new(), |s| glob_escape(&format!("{s}:")))
+        );
         let (mut cursor, mut skip) = parse_cursor(query.cursor.as_deref())?;
         let mut entries = Vec::new();
         let mut connection = self.connection();
@@ -135,7 +139,8 @@ impl RedisStore<ConnectionManager> {
 /// The record of `key` (without the prefix) from its stored value and `PTTL`.
 fn entry(key: &str, value: Vec<u8>, pttl: i64, with_outcome: bool) -> Result<Entry, StoreError> {
     let header_end = value.iter().position(|&b| b == b'\n').unwrap_or(value.len());
-    let token = std::str::from_utf8(&value[..header_end]).ok().and_then(|h| h.split(' ').nth(2)).unwrap_or("").to_owned();
+    let token =
+        std::str::from_utf8(&value[..header_end]).ok().and_then(|h| h.split(' ').nth(2)).unwrap_or("").to_owned();
     let remaining = u64::try_from(pttl).ok().map(Duration::from_millis);
     Ok(match record::parse(value, key.as_bytes())? {
         record::Parsed::Running { fingerprint, .. } => Entry {

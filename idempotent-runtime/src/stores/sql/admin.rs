@@ -23,6 +23,8 @@ struct Sql {
     remaining: &'static str,
     /// The scope part of `idempotency_key`.
     scope: &'static str,
+    /// `idempotency_key` as text (MySQL keeps it as VARBINARY).
+    key: &'static str,
     /// `$n` placeholders (PostgreSQL) rather than `?`.
     numbered: bool,
 }
@@ -59,14 +61,16 @@ impl Sql {
 
     fn inspect(&self, table: &str) -> String {
         self.placeholders(&format!(
-            "SELECT idempotency_key, state, token, fingerprint, {rem}, outcome FROM {table} WHERE idempotency_key = ?",
+            "SELECT {key}, state, token, fingerprint, {rem}, outcome FROM {table} WHERE idempotency_key = ?",
+            key = self.key,
             rem = self.remaining
         ))
     }
 
     fn list(&self, table: &str, query: &ListQuery) -> String {
         let mut sql = format!(
-            "SELECT idempotency_key, state, token, fingerprint, {rem} FROM {table} WHERE idempotency_key > ?",
+            "SELECT {key}, state, token, fingerprint, {rem} FROM {table} WHERE idempotency_key > ?",
+            key = self.key,
             rem = self.remaining
         );
         if query.scope.is_some() {
@@ -98,7 +102,8 @@ impl Sql {
 
     fn soonest(&self, table: &str) -> String {
         format!(
-            "SELECT idempotency_key, {rem} FROM {table} WHERE {running} ORDER BY expires_at LIMIT 1",
+            "SELECT {key}, {rem} FROM {table} WHERE {running} ORDER BY expires_at LIMIT 1",
+            key = self.key,
             rem = self.remaining,
             running = self.state_condition(State::Running)
         )
@@ -242,18 +247,21 @@ sql_admin! {
         now: "clock_timestamp()",
         remaining: "CAST(EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000000 AS BIGINT)",
         scope: "split_part(idempotency_key, ':', 1)",
+        key: "idempotency_key",
         numbered: true,
     };
     "mysql", super::MySqlDialect, sqlx::MySql, Sql {
         now: "UTC_TIMESTAMP(6)",
         remaining: "TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at)",
-        scope: "SUBSTRING_INDEX(idempotency_key, ':', 1)",
+        scope: "CONVERT(SUBSTRING_INDEX(idempotency_key, ':', 1) USING utf8mb4)",
+        key: "CONVERT(idempotency_key USING utf8mb4)",
         numbered: false,
     };
     "sqlite", super::SqliteDialect, sqlx::Sqlite, Sql {
         now: "strftime('%Y-%m-%d %H:%M:%f', 'now')",
         remaining: "CAST((julianday(expires_at) - julianday('now')) * 86400000000.0 AS INTEGER)",
         scope: "substr(idempotency_key, 1, instr(idempotency_key, ':') - 1)",
+        key: "idempotency_key",
         numbered: false,
     };
 }
@@ -270,7 +278,7 @@ mod tests {
 
     #[test]
     fn sql_admin_placeholders_are_numbered_for_postgres() {
-        let sql = Sql { now: "n()", remaining: "r", scope: "s", numbered: true };
+        let sql = Sql { now: "n()", remaining: "r", scope: "s", key: "k", numbered: true };
         assert_eq!(sql.placeholders("a = ? AND b = ?"), "a = $1 AND b = $2");
         let q = sql.list("t", &ListQuery::new(5).scope("s").state(State::Running));
         assert!(q.contains("idempotency_key > $1 AND idempotency_key LIKE $2") && q.ends_with("LIMIT $3"), "{q}");

@@ -18,8 +18,8 @@ Exit codes:
 #[derive(Debug, Parser)]
 #[command(name = "idempotent", version, after_help = EXIT_CODES)]
 pub struct Cli {
-    /// The store, as `AnyStore::from_url` takes it: redis://HOST[:PORT][/DB], postgres://USER@HOST/DB,
-    /// mysql://USER@HOST/DB, sqlite://PATH (must exist), memory://.
+    /// The store, as `AnyStore::from_url` takes it: `redis://HOST[:PORT][/DB]`, `postgres://USER@HOST/DB`,
+    /// `mysql://USER@HOST/DB`, `sqlite://PATH` (must exist), `memory://`.
     #[arg(long, env = "IDEMPOTENT_STORE", global = true, hide_env_values = true)]
     pub store: Option<String>,
 

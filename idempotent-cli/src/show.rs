@@ -93,7 +93,7 @@ fn response_text(response: &Value) -> String {
     // A JSON body is shown indented.
     match serde_json::from_str::<Value>(&body) {
         Ok(json) if json.is_object() || json.is_array() => {
-            out.push_str(&serde_json::to_string_pretty(&json).unwrap_or(body))
+            out.push_str(&serde_json::to_string_pretty(&json).unwrap_or(body));
         }
         _ => out.push_str(&body),
     }

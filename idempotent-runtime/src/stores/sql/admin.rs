@@ -6,6 +6,7 @@
 //! whole table on the server (one aggregate, no rows sent) and finds the running claim closest to
 //! its end through the `expires_at` index. Every time is the database's own clock.
 
+use std::fmt::Write as _;
 use std::time::Duration;
 
 use sqlx::Row as _;
@@ -77,10 +78,10 @@ impl Sql {
             sql.push_str(" AND idempotency_key LIKE ? ESCAPE '!'");
         }
         if let Some(state) = query.state {
-            sql.push_str(&format!(" AND {}", self.state_condition(state)));
+            let _ = write!(sql, " AND {}", self.state_condition(state));
         }
         if query.expiring_within.is_some() {
-            sql.push_str(&format!(" AND {} <= ?", self.remaining));
+            let _ = write!(sql, " AND {} <= ?", self.remaining);
         }
         sql.push_str(" ORDER BY idempotency_key LIMIT ?");
         self.placeholders(&sql)

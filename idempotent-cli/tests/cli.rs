@@ -23,6 +23,13 @@ fn url(name: &str) -> Option<String> {
         "redis" => ("REDIS_URL", "redis://127.0.0.1:6379"),
         "postgres" => ("POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test"),
         "mysql" => ("MYSQL_URL", "mysql://root@127.0.0.1:3306/test"),
+        "cluster" => {
+            // The tests' cluster of 3 masters and 3 replicas, started once per test binary.
+            let cluster = idempotent_tests::cluster::Cluster::shared("cli cluster")?;
+            let nodes: Vec<String> =
+                cluster.urls().iter().map(|u| u.trim_start_matches("redis://").to_owned()).collect();
+            return Some(format!("redis+cluster://{}", nodes.join(",")));
+        }
         _ => {
             // A fresh SQLite file per test, created by the library (the tool never creates one).
             let dir = std::env::temp_dir().join(format!("idempotent-cli-{}-{}", std::process::id(), unique()));
@@ -235,7 +242,7 @@ macro_rules! store_tests {
     )*};
 }
 
-store_tests!(cli_redis: "redis", cli_postgres: "postgres", cli_mysql: "mysql", cli_sqlite: "sqlite");
+store_tests!(cli_redis: "redis", cli_cluster: "cluster", cli_postgres: "postgres", cli_mysql: "mysql", cli_sqlite: "sqlite");
 
 #[test]
 fn cli_usage_errors_exit_2_and_unreachable_stores_exit_3() {

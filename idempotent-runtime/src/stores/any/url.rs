@@ -218,7 +218,7 @@ async fn open_redis_cluster(nodes: &[String], shown: &str) -> Result<AnyStore, S
     let store = crate::stores::redis::RedisClusterStore::connect_cluster(nodes)
         .await
         .map_err(|source| StoreUrlError::Connect { url: shown.to_owned(), source })?;
-    Ok(AnyStore::new(store))
+    Ok(AnyStore::with_admin(store))
 }
 
 #[cfg(feature = "postgres")]

@@ -3,7 +3,7 @@
 //!
 //! [`Admin`] is separate from [`Store`](crate::Store): the protocol never needs it, so a store
 //! written outside this crate need not implement it. Every built-in pooled store does
-//! ([`MemoryStore`](crate::MemoryStore), `RedisStore`, the pooled SQL stores) and so does an
+//! ([`MemoryStore`](crate::MemoryStore), `RedisStore`, `RedisClusterStore`, the pooled SQL stores) and so does an
 //! [`AnyStore`](crate::AnyStore) opened by [`AnyStore::from_url`](crate::AnyStore::from_url).
 //! The `idempotent` command-line tool (crate `idempotent-cli`) is built on it.
 //!

@@ -1,7 +1,6 @@
 //! [`Admin`] for [`AnyStore`]: the operator's methods of the store it holds, if it has them.
 //!
-//! A store opened by [`AnyStore::from_url`] keeps its admin (except `redis+cluster://`, whose
-//! admin is not written yet); one wrapped with [`AnyStore::new`] has none, since `Admin` is not
+//! A store opened by [`AnyStore::from_url`] keeps its admin; one wrapped with [`AnyStore::new`] has none, since `Admin` is not
 //! part of `Store`: wrap it with [`AnyStore::with_admin`] instead. Without one, every method
 //! fails with [`StoreError::Rejected`] saying so.
 

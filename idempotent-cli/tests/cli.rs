@@ -14,6 +14,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use idempotent_runtime::admin::{Admin, Released};
 use idempotent_runtime::{AnyStore, Claim, ClaimRequest, Completion, Key, Store as _, Token, idempotent};
 use serde_json::Value;
 
@@ -155,6 +156,12 @@ async fn commands(name: &str) {
     assert_eq!(code(&cli(&url, &["inspect", &scope, "pay"])), 1);
     assert_eq!(code(&cli(&url, &["release", &scope, "pay", "--yes"])), 1, "gone now");
 
+    // The fence: a claim that completed after it was inspected is not released as running.
+    let seen = Admin::inspect(&store, &key("run")).await.unwrap().unwrap();
+    store.complete(&Completion::new(&key("run"), &running, None, b"{\"Ok\":1}", long)).await.unwrap();
+    assert_eq!(Admin::release(&store, &key("run"), &seen).await.unwrap(), Released::Changed);
+    assert_eq!(json(&url, &["--json", "inspect", &scope, "run"])["state"], "done", "left alone");
+
     // purge: a count (Redis expires by itself: 0).
     let purged = json(&url, &["--json", "purge", "--expired"]);
     assert!(purged["purged"].is_u64(), "{purged}");
@@ -168,7 +175,7 @@ fn runs(key: &str) -> u32 {
     BODY_RUNS.lock().unwrap().get(key).copied().unwrap_or(0)
 }
 
-#[idempotent(key = key, store = store, scope = "cli_stuck", lease = "120s")]
+#[idempotent(key = key, store = store, scope = "cli_stuck", lease = "120s", retention = "10m")]
 async fn charge(store: &AnyStore, key: &str) -> Result<u32, idempotent_runtime::Error> {
     let mut runs = BODY_RUNS.lock().unwrap();
     let count = runs.entry(key.to_owned()).or_default();

@@ -312,6 +312,35 @@ mod tests {
         assert_eq!((running.scope(), running.user_key()), ("pay", "1"));
     }
 
+    #[tokio::test]
+    async fn admin_memory_store_lists_releases_fenced_and_counts() {
+        use crate::{Claim, ClaimRequest, Completion, MemoryStore, Store, Token};
+        let store = MemoryStore::new();
+        let lease = Duration::from_secs(60);
+        let (a, b) = (Key::new("pay", &"a").unwrap(), Key::new("pay", &"b").unwrap());
+        let (ta, tb) = (Token::new(), Token::new());
+        assert_eq!(store.claim(&ClaimRequest::new(&a, &ta, None, lease)).await.unwrap(), Claim::Claimed);
+        store.claim(&ClaimRequest::new(&b, &tb, None, lease)).await.unwrap();
+        store.complete(&Completion::new(&b, &tb, None, b"{\"Ok\":1}", lease)).await.unwrap();
+        let first = store.list(&ListQuery::new(1).scope("pay")).await.unwrap();
+        assert_eq!(first.entries.len(), 1);
+        let rest = store.list(&ListQuery::new(1).scope("pay").after(first.next.clone().unwrap())).await.unwrap();
+        assert_eq!((first.entries[0].key.as_str(), rest.entries[0].key.as_str(), rest.next), ("pay:a", "pay:b", None));
+        let running = store.list(&ListQuery::new(10).state(State::Running)).await.unwrap();
+        assert_eq!(running.entries.iter().map(|e| e.key.as_str()).collect::<Vec<_>>(), ["pay:a"]);
+        let done = store.inspect(&b).await.unwrap().unwrap();
+        assert_eq!(done.outcome.as_deref(), Some(&b"{\"Ok\":1}"[..]));
+        // Seen running, then completed: the release is refused.
+        let seen = store.inspect(&a).await.unwrap().unwrap();
+        store.complete(&Completion::new(&a, &ta, None, b"{}", lease)).await.unwrap();
+        assert_eq!(Admin::release(&store, &a, &seen).await.unwrap(), Released::Changed);
+        let now_done = store.inspect(&a).await.unwrap().unwrap();
+        assert_eq!(Admin::release(&store, &a, &now_done).await.unwrap(), Released::Deleted);
+        assert_eq!(store.inspect(&a).await.unwrap(), None);
+        let stats = store.stats().await.unwrap();
+        assert_eq!(stats.counts, [Count { scope: "pay".into(), state: State::Done, count: 1 }]);
+    }
+
     #[test]
     fn admin_stats_count_per_scope_and_state() {
         let (mut counts, mut next) = (std::collections::BTreeMap::new(), None);

@@ -52,6 +52,9 @@ pub enum Command {
         /// Only records whose lease or retention ends within this time, such as 30s, 5m, 2h.
         #[arg(long, value_parser = duration)]
         expiring_within: Option<Duration>,
+        /// Not available: no store records when a key was claimed (use --expiring-within).
+        #[arg(long, value_name = "DURATION", hide = true)]
+        older_than: Option<String>,
         /// At most this many records per page (at most 1000).
         #[arg(long, default_value_t = 50)]
         limit: usize,

@@ -19,7 +19,14 @@ pub async fn run(cli: Cli) -> Result<(), Failure> {
             let entry = store.inspect(&key).await?.ok_or_else(|| absent(&key))?;
             print(json, || show::entry_json(&entry), || show::entry_text(&entry));
         }
-        Command::List { scope, state, expiring_within, limit, after, all } => {
+        Command::List { scope, state, expiring_within, older_than, limit, after, all } => {
+            if older_than.is_some() {
+                return Err(Failure::Usage(
+                    "--older-than is not available: no store records when a key was claimed, only when its \
+                     lease or retention ends; use --expiring-within (a crashed claim's lease only runs down)"
+                        .into(),
+                ));
+            }
             let mut query = ListQuery::new(limit);
             query.scope = scope;
             query.state = state;

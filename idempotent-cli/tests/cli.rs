@@ -166,6 +166,9 @@ async fn commands(name: &str) {
     let purged = json(&url, &["--json", "purge", "--expired"]);
     assert!(purged["purged"].is_u64(), "{purged}");
     assert_eq!(code(&cli(&url, &["purge"])), 2, "--expired is required");
+    let older = cli(&url, &["list", "--older-than", "5m"]);
+    assert_eq!(code(&older), 2);
+    assert!(String::from_utf8_lossy(&older.stderr).contains("--expiring-within"));
 }
 
 /// How many times `charge`'s body ran, per key (the stores' tests run in parallel).

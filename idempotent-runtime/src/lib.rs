@@ -72,6 +72,7 @@
 //! Note JSON's limits: `Some(())` and `None` both encode as `null`, and so do `Some(None)` and
 //! `None`; a `HashMap` with non-string keys does not serialise. Give such results a struct.
 
+pub mod admin;
 mod call;
 #[cfg(feature = "reqwest")]
 pub mod client;

@@ -620,3 +620,83 @@ impl Entry {
         }
     }
 }
+
+impl Entry {
+    /// This entry as an operator sees it at `now`.
+    fn to_admin(&self, key: &str, now: Instant, with_outcome: bool) -> crate::admin::Entry {
+        use crate::admin::State as Seen;
+        let live = self.expires > now;
+        let (state, outcome) = match &self.state {
+            _ if !live => (Seen::Expired, None),
+            State::InProgress(_) => (Seen::Running, None),
+            State::Completed(_, outcome) => (Seen::Done, with_outcome.then(|| outcome.clone())),
+        };
+        crate::admin::Entry {
+            key: key.to_owned(),
+            state,
+            token: self.token().as_str().to_owned(),
+            fingerprint: self.fingerprint.as_ref().map(|fp| fp.as_str().to_owned()),
+            remaining: live.then(|| self.expires - now),
+            outcome,
+        }
+    }
+}
+
+/// The memory store's operator view: every method reads the shards under their locks.
+impl crate::admin::Admin for MemoryStore {
+    async fn inspect(&self, key: &Key) -> Result<Option<crate::admin::Entry>, StoreError> {
+        let now = Instant::now();
+        let (hashed, index) = self.hashed(key);
+        let shard = lock(&self.inner.shards[index]);
+        Ok(shard.entries.get(hashed).map(|entry| entry.to_admin(key.as_str(), now, true)))
+    }
+
+    async fn list(&self, query: &crate::admin::ListQuery) -> Result<crate::admin::Page, StoreError> {
+        // In memory already: gather what matches after the cursor, in key order.
+        let now = Instant::now();
+        let mut found: Vec<crate::admin::Entry> = Vec::new();
+        for shard in &self.inner.shards {
+            let shard = lock(shard);
+            found.extend(
+                shard
+                    .entries
+                    .iter()
+                    .filter(|(key, _)| query.cursor.as_deref().is_none_or(|after| *key > after))
+                    .map(|(key, entry)| entry.to_admin(key, now, false))
+                    .filter(|entry| query.matches(entry)),
+            );
+        }
+        found.sort_by(|a, b| a.key.cmp(&b.key));
+        let size = query.page_size();
+        let next = (found.len() > size).then(|| found[size - 1].key.clone());
+        found.truncate(size);
+        Ok(crate::admin::Page { entries: found, next })
+    }
+
+    async fn release(&self, key: &Key, seen: &crate::admin::Entry) -> Result<crate::admin::Released, StoreError> {
+        let now = Instant::now();
+        let (hashed, index) = self.hashed(key);
+        let mut shard = lock(&self.inner.shards[index]);
+        let same = shard.entries.get(hashed).is_some_and(|entry| {
+            let now_seen = entry.to_admin(key.as_str(), now, false);
+            now_seen.token == seen.token && now_seen.state == seen.state
+        });
+        if !same {
+            return Ok(crate::admin::Released::Changed);
+        }
+        shard.remove(hashed, &self.inner);
+        Ok(crate::admin::Released::Deleted)
+    }
+
+    async fn stats(&self) -> Result<crate::admin::Stats, StoreError> {
+        let now = Instant::now();
+        let (mut counts, mut next) = (std::collections::BTreeMap::new(), None);
+        for shard in &self.inner.shards {
+            let shard = lock(shard);
+            for (key, entry) in shard.entries.iter() {
+                crate::admin::tally(&mut counts, &mut next, &entry.to_admin(key, now, false));
+            }
+        }
+        Ok(crate::admin::stats_of(counts, next))
+    }
+}

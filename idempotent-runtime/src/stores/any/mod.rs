@@ -20,6 +20,7 @@
 //! Each store gets its defaults (table `idempotency_records`, Redis key prefix, record limit); for
 //! other settings build the store yourself and wrap it with [`AnyStore::new`].
 
+mod admin;
 mod url;
 
 use std::future::Future;
@@ -107,6 +108,8 @@ impl<S: Store> Erased for S {
 #[derive(Clone)]
 pub struct AnyStore {
     inner: Arc<dyn Erased>,
+    /// The same store's operator methods, when it was wrapped with them.
+    admin: Option<Arc<dyn admin::ErasedAdmin>>,
 }
 
 impl AnyStore {
@@ -116,7 +119,14 @@ impl AnyStore {
         if let Some(any) = (&mut slot as &mut dyn std::any::Any).downcast_mut::<Option<AnyStore>>() {
             return any.take().unwrap_or_else(|| unreachable!("filled above"));
         }
-        AnyStore { inner: Arc::new(slot.take().unwrap_or_else(|| unreachable!("filled above"))) }
+        AnyStore { inner: Arc::new(slot.take().unwrap_or_else(|| unreachable!("filled above"))), admin: None }
+    }
+
+    /// Wraps `store` with its operator methods too, so that this `AnyStore` implements
+    /// [`Admin`](crate::admin::Admin) by forwarding to it.
+    pub fn with_admin<S: Store + crate::admin::Admin + 'static>(store: S) -> Self {
+        let shared = Arc::new(store);
+        AnyStore { inner: Arc::clone(&shared) as Arc<dyn Erased>, admin: Some(shared) }
     }
 
     /// Opens the store `url` names (see the [module docs](self) for the schemes): `memory://`,

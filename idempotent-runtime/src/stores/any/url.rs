@@ -123,7 +123,7 @@ pub(super) async fn open(url: &str) -> Result<AnyStore, StoreUrlError> {
             if !rest.is_empty() {
                 return Err(malformed("memory:// takes nothing after the scheme"));
             }
-            Ok(AnyStore::new(MemoryStore::new()))
+            Ok(AnyStore::with_admin(MemoryStore::new()))
         }
         Scheme::Sqlite => {
             let path = rest.split_once('?').map_or(rest, |(path, _)| path);
@@ -202,7 +202,7 @@ fn connect_error(
 #[cfg(feature = "sqlite")]
 async fn open_sqlite(path: &str, shown: &str) -> Result<AnyStore, StoreUrlError> {
     let store = crate::stores::sql::SqliteStore::open(path).await.map_err(|e| connect_error(shown, "sqlite", e))?;
-    Ok(AnyStore::new(store))
+    Ok(AnyStore::with_admin(store))
 }
 
 #[cfg(feature = "redis")]
@@ -210,7 +210,7 @@ async fn open_redis(url: &str, shown: &str) -> Result<AnyStore, StoreUrlError> {
     let store = crate::RedisStore::connect(url)
         .await
         .map_err(|source| StoreUrlError::Connect { url: shown.to_owned(), source })?;
-    Ok(AnyStore::new(store))
+    Ok(AnyStore::with_admin(store))
 }
 
 #[cfg(feature = "redis-cluster")]
@@ -218,7 +218,7 @@ async fn open_redis_cluster(nodes: &[String], shown: &str) -> Result<AnyStore, S
     let store = crate::stores::redis::RedisClusterStore::connect_cluster(nodes)
         .await
         .map_err(|source| StoreUrlError::Connect { url: shown.to_owned(), source })?;
-    Ok(AnyStore::new(store))
+    Ok(AnyStore::with_admin(store))
 }
 
 #[cfg(feature = "postgres")]
@@ -226,7 +226,7 @@ async fn open_postgres(url: &str, shown: &str) -> Result<AnyStore, StoreUrlError
     let pool = sqlx::PgPool::connect(url).await.map_err(|e| connect_error(shown, "postgres", e))?;
     let store = crate::stores::sql::PostgresStore::new(pool);
     store.create_table().await.map_err(|e| connect_error(shown, "postgres", e))?;
-    Ok(AnyStore::new(store))
+    Ok(AnyStore::with_admin(store))
 }
 
 #[cfg(feature = "mysql")]
@@ -234,7 +234,7 @@ async fn open_mysql(url: &str, shown: &str) -> Result<AnyStore, StoreUrlError> {
     let pool = sqlx::MySqlPool::connect(url).await.map_err(|e| connect_error(shown, "mysql", e))?;
     let store = crate::stores::sql::MySqlStore::new(pool);
     store.create_table().await.map_err(|e| connect_error(shown, "mysql", e))?;
-    Ok(AnyStore::new(store))
+    Ok(AnyStore::with_admin(store))
 }
 
 /// The openers of the stores this build leaves out (`open` refuses their schemes before).

@@ -130,6 +130,7 @@
 //! [`DEFAULT_RECONNECT_RETRIES`] reconnection attempts per failed call. Build your own manager and
 //! pass it to [`RedisStore::new`] to choose otherwise.
 
+mod admin;
 #[cfg(feature = "redis-cluster")]
 mod cluster;
 mod connection;

@@ -78,6 +78,7 @@ use std::time::Duration;
 
 use crate::{Store, StoreError};
 
+mod admin;
 mod dialect;
 #[cfg(test)]
 use dialect::TableName;

@@ -1,0 +1,170 @@
+//! How records are printed: text for people, JSON for scripts.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use idempotent_runtime::admin::{Entry, Page, Released, State, Stats};
+use serde_json::{Value, json};
+
+/// `1h2m`, `4m10s`, `41.2s`, `350ms`.
+pub fn duration(d: Duration) -> String {
+    let secs = d.as_secs();
+    if secs >= 3600 {
+        format!("{}h{}m", secs / 3600, secs % 3600 / 60)
+    } else if secs >= 60 {
+        format!("{}m{}s", secs / 60, secs % 60)
+    } else if secs >= 1 {
+        format!("{:.1}s", d.as_secs_f64())
+    } else {
+        format!("{}ms", d.as_millis())
+    }
+}
+
+fn millis(d: Option<Duration>) -> Value {
+    d.map_or(Value::Null, |d| json!(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)))
+}
+
+/// An entry as JSON (the outcome parsed when it is JSON, else as text).
+pub fn entry_json(entry: &Entry) -> Value {
+    let outcome = entry.outcome.as_ref().map_or(Value::Null, |bytes| {
+        serde_json::from_slice(bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(bytes).into_owned()))
+    });
+    json!({
+        "key": entry.user_key(),
+        "scope": entry.scope(),
+        "state": entry.state.as_str(),
+        "token": entry.token,
+        "fingerprint": entry.fingerprint,
+        "remaining_ms": millis(entry.remaining),
+        "outcome": outcome,
+    })
+}
+
+/// An entry for people: one field a line, then the outcome.
+pub fn entry_text(entry: &Entry) -> String {
+    let mut out = String::new();
+    let left = match entry.state {
+        State::Running => "lease left",
+        State::Done => "retention left",
+        _ => "left",
+    };
+    let _ = writeln!(out, "scope        {}", entry.scope());
+    let _ = writeln!(out, "key          {}", entry.user_key());
+    let _ = writeln!(out, "state        {}", entry.state);
+    let _ = writeln!(out, "owner token  {}", entry.token);
+    let _ = writeln!(out, "{left:<13}{}", entry.remaining.map_or_else(|| "-".to_owned(), duration));
+    let _ = writeln!(out, "fingerprint  {}", entry.fingerprint.as_deref().unwrap_or("-"));
+    if let Some(outcome) = &entry.outcome {
+        let _ = writeln!(out, "outcome:");
+        for line in outcome_text(outcome).lines() {
+            let _ = writeln!(out, "  {line}");
+        }
+    }
+    out
+}
+
+/// A recorded outcome: an HTTP response as status, headers and body; other JSON pretty-printed.
+pub fn outcome_text(outcome: &[u8]) -> String {
+    let Ok(value) = serde_json::from_slice::<Value>(outcome) else {
+        return String::from_utf8_lossy(outcome).into_owned();
+    };
+    if let Some(response) = value.pointer("/Ok/Response") {
+        return response_text(response);
+    }
+    serde_json::to_string_pretty(&value).unwrap_or_default()
+}
+
+/// The HTTP layer's recorded response: `{"status": 201, "headers": [[name, data]...], "body": data}`
+/// where data is `{"Text": ...}` or `{"Base64": ...}`.
+fn response_text(response: &Value) -> String {
+    let data = |value: &Value| match (value.get("Text"), value.get("Base64")) {
+        (Some(Value::String(text)), _) => text.clone(),
+        (_, Some(Value::String(b64))) => format!("<{} bytes of base64> {b64}", b64.len()),
+        _ => value.to_string(),
+    };
+    let mut out = format!("HTTP {}\n", response.get("status").unwrap_or(&Value::Null));
+    for header in response.get("headers").and_then(Value::as_array).into_iter().flatten() {
+        if let Some([name, value]) = header.as_array().map(Vec::as_slice) {
+            let _ = writeln!(out, "{}: {}", name.as_str().unwrap_or("?"), data(value));
+        }
+    }
+    out.push('\n');
+    let body = response.get("body").map(data).unwrap_or_default();
+    // A JSON body is shown indented.
+    match serde_json::from_str::<Value>(&body) {
+        Ok(json) if json.is_object() || json.is_array() => {
+            out.push_str(&serde_json::to_string_pretty(&json).unwrap_or(body));
+        }
+        _ => out.push_str(&body),
+    }
+    out
+}
+
+/// A page as a table.
+pub fn page_text(page: &Page, header: bool) -> String {
+    let mut out = String::new();
+    if header {
+        let _ = writeln!(out, "{:<8} {:>9}  {:<20} {:<32}  KEY", "STATE", "LEFT", "SCOPE", "TOKEN");
+    }
+    for e in &page.entries {
+        let left = e.remaining.map_or_else(|| "-".to_owned(), duration);
+        let _ =
+            writeln!(out, "{:<8} {:>9}  {:<20} {:<32}  {}", e.state.as_str(), left, e.scope(), e.token, e.user_key());
+    }
+    out
+}
+
+/// A page as JSON.
+pub fn page_json(page: &Page) -> Value {
+    json!({ "entries": page.entries.iter().map(entry_json).collect::<Vec<_>>(), "next": page.next })
+}
+
+/// Stats for people.
+pub fn stats_text(stats: &Stats) -> String {
+    let mut out = format!("{:<20} {:<8} {:>10}\n", "SCOPE", "STATE", "COUNT");
+    for c in &stats.counts {
+        let _ = writeln!(out, "{:<20} {:<8} {:>10}", c.scope, c.state.as_str(), c.count);
+    }
+    match &stats.next_to_expire {
+        Some((key, left)) => {
+            let _ = writeln!(out, "running claim closest to its end: {key} ({} left)", duration(*left));
+        }
+        None => out.push_str("no running claims\n"),
+    }
+    out
+}
+
+/// Stats as JSON.
+pub fn stats_json(stats: &Stats) -> Value {
+    json!({
+        "counts": stats.counts.iter().map(|c| json!({"scope": c.scope, "state": c.state.as_str(), "count": c.count})).collect::<Vec<_>>(),
+        "next_to_expire": stats.next_to_expire.as_ref().map(|(key, left)| json!({"key": key, "remaining_ms": millis(Some(*left))})),
+    })
+}
+
+/// What a release did, as JSON.
+pub fn released_json(seen: &Entry, released: Released) -> Value {
+    json!({ "released": released == Released::Deleted, "was": entry_json(seen) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cli_http_outcomes_show_status_headers_and_body() {
+        let recorded = br#"{"Ok":{"Response":{"status":201,"headers":[["content-type",{"Text":"application/json"}]],"body":{"Text":"{\"id\":7}"}}}}"#;
+        let text = outcome_text(recorded);
+        assert!(text.starts_with("HTTP 201\ncontent-type: application/json\n\n{\n  \"id\": 7\n}"), "{text}");
+        assert_eq!(outcome_text(br#"{"Ok":3}"#), "{\n  \"Ok\": 3\n}");
+        assert_eq!(outcome_text(b"\xffraw"), "\u{fffd}raw");
+    }
+
+    #[test]
+    fn cli_durations_are_short() {
+        assert_eq!(duration(Duration::from_millis(350)), "350ms");
+        assert_eq!(duration(Duration::from_millis(41_200)), "41.2s");
+        assert_eq!(duration(Duration::from_secs(250)), "4m10s");
+        assert_eq!(duration(Duration::from_secs(3720)), "1h2m");
+    }
+}

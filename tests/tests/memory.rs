@@ -218,7 +218,7 @@ async fn memory_claim_answered_after_its_lease_does_not_start_the_body() {
     use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
     use std::time::Duration;
 
-    use idempotent_runtime::{Claim, ClaimRequest, Completion, Detached, Error, Key, StoreError, Token};
+    use idempotent_runtime::{Call, Claim, ClaimRequest, Completion, Detached, Error, Key, StoreError, Token};
 
     /// The memory store, whose first claim is applied at once but answered `lease + 10 ms` later.
     struct LateFirstReply {
@@ -268,7 +268,6 @@ async fn memory_claim_answered_after_its_lease_does_not_start_the_body() {
                 .await
         }
     };
-    use idempotent_runtime::Call;
     // The first caller's claim lands at 0 ms and its reply at 310 ms; the second claims the
     // expired key at 301 ms and runs its body until 401 ms.
     let (late, second) = tokio::join!(call(Duration::ZERO), call(lease + Duration::from_millis(1)));

@@ -11,9 +11,11 @@ use serde::de::DeserializeOwned;
 use tokio::time::Instant;
 use tracing::Instrument as _;
 
+use crate::context::{self, CallContext};
 use crate::observe::{CallObserver, Outcome, timed};
 use crate::outcome::{self, ErrorPolicy, ReleaseErrors, Replayed};
 use crate::scope::Site;
+use crate::step::{self, Steps};
 use crate::{
     Claim, ClaimRequest, Completion, Detached, Error, Fingerprint, IdempotencyKey, Key, Store, StoreError, Token,
 };
@@ -270,8 +272,28 @@ impl Call {
 
         guard.phase = Phase::Running;
         let lease_end = Mutex::new(lease_end);
-        let result =
-            with_heartbeat(&mut guard.body_polling, body, heartbeat(store, &key, &token, self.lease, &lease_end)).await;
+        // The body runs with its call's identity (derived outbound keys, steps); its steps are
+        // served here, with the store.
+        let (sender, mut jobs) = tokio::sync::mpsc::unbounded_channel();
+        let body = context::scoped(CallContext::new(key.scope(), key.key(), sender), body);
+        let steps = Steps {
+            store,
+            call: &key,
+            token: &token,
+            fingerprint: fingerprint.as_ref(),
+            lease: self.lease,
+            retention: self.retention,
+            lease_end: &lease_end,
+            observer,
+        };
+        let beat = heartbeat(store, &key, &token, self.lease, &lease_end);
+        // Boxed (one allocation per run of a body): the store futures of the heartbeat and of the
+        // step server would otherwise grow every call's future by their size.
+        let side = Box::pin(async {
+            tokio::join!(beat, step::serve(&steps, &mut jobs));
+        });
+        let result = with_heartbeat(&mut guard.body_polling, body, side).await;
+        Box::pin(step::drain(&steps, &mut jobs)).await;
         let lease_end = lease_end.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
         record(&mut guard, self.retention, lease_end, &policy, result, observer).await
     }
@@ -325,7 +347,11 @@ fn check_durations(key: &Key, lease: Duration, retention: Duration, wait: Option
     Ok(())
 }
 
-fn check_fingerprint(key: &Key, ours: Option<&Fingerprint>, theirs: Option<&Fingerprint>) -> Result<(), Error> {
+pub(crate) fn check_fingerprint(
+    key: &Key,
+    ours: Option<&Fingerprint>,
+    theirs: Option<&Fingerprint>,
+) -> Result<(), Error> {
     match (ours, theirs) {
         (Some(ours), Some(theirs)) if ours != theirs => {
             tracing::warn!(target: "idempotent", "fingerprint mismatch: key reused with a different request");
@@ -354,8 +380,8 @@ fn replay<T: DeserializeOwned, E: From<Error>>(
     }
 }
 
-/// Polls `body` to its end while `beat` renews the lease; `polling` is `true` only while the body
-/// is being polled, so a panic that unwinds out of it leaves it set.
+/// Polls `body` to its end while `beat` renews the lease (and serves the body's steps); `polling`
+/// is `true` only while the body is being polled, so a panic that unwinds out of it leaves it set.
 async fn with_heartbeat<F: Future>(polling: &mut bool, body: F, beat: impl Future<Output = ()>) -> F::Output {
     let mut body = pin!(body);
     let mut beat = pin!(beat);

@@ -77,6 +77,7 @@ mod call;
 pub mod client;
 #[cfg(any(feature = "amqp", feature = "jetstream"))]
 pub mod consume;
+mod context;
 mod detached;
 mod error;
 mod expansion;
@@ -91,16 +92,19 @@ pub mod observe;
 mod outcome;
 mod replayable;
 mod scope;
+mod step;
 mod store;
 pub mod stores;
 
 pub use call::{Call, DEFAULT_LEASE, DEFAULT_RETENTION, MAX_LEASE, MAX_RETENTION, MAX_WAIT, MIN_LEASE, OnCancel};
+pub use context::{derived_key, without_derived_keys};
 pub use detached::Detached;
 pub use error::{Error, StoreError};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, Key, KeyError, MAX_KEY_BYTES};
 pub use outcome::{ErrorPolicy, RecordErrors, RecordErrorsIf, ReleaseErrors};
 pub use replayable::Replayable;
+pub use step::step;
 pub use store::{Claim, ClaimRequest, Completion, DEFAULT_MAX_RECORD_BYTES, Record, Store, Token};
 pub use stores::AnyStore;
 pub use stores::memory::MemoryStore;

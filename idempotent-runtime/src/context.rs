@@ -1,0 +1,121 @@
+//! What a running body knows about its call: who it is (scope and key), how many outbound
+//! requests and steps it has made so far, and where its steps are recorded.
+//!
+//! [`Call::run`](crate::Call::run) scopes a [`CallContext`] (a `tokio::task_local!`) around the
+//! body's future, so code the body awaits finds it; a task the body *spawns* does not (task-locals
+//! do not cross `tokio::spawn`). The outbound middleware derives its keys from it and
+//! [`step`](crate::step) records through it.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use sha2::{Digest as _, Sha256};
+
+use crate::step::StepSender;
+
+tokio::task_local! {
+    /// The innermost call (or step) whose body is being polled; `None` inside [`without_derived_keys`].
+    static CURRENT: Option<Arc<CallContext>>;
+}
+
+/// The identity of one run of a body, and its counters.
+pub(crate) struct CallContext {
+    /// The call's scope.
+    scope: String,
+    /// The call's key, or for a step's body the step's derived identity.
+    identity: String,
+    /// Outbound requests given a derived key so far in this run.
+    outbound: AtomicU64,
+    /// Steps started so far in this run.
+    steps: AtomicU64,
+    /// Where steps are looked up and recorded: the call's own future serves them.
+    pub(crate) sender: StepSender,
+}
+
+impl CallContext {
+    pub(crate) fn new(scope: &str, identity: &str, sender: StepSender) -> Arc<Self> {
+        Arc::new(CallContext {
+            scope: scope.to_owned(),
+            identity: identity.to_owned(),
+            outbound: AtomicU64::new(0),
+            steps: AtomicU64::new(0),
+            sender,
+        })
+    }
+
+    pub(crate) fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    /// The identity of this run's next step named `name` (its position and name), and the
+    /// context its body runs in: its own counters, so outbound requests inside a step keep their
+    /// keys whether or not the steps before it were replayed.
+    pub(crate) fn next_step(&self, name: &str) -> Arc<Self> {
+        let position = self.steps.fetch_add(1, Ordering::Relaxed);
+        let identity =
+            format!("step-{}", digest(&[b"step", self.identity.as_bytes(), &position.to_be_bytes(), name.as_bytes()]));
+        CallContext::new(&self.scope, &identity, self.sender.clone())
+    }
+
+    /// The step's identity as a key of the call's scope (`step-` and 64 hex digits, under the key limit).
+    pub(crate) fn identity(&self) -> &str {
+        &self.identity
+    }
+
+    fn next_outbound_key(&self, method: &str, path: &str) -> String {
+        let position = self.outbound.fetch_add(1, Ordering::Relaxed);
+        digest(&[
+            b"outbound",
+            self.scope.as_bytes(),
+            self.identity.as_bytes(),
+            &position.to_be_bytes(),
+            method.as_bytes(),
+            path.as_bytes(),
+        ])
+    }
+}
+
+/// SHA-256 of `fields`, each preceded by its length (so no two field lists collide), in hex.
+fn digest(fields: &[&[u8]]) -> String {
+    let mut hasher = Sha256::new();
+    for field in fields {
+        hasher.update((field.len() as u64).to_be_bytes());
+        hasher.update(field);
+    }
+    let bytes: [u8; 32] = hasher.finalize().into();
+    let hex: [u8; 64] = crate::hex::encode(&bytes);
+    String::from_utf8_lossy(&hex).into_owned()
+}
+
+/// Runs `body` with `context` as the current call.
+pub(crate) fn scoped<F: Future>(context: Arc<CallContext>, body: F) -> impl Future<Output = F::Output> {
+    CURRENT.scope(Some(context), body)
+}
+
+/// The current call, if a body of one is being polled (outside [`without_derived_keys`]).
+pub(crate) fn current() -> Option<Arc<CallContext>> {
+    CURRENT.try_with(Option::clone).ok().flatten()
+}
+
+/// The key the `n`-th outbound request of the current body run gets (`n` counted from 0 over the
+/// requests that get a derived key), or `None` outside an idempotent body.
+///
+/// The key is the SHA-256 (in hex) of the call's scope and key (or, inside a [`step`](crate::step),
+/// the step's identity), `n`, `method` and `path`. Every run of the body (a retry after a released
+/// `Err`, a takeover after a crash) starts again at `n = 0`, so a body that makes the same requests
+/// in the same order sends the same keys. [`IdempotentRetry`](crate::client::IdempotentRetry) calls
+/// this for requests that carry no `Idempotency-Key`; other clients can call it themselves.
+#[must_use]
+pub fn derived_key(method: &str, path: &str) -> Option<String> {
+    current().map(|context| context.next_outbound_key(method, path))
+}
+
+/// Runs `future` as if outside any idempotent body: outbound requests it makes get fresh keys,
+/// not derived ones, and do not count towards the body's positions; [`step`](crate::step) inside it
+/// fails with [`Error::StepOutsideCall`](crate::Error::StepOutsideCall). For requests that must
+/// really be new on every run (a status poll, a notification that may repeat). An idempotent call
+/// started inside it has its own context again.
+pub fn without_derived_keys<F: Future>(future: F) -> impl Future<Output = F::Output> {
+    CURRENT.scope(None, future)
+}

@@ -10,7 +10,9 @@
 //! same store and the caller retries the order with the same key (through `IdempotentRetry`,
 //! which waits out the dead shop's claim on `409`). Every order must have exactly one line in the
 //! bank's ledger, and every answer must be the one an undisturbed order gets:
-//! `{"order": n, "paid": {"order": n, "seq": 1}}`.
+//! `{"order": n, "paid": {"order": n, "seq": 1}}`. The bank also logs every request it gets: a
+//! recorded step is replayed, so it is asked again only after a `bank` kill (and then with the
+//! same derived key, which it replays).
 //!
 //! `IDEMPOTENT_CHAIN_RUNS` (default 6) is the number of kill runs per store, spread evenly over
 //! the three points.
@@ -148,7 +150,16 @@ async fn chain(store: &str, tag: &str, runs: usize) -> HashMap<&'static str, usi
         assert_eq!(transfers.get(&run.to_string()), Some(&1), "order {run}: the bank's ledger {transfers:?}");
     }
     assert_eq!(transfers.len(), runs, "no other transfers: {transfers:?}");
-    println!("chain on {tag}: {runs} kill runs {kills:?}, {} transfers for {runs} orders", lines.lines().count());
+    // The bank is asked again only when the step was not recorded (`bank`): a recorded step is
+    // replayed, and its request is not sent again.
+    let requests = std::fs::read_to_string(ledger.with_extension("requests")).unwrap_or_default();
+    let requests = requests.lines().count();
+    let rerun_steps = kills.get("bank").copied().unwrap_or(0);
+    assert_eq!(requests, runs + rerun_steps, "requests at the bank: one per order, plus one per unrecorded step");
+    println!(
+        "chain on {tag}: {runs} kill runs {kills:?}, {} transfers for {runs} orders, {requests} requests at the bank",
+        lines.lines().count()
+    );
     let _ = std::fs::remove_dir_all(dir);
     kills
 }

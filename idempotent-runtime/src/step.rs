@@ -75,7 +75,7 @@ pub(crate) enum Job {
 /// # What is recorded, and when
 ///
 /// A step is identified by its position among the body's steps and its `name`, so the body must
-/// reach its steps in the same order on every run (see "deterministic" in the crate docs). Before
+/// reach its steps in the same order on every run (see [a chain of services](crate#a-chain-of-services)). Before
 /// `body` runs, the step's record is looked up: one `claim` of the step's own key, with the
 /// call's token and fingerprint, which also keeps the step's key for this run (released if the
 /// step fails or is dropped). After it returns `Ok`, the call's own claim is renewed

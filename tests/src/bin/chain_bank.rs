@@ -29,12 +29,12 @@ struct Ledger(Mutex<std::path::PathBuf>);
 
 async fn transfer(State(ledger): State<Arc<Ledger>>, Json(request): Json<Value>) -> Json<Value> {
     let order = request["order"].clone();
+    let line = order.to_string();
     let path = ledger.0.lock().expect("the ledger lock");
     let mut file = std::fs::OpenOptions::new().create(true).append(true).open(&*path).expect("open the ledger");
-    writeln!(file, "{order}").expect("write the ledger");
+    writeln!(file, "{line}").expect("write the ledger");
     file.sync_data().expect("sync the ledger");
-    let seq =
-        std::fs::read_to_string(&*path).expect("read the ledger").lines().filter(|l| *l == order.to_string()).count();
+    let seq = std::fs::read_to_string(&*path).expect("read the ledger").lines().filter(|l| *l == line).count();
     Json(json!({ "order": order, "seq": seq }))
 }
 

@@ -3,7 +3,7 @@
 
 use std::future::{Future, poll_fn};
 use std::pin::pin;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -274,8 +274,8 @@ impl Call {
         let lease_end = Mutex::new(lease_end);
         // The body runs with its call's identity (derived outbound keys, steps); its steps are
         // served here, with the store.
-        let (sender, mut jobs) = tokio::sync::mpsc::unbounded_channel();
-        let body = context::scoped(CallContext::new(key.scope(), key.key(), sender), body);
+        let context = CallContext::root(&key);
+        let body = context::scoped(Arc::clone(&context), body);
         let steps = Steps {
             store,
             call: &key,
@@ -287,13 +287,9 @@ impl Call {
             observer,
         };
         let beat = heartbeat(store, &key, &token, self.lease, &lease_end);
-        // Boxed (one allocation per run of a body): the store futures of the heartbeat and of the
-        // step server would otherwise grow every call's future by their size.
-        let side = Box::pin(async {
-            tokio::join!(beat, step::serve(&steps, &mut jobs));
-        });
-        let result = with_heartbeat(&mut guard.body_polling, body, side).await;
-        Box::pin(step::drain(&steps, &mut jobs)).await;
+        let serve = step::serve(&steps, context.queue());
+        let result = with_heartbeat(&mut guard.body_polling, body, beat, serve).await;
+        step::drain(&steps, context.queue()).await;
         let lease_end = lease_end.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
         record(&mut guard, self.retention, lease_end, &policy, result, observer).await
     }
@@ -380,18 +376,29 @@ fn replay<T: DeserializeOwned, E: From<Error>>(
     }
 }
 
-/// Polls `body` to its end while `beat` renews the lease (and serves the body's steps); `polling`
-/// is `true` only while the body is being polled, so a panic that unwinds out of it leaves it set.
-async fn with_heartbeat<F: Future>(polling: &mut bool, body: F, beat: impl Future<Output = ()>) -> F::Output {
+/// Polls `body` to its end while `beat` renews the lease and `serve` serves the body's steps;
+/// `polling` is `true` only while the body is being polled, so a panic that unwinds out of it
+/// leaves it set.
+async fn with_heartbeat<F: Future>(
+    polling: &mut bool,
+    body: F,
+    beat: impl Future<Output = ()>,
+    serve: impl Future<Output = ()>,
+) -> F::Output {
     let mut body = pin!(body);
     let mut beat = pin!(beat);
+    let mut serve = pin!(serve);
     let mut beating = true;
     poll_fn(|cx| {
         *polling = true;
         let output = body.as_mut().poll(cx);
         *polling = false;
-        if output.is_pending() && beating && beat.as_mut().poll(cx).is_ready() {
-            beating = false;
+        if output.is_pending() {
+            if beating && beat.as_mut().poll(cx).is_ready() {
+                beating = false;
+            }
+            // It never ends: it waits for the body's next step job.
+            let _ = serve.as_mut().poll(cx);
         }
         output
     })

@@ -12,63 +12,73 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use sha2::{Digest as _, Sha256};
 
-use crate::step::StepSender;
+use crate::step::JobQueue;
+use crate::{Key, KeyError};
 
 tokio::task_local! {
     /// The innermost call (or step) whose body is being polled; `None` inside [`without_derived_keys`].
     static CURRENT: Option<Arc<CallContext>>;
 }
 
-/// The identity of one run of a body, and its counters.
+/// The identity of one run of a body, and its counters. Made once per run of a body (one `Arc`
+/// and one copy of the key); a step's body gets a context of its own.
 pub(crate) struct CallContext {
-    /// The call's scope.
-    scope: String,
-    /// The call's key, or for a step's body the step's derived identity.
-    identity: String,
+    /// The call's key or, for a step's body, the step's key (in the call's scope).
+    key: Key,
     /// Outbound requests given a derived key so far in this run.
     outbound: AtomicU64,
     /// Steps started so far in this run.
     steps: AtomicU64,
-    /// Where steps are looked up and recorded: the call's own future serves them.
-    pub(crate) sender: StepSender,
+    /// The call's context, for a step's: the one whose queue the call serves.
+    root: Option<Arc<CallContext>>,
+    /// Where the body's steps wait for the call to serve them (the root's only).
+    queue: JobQueue,
 }
 
 impl CallContext {
-    pub(crate) fn new(scope: &str, identity: &str, sender: StepSender) -> Arc<Self> {
+    /// The context of a run of the body of the call on `key`.
+    pub(crate) fn root(key: &Key) -> Arc<Self> {
         Arc::new(CallContext {
-            scope: scope.to_owned(),
-            identity: identity.to_owned(),
+            key: key.clone(),
             outbound: AtomicU64::new(0),
             steps: AtomicU64::new(0),
-            sender,
+            root: None,
+            queue: JobQueue::default(),
         })
     }
 
-    pub(crate) fn scope(&self) -> &str {
-        &self.scope
-    }
-
-    /// The identity of this run's next step named `name` (its position and name), and the
-    /// context its body runs in: its own counters, so outbound requests inside a step keep their
-    /// keys whether or not the steps before it were replayed.
-    pub(crate) fn next_step(&self, name: &str) -> Arc<Self> {
+    /// The context of this run's next step named `name`, whose key (`step-` and 64 hex digits,
+    /// in the call's scope) is the step's identity: its position and name. Its body has its own
+    /// counters, so outbound requests inside a step keep their keys whether or not the steps
+    /// before it were replayed.
+    pub(crate) fn next_step(self: &Arc<Self>, name: &str) -> Result<Arc<Self>, KeyError> {
         let position = self.steps.fetch_add(1, Ordering::Relaxed);
-        let identity =
-            format!("step-{}", digest(&[b"step", self.identity.as_bytes(), &position.to_be_bytes(), name.as_bytes()]));
-        CallContext::new(&self.scope, &identity, self.sender.clone())
+        let identity = digest(&[b"step", self.key.key().as_bytes(), &position.to_be_bytes(), name.as_bytes()]);
+        Ok(Arc::new(CallContext {
+            key: Key::new(self.key.scope(), &format!("step-{identity}"))?,
+            outbound: AtomicU64::new(0),
+            steps: AtomicU64::new(0),
+            root: Some(Arc::clone(self.root.as_ref().unwrap_or(self))),
+            queue: JobQueue::default(),
+        }))
     }
 
-    /// The step's identity as a key of the call's scope (`step-` and 64 hex digits, under the key limit).
-    pub(crate) fn identity(&self) -> &str {
-        &self.identity
+    /// The call's key, or the step's.
+    pub(crate) fn key(&self) -> &Key {
+        &self.key
+    }
+
+    /// The queue the call serves.
+    pub(crate) fn queue(&self) -> &JobQueue {
+        self.root.as_ref().map_or(&self.queue, |root| &root.queue)
     }
 
     fn next_outbound_key(&self, method: &str, path: &str) -> String {
         let position = self.outbound.fetch_add(1, Ordering::Relaxed);
         digest(&[
             b"outbound",
-            self.scope.as_bytes(),
-            self.identity.as_bytes(),
+            self.key.scope().as_bytes(),
+            self.key.key().as_bytes(),
             &position.to_be_bytes(),
             method.as_bytes(),
             path.as_bytes(),

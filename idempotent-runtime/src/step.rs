@@ -6,14 +6,17 @@
 //! over a channel, and the call's own future, which polls the body, serves the jobs with its store
 //! ([`serve`]).
 
-use std::future::Future;
+use std::collections::VecDeque;
+use std::future::{Future, poll_fn};
+use std::pin::Pin;
 use std::sync::Mutex;
+use std::task::{Poll, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::call::{Completed, check_fingerprint, complete_within_lease};
@@ -22,8 +25,27 @@ use crate::observe::{CallObserver, timed};
 use crate::outcome::{self, ReleaseErrors, Replayed};
 use crate::{Claim, ClaimRequest, Completion, Error, Fingerprint, Key, Store, StoreError, Token};
 
-/// How a body's steps reach the call that serves them.
-pub(crate) type StepSender = mpsc::UnboundedSender<Job>;
+/// The body's step jobs, waiting for the call to serve them. Allocates nothing until a job
+/// arrives, so a body without steps pays nothing for it.
+#[derive(Default)]
+pub(crate) struct JobQueue {
+    jobs: Mutex<VecDeque<Job>>,
+    /// The call's task, to wake when a job arrives.
+    waker: Mutex<Option<Waker>>,
+}
+
+impl JobQueue {
+    fn push(&self, job: Job) {
+        self.jobs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push_back(job);
+        if let Some(waker) = self.waker.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
+            waker.wake();
+        }
+    }
+
+    fn pop(&self) -> Option<Job> {
+        self.jobs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop_front()
+    }
+}
 
 /// What a step asks of the call's store.
 pub(crate) enum Job {
@@ -107,10 +129,10 @@ where
     let Some(parent) = context::current() else {
         return Err(Error::StepOutsideCall { name: name.to_owned() }.into());
     };
-    let child = parent.next_step(name);
-    let key = Key::new(parent.scope(), child.identity()).map_err(Error::from)?;
+    let child = parent.next_step(name).map_err(Error::from)?;
+    let key = child.key().clone();
     let (reply, answer) = oneshot::channel();
-    send(&parent.sender, Job::Lookup { key: key.clone(), reply }, &key)?;
+    parent.queue().push(Job::Lookup { key: key.clone(), reply });
     if let Some(recorded) = receive(answer, &key).await? {
         return match outcome::decode::<T, Error>(&recorded, &ReleaseErrors) {
             Ok(Replayed::Value(Ok(value))) => Ok(value),
@@ -119,7 +141,7 @@ where
         };
     }
     // From here the step's key is claimed by this run: released unless the step is recorded.
-    let mut pending = Pending { sender: &parent.sender, key: Some(key.clone()) };
+    let mut pending = Pending { queue: parent.queue(), key: Some(key.clone()) };
     let result = context::scoped(child, body).await;
     let Ok(value) = &result else { return result };
     let encoded = outcome::encode_ok(value).map_err(|e| Error::Unrecordable {
@@ -127,7 +149,7 @@ where
         reason: format!("the step's value failed to serialise: {e}"),
     })?;
     let (reply, answer) = oneshot::channel();
-    send(&parent.sender, Job::Record { key: key.clone(), outcome: encoded, reply }, &key)?;
+    parent.queue().push(Job::Record { key: key.clone(), outcome: encoded, reply });
     receive(answer, &key).await?;
     pending.key = None;
     result
@@ -136,27 +158,23 @@ where
 /// Releases a claimed step's key when the step ends without a record (its body failed or was
 /// dropped, or recording failed).
 struct Pending<'a> {
-    sender: &'a StepSender,
+    queue: &'a JobQueue,
     key: Option<Key>,
 }
 
 impl Drop for Pending<'_> {
     fn drop(&mut self) {
         if let Some(key) = self.key.take() {
-            let _ = self.sender.send(Job::Release { key });
+            self.queue.push(Job::Release { key });
         }
     }
-}
-
-fn send(sender: &StepSender, job: Job, key: &Key) -> Result<(), Error> {
-    sender.send(job).map_err(|_| gone(key))
 }
 
 async fn receive<T>(answer: oneshot::Receiver<Result<T, Error>>, key: &Key) -> Result<T, Error> {
     answer.await.unwrap_or_else(|_| Err(gone(key)))
 }
 
-/// The call stopped serving its steps: its body outlived it (it was moved to a spawned task).
+/// The call stopped serving its steps before answering (it ended while the step waited).
 fn gone(key: &Key) -> Error {
     Error::Store {
         key: key.to_string(),
@@ -178,16 +196,40 @@ pub(crate) struct Steps<'a, S: Store + ?Sized> {
 }
 
 /// Serves the body's step jobs, one at a time, until the body ends (the caller stops polling).
-pub(crate) async fn serve<S: Store + ?Sized>(steps: &Steps<'_, S>, jobs: &mut mpsc::UnboundedReceiver<Job>) {
-    while let Some(job) = jobs.recv().await {
-        steps.serve(job).await;
-    }
+/// A job in flight is boxed, so the store's futures grow only calls whose body has steps, not
+/// every call's future.
+pub(crate) fn serve<'a, S: Store + ?Sized>(
+    steps: &'a Steps<'a, S>,
+    queue: &'a JobQueue,
+) -> impl Future<Output = ()> + Send + 'a {
+    let mut current: Option<Pin<Box<dyn Future<Output = ()> + Send + 'a>>> = None;
+    poll_fn(move |cx| {
+        loop {
+            if let Some(job) = current.as_mut() {
+                if job.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                current = None;
+            }
+            // Registered before the queue is read, so a job pushed in between wakes us.
+            {
+                let mut waker = queue.waker.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                if !waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                    *waker = Some(cx.waker().clone());
+                }
+            }
+            match queue.pop() {
+                Some(job) => current = Some(Box::pin(steps.serve(job))),
+                None => return Poll::Pending,
+            }
+        }
+    })
 }
 
 /// Serves what the body left when it ended: the release of a step that failed just before it.
-pub(crate) async fn drain<S: Store + ?Sized>(steps: &Steps<'_, S>, jobs: &mut mpsc::UnboundedReceiver<Job>) {
-    while let Ok(job) = jobs.try_recv() {
-        steps.serve(job).await;
+pub(crate) async fn drain<S: Store + ?Sized>(steps: &Steps<'_, S>, queue: &JobQueue) {
+    while let Some(job) = queue.pop() {
+        Box::pin(steps.serve(job)).await;
     }
 }
 

@@ -28,7 +28,9 @@ use reqwest_middleware::ClientBuilder;
 use serde_json::{Value, json};
 
 const POINTS: [&str; 3] = ["bank", "step", "final"];
-const LEASE_MS: u64 = 400;
+/// The shop's lease. Shorter leases make runs faster but, on a loaded machine, let a debug-built
+/// shop miss its renewals: at 400 ms one PostgreSQL run in 210 lost its claim before recording a step.
+const LEASE_MS: u64 = 1000;
 
 /// A child process, killed (SIGKILL) when dropped; its stdout lines arrive on `lines`.
 struct Process {
@@ -150,12 +152,15 @@ async fn chain(store: &str, tag: &str, runs: usize) -> HashMap<&'static str, usi
         assert_eq!(transfers.get(&run.to_string()), Some(&1), "order {run}: the bank's ledger {transfers:?}");
     }
     assert_eq!(transfers.len(), runs, "no other transfers: {transfers:?}");
-    // The bank is asked again only when the step was not recorded (`bank`): a recorded step is
-    // replayed, and its request is not sent again.
+    // The bank is asked again when the step was not recorded (`bank`), and when a shop lost its
+    // claim before recording the step (the fence refuses the record; the handler fails and a
+    // retry runs it again, with the same derived key): a recorded step is replayed, and its
+    // request is not sent again.
     let requests = std::fs::read_to_string(ledger.with_extension("requests")).unwrap_or_default();
     let requests = requests.lines().count();
     let rerun_steps = kills.get("bank").copied().unwrap_or(0);
-    assert_eq!(requests, runs + rerun_steps, "requests at the bank: one per order, plus one per unrecorded step");
+    assert!(requests >= runs + rerun_steps, "requests at the bank: one per order, plus one per unrecorded step");
+    println!("chain on {tag}: {} requests re-sent after a lapsed claim", requests - runs - rerun_steps);
     println!(
         "chain on {tag}: {runs} kill runs {kills:?}, {} transfers for {runs} orders, {requests} requests at the bank",
         lines.lines().count()

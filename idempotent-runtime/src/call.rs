@@ -3,7 +3,7 @@
 
 use std::future::{Future, poll_fn};
 use std::pin::pin;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -11,9 +11,11 @@ use serde::de::DeserializeOwned;
 use tokio::time::Instant;
 use tracing::Instrument as _;
 
+use crate::context::{self, CallContext};
 use crate::observe::{CallObserver, Outcome, timed};
 use crate::outcome::{self, ErrorPolicy, ReleaseErrors, Replayed};
 use crate::scope::Site;
+use crate::step::{self, Steps};
 use crate::{
     Claim, ClaimRequest, Completion, Detached, Error, Fingerprint, IdempotencyKey, Key, Store, StoreError, Token,
 };
@@ -287,8 +289,24 @@ impl Call {
 
         guard.phase = Phase::Running;
         let lease_end = Mutex::new(lease_end);
-        let result =
-            with_heartbeat(&mut guard.body_polling, body, heartbeat(store, &key, &token, self.lease, &lease_end)).await;
+        // The body runs with its call's identity (derived outbound keys, steps); its steps are
+        // served here, with the store.
+        let context = CallContext::root(&key);
+        let body = context::scoped(Arc::clone(&context), body);
+        let steps = Steps {
+            store,
+            call: &key,
+            token: &token,
+            fingerprint: fingerprint.as_ref(),
+            lease: self.lease,
+            retention: self.retention,
+            lease_end: &lease_end,
+            observer,
+        };
+        let beat = heartbeat(store, &key, &token, self.lease, &lease_end);
+        let serve = step::serve(&steps, context.queue());
+        let result = with_heartbeat(&mut guard.body_polling, body, beat, serve).await;
+        step::drain(&steps, context.queue()).await;
         let lease_end = lease_end.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
         record(&mut guard, self.retention, lease_end, &policy, result, observer).await
     }
@@ -342,7 +360,11 @@ fn check_durations(key: &Key, lease: Duration, retention: Duration, wait: Option
     Ok(())
 }
 
-fn check_fingerprint(key: &Key, ours: Option<&Fingerprint>, theirs: Option<&Fingerprint>) -> Result<(), Error> {
+pub(crate) fn check_fingerprint(
+    key: &Key,
+    ours: Option<&Fingerprint>,
+    theirs: Option<&Fingerprint>,
+) -> Result<(), Error> {
     match (ours, theirs) {
         (Some(ours), Some(theirs)) if ours != theirs => {
             tracing::warn!(target: "idempotent", "fingerprint mismatch: key reused with a different request");
@@ -371,18 +393,29 @@ fn replay<T: DeserializeOwned, E: From<Error>>(
     }
 }
 
-/// Polls `body` to its end while `beat` renews the lease; `polling` is `true` only while the body
-/// is being polled, so a panic that unwinds out of it leaves it set.
-async fn with_heartbeat<F: Future>(polling: &mut bool, body: F, beat: impl Future<Output = ()>) -> F::Output {
+/// Polls `body` to its end while `beat` renews the lease and `serve` serves the body's steps;
+/// `polling` is `true` only while the body is being polled, so a panic that unwinds out of it
+/// leaves it set.
+async fn with_heartbeat<F: Future>(
+    polling: &mut bool,
+    body: F,
+    beat: impl Future<Output = ()>,
+    serve: impl Future<Output = ()>,
+) -> F::Output {
     let mut body = pin!(body);
     let mut beat = pin!(beat);
+    let mut serve = pin!(serve);
     let mut beating = true;
     poll_fn(|cx| {
         *polling = true;
         let output = body.as_mut().poll(cx);
         *polling = false;
-        if output.is_pending() && beating && beat.as_mut().poll(cx).is_ready() {
-            beating = false;
+        if output.is_pending() {
+            if beating && beat.as_mut().poll(cx).is_ready() {
+                beating = false;
+            }
+            // It never ends: it waits for the body's next step job.
+            let _ = serve.as_mut().poll(cx);
         }
         output
     })

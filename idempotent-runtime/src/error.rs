@@ -149,6 +149,18 @@ pub enum Error {
         /// Where the refused function is defined.
         second: String,
     },
+
+    /// [`step`](crate::step) was called outside the body of an idempotent call (or in a task the
+    /// body spawned, or inside [`without_derived_keys`](crate::without_derived_keys)), where there
+    /// is no call to record it under. The step did not run.
+    #[error(
+        "step {name:?} runs outside an idempotent body, so it has no call to be recorded under; call it from \
+         the body itself (not from a task the body spawned)"
+    )]
+    StepOutsideCall {
+        /// The step's name.
+        name: String,
+    },
 }
 
 fn retry_hint(retry_after: Option<Duration>) -> String {

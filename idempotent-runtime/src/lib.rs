@@ -49,6 +49,24 @@
 //!    [`OnCancel::Release`] is chosen; a call dropped while recording is recorded in the
 //!    background (see [`Call::run_with`]).
 //!
+//! # A chain of services
+//!
+//! A body that calls another service can run more than once for its key (its `Err` released the
+//! key; its process died and a retry took the claim over). Two things make those re-runs safe:
+//!
+//! - **Derived keys**: inside the body, [`client::IdempotentRetry`] gives each request without an
+//!   `Idempotency-Key` a key derived from the call's scope and key and the request's position,
+//!   method and path ([`derived_key`]), so every run sends the same keys and the other service
+//!   replays. Opt out with `IdempotentRetry::derive_keys(false)` or [`without_derived_keys`].
+//! - **Recovery points**: [`step`] records a named piece of the body's result under the call,
+//!   fenced by the call's claim, and replays it on every later run instead of running it again.
+//!
+//! Both find things by position, so the body must be **deterministic** in what it asks: the same
+//! derived-key requests (method, path) and the same steps (names), in the same order, on every
+//! run for a key. Build them from the call's inputs and from step results, not from the clock or
+//! random numbers. Requests inside a step count within the step, so a replayed step does not move
+//! the requests after it. Code in a task the body spawns is outside the call.
+//!
 //! # Features
 //!
 //! | feature | what it adds |
@@ -78,6 +96,7 @@ mod call;
 pub mod client;
 #[cfg(any(feature = "amqp", feature = "jetstream"))]
 pub mod consume;
+mod context;
 mod detached;
 mod error;
 mod expansion;
@@ -92,16 +111,19 @@ pub mod observe;
 mod outcome;
 mod replayable;
 mod scope;
+mod step;
 mod store;
 pub mod stores;
 
 pub use call::{Call, DEFAULT_LEASE, DEFAULT_RETENTION, MAX_LEASE, MAX_RETENTION, MAX_WAIT, MIN_LEASE, OnCancel};
+pub use context::{derived_key, without_derived_keys};
 pub use detached::Detached;
 pub use error::{Error, StoreError};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, Key, KeyError, MAX_KEY_BYTES};
 pub use outcome::{ErrorPolicy, RecordErrors, RecordErrorsIf, ReleaseErrors};
 pub use replayable::Replayable;
+pub use step::step;
 pub use store::{Claim, ClaimRequest, Completion, DEFAULT_MAX_RECORD_BYTES, Record, Store, Token};
 pub use stores::AnyStore;
 pub use stores::memory::MemoryStore;

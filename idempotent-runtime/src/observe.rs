@@ -13,6 +13,7 @@
 //! | `key` | the raw key, **only** if the call opted in with [`Call::trace_key`](crate::Call::trace_key); absent otherwise, because keys can be secrets |
 //! | `outcome` | one of [`Outcome`]'s names, recorded when the call ends |
 //! | `elapsed_us` | the whole call's duration in microseconds, recorded when it ends |
+//! | `steps_executed`, `steps_replayed` | how many [`step`](crate::step)s of this run of the body ran and were recorded, or were replayed from an earlier run (recorded when the call ends, if it had steps) |
 //!
 //! The library's events (`executed`, `replayed`, store failures, ...) are emitted inside the span
 //! and never carry the key themselves.
@@ -27,6 +28,7 @@
 //! | `idempotent_calls_total` | counter | `scope`, `outcome` ([`Outcome::as_str`]) |
 //! | `idempotent_store_step_seconds` | histogram | `store` ([`Store::name`](crate::Store::name), e.g. `redis`), `step` (`claim`, `complete`, `release`, `extend`) |
 //! | `idempotent_cache_lookups_total` | counter | `result` (`hit`, `miss`): [`CachedStore`](crate::stores::cache::CachedStore) only |
+//! | `idempotent_steps_total` | counter | `result` (`executed`: the step ran and was recorded; `replayed`: an earlier run's record was returned) |
 //!
 //! A step's latency is recorded whether the step succeeded or failed.
 //!
@@ -59,7 +61,7 @@
 //! ```
 
 use std::future::Future;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
 
 use tracing::Span;
 use tracing::field::Empty;
@@ -159,13 +161,15 @@ pub(crate) struct CallObserver {
     scope: Option<Scope>,
     started: Option<tokio::time::Instant>,
     outcome: AtomicU8,
+    steps_executed: AtomicU32,
+    steps_replayed: AtomicU32,
 }
 
 impl CallObserver {
     /// Starts watching a call in `scope` (`None` when the key was invalid before a scope was known).
     pub(crate) fn start(key: Option<&Key>, trace_key: bool) -> Self {
         let scope = key.map(Key::scope);
-        let span = tracing::info_span!(target: "idempotent", "idempotent", scope, key = Empty, outcome = Empty, elapsed_us = Empty);
+        let span = tracing::info_span!(target: "idempotent", "idempotent", scope, key = Empty, outcome = Empty, elapsed_us = Empty, steps_executed = Empty, steps_replayed = Empty);
         if trace_key && let Some(key) = key {
             span.record("key", key.key());
         }
@@ -176,6 +180,8 @@ impl CallObserver {
             scope: scope.filter(|_| cfg!(feature = "metrics")).map(Scope::of),
             started: listening.then(tokio::time::Instant::now),
             outcome: AtomicU8::new(UNSET),
+            steps_executed: AtomicU32::new(0),
+            steps_replayed: AtomicU32::new(0),
         }
     }
 
@@ -191,6 +197,22 @@ impl CallObserver {
         let _ = self.outcome.compare_exchange(UNSET, index as u8, Ordering::Relaxed, Ordering::Relaxed);
     }
 
+    /// Notes a step of the body: run and recorded, or replayed from an earlier run's record.
+    pub(crate) fn step(&self, replayed: bool) {
+        let (count, result) =
+            if replayed { (&self.steps_replayed, "replayed") } else { (&self.steps_executed, "executed") };
+        count.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(target: "idempotent", result, "step");
+        #[cfg(feature = "metrics")]
+        {
+            describe();
+            let key = metrics::Key::from_static_parts("idempotent_steps_total", step_labels(replayed));
+            metrics::with_recorder(|recorder| recorder.register_counter(&key, metadata())).increment(1);
+        }
+        #[cfg(not(feature = "metrics"))]
+        let _ = result;
+    }
+
     /// Notes the outcome of an error that ends the call, and passes it on.
     pub(crate) fn error(&self, error: crate::Error) -> crate::Error {
         self.outcome(Outcome::of_error(&error));
@@ -203,6 +225,12 @@ impl Drop for CallObserver {
         let outcome = Outcome::ALL.get(usize::from(self.outcome.load(Ordering::Relaxed))).copied();
         let outcome = outcome.unwrap_or(Outcome::Cancelled);
         self.span.record("outcome", outcome.as_str());
+        let (executed, replayed) =
+            (self.steps_executed.load(Ordering::Relaxed), self.steps_replayed.load(Ordering::Relaxed));
+        if executed + replayed > 0 {
+            self.span.record("steps_executed", executed);
+            self.span.record("steps_replayed", replayed);
+        }
         if let Some(started) = self.started {
             let elapsed = started.elapsed();
             self.span.record("elapsed_us", u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX));
@@ -246,6 +274,14 @@ impl Scope {
     fn of(scope: &str) -> Self {
         Scope::Owned(scope.to_owned())
     }
+}
+
+/// The label set of `idempotent_steps_total`.
+#[cfg(feature = "metrics")]
+fn step_labels(replayed: bool) -> &'static [metrics::Label] {
+    static EXECUTED: [metrics::Label; 1] = [metrics::Label::from_static_parts("result", "executed")];
+    static REPLAYED: [metrics::Label; 1] = [metrics::Label::from_static_parts("result", "replayed")];
+    if replayed { &REPLAYED } else { &EXECUTED }
 }
 
 /// The metadata of the library's metrics (target `idempotent`, level info).
@@ -352,6 +388,10 @@ fn describe() {
             "idempotent_store_step_seconds",
             metrics::Unit::Seconds,
             "Latency of each idempotency store step (claim, complete, release, extend), by store."
+        );
+        metrics::describe_counter!(
+            "idempotent_steps_total",
+            "Steps of idempotent bodies, by result (executed and recorded, or replayed from an earlier run)."
         );
         metrics::describe_counter!(
             "idempotent_cache_lookups_total",

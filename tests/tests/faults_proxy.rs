@@ -114,7 +114,7 @@ async fn postgres_slow_and_flaky_network_through_a_proxy() {
     let (store, cleanup) = idempotent_tests::fresh::postgres_at(&proxied, 16).await.expect("a store via the proxy");
     let config = config(Duration::from_secs(15));
     let faults = play(Arc::clone(&proxy), script());
-    let (report, injected) = stress::run_with_faults("postgres via proxy", store, config, faults).await;
+    let (report, injected) = Box::pin(stress::run_with_faults("postgres via proxy", store, config, faults)).await;
     print(&report, &proxy, injected);
     cleanup.run().await;
     assert!(report.store_failures > 0, "the faults must reach the callers as typed store errors:\n{report}");

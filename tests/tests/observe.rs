@@ -157,7 +157,7 @@ fn memory_metrics_count_a_lost_lease() {
             assert_eq!(takeover.unwrap(), 2);
             Ok::<_, Error>(1)
         });
-        let stale = stale.await;
+        let stale = Box::pin(stale).await;
         assert!(matches!(stale, Err(Error::LeaseLost { .. })), "{stale:?}");
     });
     let counted = calls_counted(&metrics, "edges");

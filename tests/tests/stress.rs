@@ -98,7 +98,7 @@ async fn stress_redis_many_keys() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stress_postgres_many_keys() {
     let Some((store, cleanup)) = idempotent_tests::fresh::postgres("stress_postgres_many_keys").await else { return };
-    let report = stress::run("postgres", store, pooled_config()).await;
+    let report = Box::pin(stress::run("postgres", store, pooled_config())).await;
     println!("{report}");
     cleanup.run().await;
     report.assert_clean();

@@ -62,6 +62,21 @@ use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 /// # let _ = client;
 /// ```
 ///
+/// # Keys derived from the idempotent call it runs in
+///
+/// Inside the body of an idempotent call (the attribute, [`Call::run`](crate::Call::run), a
+/// handler behind [`IdempotencyLayer`](crate::http::IdempotencyLayer)), a request without an
+/// `Idempotency-Key` gets a key derived from the call's scope and key, the request's position among
+/// the body's derived-key requests, its method and its path (see [`derived_key`](crate::derived_key)),
+/// instead of a random one. So when the body runs again for the same key (its `Err` released the
+/// key, or its process died and the claim was taken over), it sends the same keys in the same
+/// order, and the downstream service replays instead of acting twice. This asks the body to be
+/// deterministic in its requests: the same requests, in the same order, on every run for a key
+/// (build them from the call's inputs and from [`step`](crate::step) results, not from the clock
+/// or random numbers). An explicit `Idempotency-Key` always wins; [`derive_keys(false)`](Self::derive_keys)
+/// or [`without_derived_keys`](crate::without_derived_keys) opts out. Outside an idempotent body,
+/// and in tasks the body spawns, keys are random v4 UUIDs.
+///
 /// Middleware attached before it (`.with(a).with(IdempotentRetry::..)`) sees each request once;
 /// middleware attached after it runs for every attempt: put there what must be redone per
 /// attempt (signing a request with a timestamp, logging each attempt).
@@ -69,6 +84,7 @@ use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 pub struct IdempotentRetry {
     policy: RetryPolicy,
     methods: Vec<Method>,
+    derive_keys: bool,
 }
 
 impl Default for IdempotentRetry {
@@ -91,7 +107,7 @@ impl IdempotentRetry {
     /// The middleware with `policy`, handling `POST` and `PATCH`.
     #[must_use]
     pub fn new(policy: RetryPolicy) -> Self {
-        IdempotentRetry { policy, methods: vec![Method::POST, Method::PATCH] }
+        IdempotentRetry { policy, methods: vec![Method::POST, Method::PATCH], derive_keys: true }
     }
 
     /// Handles exactly these methods (default `POST` and `PATCH`). Requests that already carry
@@ -99,6 +115,15 @@ impl IdempotentRetry {
     #[must_use]
     pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Whether a request without a key, sent from inside an idempotent body, gets a key derived
+    /// from that call (default `true`; see [the section above](Self#keys-derived-from-the-idempotent-call-it-runs-in)).
+    /// With `false`, every such request gets a random key, as outside any call.
+    #[must_use]
+    pub fn derive_keys(mut self, derive_keys: bool) -> Self {
+        self.derive_keys = derive_keys;
         self
     }
 
@@ -117,8 +142,13 @@ impl IdempotentRetry {
         let key = if let Some(value) = request.headers().get(&IDEMPOTENCY_KEY) {
             String::from_utf8_lossy(value.as_bytes()).into_owned()
         } else {
-            let key = uuid::Uuid::new_v4().to_string();
-            let value = HeaderValue::from_str(&key).expect("a UUID is a valid header value");
+            let derived = if self.derive_keys {
+                crate::derived_key(request.method().as_str(), request.url().path())
+            } else {
+                None
+            };
+            let key = derived.unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+            let value = HeaderValue::from_str(&key).expect("a UUID or hex digest is a valid header value");
             request.headers_mut().insert(IDEMPOTENCY_KEY, value);
             key
         };

@@ -16,7 +16,7 @@
 //! | your own error or a panic, on the [`max_attempts`](Consumer::max_attempts)-th attempt (default [`DEFAULT_MAX_ATTEMPTS`]) | dead-letter, with the reason logged |
 //! | [`Error::FingerprintMismatch`], no id or an invalid one, [`Error::Decode`], [`Error::Fingerprint`] | dead-letter, with the reason logged |
 //! | [`Error::Unrecordable`], [`Error::LeaseLost`] | ack: the body ran, running it again is what must not happen |
-//! | [`Error::InvalidOption`], [`Error::ScopeCollision`] (a configuration mistake) | retry after the delay: the message waits for the fix |
+//! | [`Error::InvalidOption`], [`Error::ScopeCollision`], [`Error::StepOutsideCall`] (a configuration mistake) | retry after the delay: the message waits for the fix |
 //!
 //! # Panics and poison messages
 //!
@@ -319,9 +319,11 @@ fn disposition<T, E: HandlerError>(
         // Claimed elsewhere or the store is down: later may succeed. A mistake in the program's
         // configuration (a bad lease, a scope collision): the message waits in the queue for the
         // fix instead of filling the dead-letter path.
-        Error::InProgress { .. } | Error::Store { .. } | Error::InvalidOption { .. } | Error::ScopeCollision { .. } => {
-            Disposition::Retry
-        }
+        Error::InProgress { .. }
+        | Error::Store { .. }
+        | Error::InvalidOption { .. }
+        | Error::ScopeCollision { .. }
+        | Error::StepOutsideCall { .. } => Disposition::Retry,
         // The body ran (and will not run again under this key): acknowledging is what keeps it once.
         Error::Unrecordable { .. } | Error::LeaseLost { .. } => Disposition::Ack,
         // A reused id with another request, a bad id, a record of another type: retrying cannot help.

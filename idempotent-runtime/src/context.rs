@@ -1,0 +1,131 @@
+//! What a running body knows about its call: who it is (scope and key), how many outbound
+//! requests and steps it has made so far, and where its steps are recorded.
+//!
+//! [`Call::run`](crate::Call::run) scopes a [`CallContext`] (a `tokio::task_local!`) around the
+//! body's future, so code the body awaits finds it; a task the body *spawns* does not (task-locals
+//! do not cross `tokio::spawn`). The outbound middleware derives its keys from it and
+//! [`step`](crate::step) records through it.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use sha2::{Digest as _, Sha256};
+
+use crate::step::JobQueue;
+use crate::{Key, KeyError};
+
+tokio::task_local! {
+    /// The innermost call (or step) whose body is being polled; `None` inside [`without_derived_keys`].
+    static CURRENT: Option<Arc<CallContext>>;
+}
+
+/// The identity of one run of a body, and its counters. Made once per run of a body (one `Arc`
+/// and one copy of the key); a step's body gets a context of its own.
+pub(crate) struct CallContext {
+    /// The call's key or, for a step's body, the step's key (in the call's scope).
+    key: Key,
+    /// Outbound requests given a derived key so far in this run.
+    outbound: AtomicU64,
+    /// Steps started so far in this run.
+    steps: AtomicU64,
+    /// The call's context, for a step's: the one whose queue the call serves.
+    root: Option<Arc<CallContext>>,
+    /// Where the body's steps wait for the call to serve them (the root's only).
+    queue: JobQueue,
+}
+
+impl CallContext {
+    /// The context of a run of the body of the call on `key`.
+    pub(crate) fn root(key: &Key) -> Arc<Self> {
+        Arc::new(CallContext {
+            key: key.clone(),
+            outbound: AtomicU64::new(0),
+            steps: AtomicU64::new(0),
+            root: None,
+            queue: JobQueue::default(),
+        })
+    }
+
+    /// The context of this run's next step named `name`, whose key (`step-` and 64 hex digits,
+    /// in the call's scope) is the step's identity: its position and name. Its body has its own
+    /// counters, so outbound requests inside a step keep their keys whether or not the steps
+    /// before it were replayed.
+    pub(crate) fn next_step(self: &Arc<Self>, name: &str) -> Result<Arc<Self>, KeyError> {
+        let position = self.steps.fetch_add(1, Ordering::Relaxed);
+        let identity = digest(&[b"step", self.key.key().as_bytes(), &position.to_be_bytes(), name.as_bytes()]);
+        Ok(Arc::new(CallContext {
+            key: Key::new(self.key.scope(), &format!("step-{identity}"))?,
+            outbound: AtomicU64::new(0),
+            steps: AtomicU64::new(0),
+            root: Some(Arc::clone(self.root.as_ref().unwrap_or(self))),
+            queue: JobQueue::default(),
+        }))
+    }
+
+    /// The call's key, or the step's.
+    pub(crate) fn key(&self) -> &Key {
+        &self.key
+    }
+
+    /// The queue the call serves.
+    pub(crate) fn queue(&self) -> &JobQueue {
+        self.root.as_ref().map_or(&self.queue, |root| &root.queue)
+    }
+
+    fn next_outbound_key(&self, method: &str, path: &str) -> String {
+        let position = self.outbound.fetch_add(1, Ordering::Relaxed);
+        digest(&[
+            b"outbound",
+            self.key.scope().as_bytes(),
+            self.key.key().as_bytes(),
+            &position.to_be_bytes(),
+            method.as_bytes(),
+            path.as_bytes(),
+        ])
+    }
+}
+
+/// SHA-256 of `fields`, each preceded by its length (so no two field lists collide), in hex.
+fn digest(fields: &[&[u8]]) -> String {
+    let mut hasher = Sha256::new();
+    for field in fields {
+        hasher.update((field.len() as u64).to_be_bytes());
+        hasher.update(field);
+    }
+    let bytes: [u8; 32] = hasher.finalize().into();
+    let hex: [u8; 64] = crate::hex::encode(&bytes);
+    String::from_utf8_lossy(&hex).into_owned()
+}
+
+/// Runs `body` with `context` as the current call.
+pub(crate) fn scoped<F: Future>(context: Arc<CallContext>, body: F) -> impl Future<Output = F::Output> {
+    CURRENT.scope(Some(context), body)
+}
+
+/// The current call, if a body of one is being polled (outside [`without_derived_keys`]).
+pub(crate) fn current() -> Option<Arc<CallContext>> {
+    CURRENT.try_with(Option::clone).ok().flatten()
+}
+
+/// The key the `n`-th outbound request of the current body run gets (`n` counted from 0 over the
+/// requests that get a derived key), or `None` outside an idempotent body.
+///
+/// The key is the SHA-256 (in hex) of the call's scope and key (or, inside a [`step`](crate::step),
+/// the step's identity), `n`, `method` and `path`. Every run of the body (a retry after a released
+/// `Err`, a takeover after a crash) starts again at `n = 0`, so a body that makes the same requests
+/// in the same order sends the same keys. [`IdempotentRetry`](crate::client::IdempotentRetry) calls
+/// this for requests that carry no `Idempotency-Key`; other clients can call it themselves.
+#[must_use]
+pub fn derived_key(method: &str, path: &str) -> Option<String> {
+    current().map(|context| context.next_outbound_key(method, path))
+}
+
+/// Runs `future` as if outside any idempotent body: outbound requests it makes get fresh keys,
+/// not derived ones, and do not count towards the body's positions; [`step`](crate::step) inside it
+/// fails with [`Error::StepOutsideCall`](crate::Error::StepOutsideCall). For requests that must
+/// really be new on every run (a status poll, a notification that may repeat). An idempotent call
+/// started inside it has its own context again.
+pub fn without_derived_keys<F: Future>(future: F) -> impl Future<Output = F::Output> {
+    CURRENT.scope(None, future)
+}

@@ -15,6 +15,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use idempotent_runtime::http::IdempotencyLayer;
 use idempotent_runtime::stores::cache::CachedStore;
+use idempotent_runtime::stores::memory::MemoryLimits;
 use idempotent_runtime::{MemoryStore, RedisStore};
 use serde_json::Value;
 
@@ -26,9 +27,11 @@ async fn echo(Json(body): Json<Value>) -> Json<Value> {
 #[tokio::main]
 async fn main() {
     let addr = std::env::var("ADDR").unwrap_or_else(|_| "127.0.0.1:3100".into());
+    // Room for every key of a long run (the default bound, 64 MiB charged, fills in seconds).
+    let memory = MemoryStore::with_limits(MemoryLimits::default().max_entries(50_000_000).max_bytes(16 << 30));
     let mut app = Router::new()
         .route("/plain", post(echo))
-        .route("/memory", post(echo).layer(IdempotencyLayer::new(MemoryStore::new()).keys_shared_by_all_callers()));
+        .route("/memory", post(echo).layer(IdempotencyLayer::new(memory).keys_shared_by_all_callers()));
     let redis_url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
     match RedisStore::connect(&redis_url).await {
         Ok(store) => {

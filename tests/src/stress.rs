@@ -762,26 +762,23 @@ impl StressReport {
     }
 }
 
-/// A small, seedable generator (`SplitMix64`), so a run's choices can be replayed from its seed.
+/// A small, seedable generator (the simulation's `SplitMix64`), so a run's choices can be
+/// replayed from its seed.
 #[derive(Debug, Clone)]
-pub struct Rng(u64);
+pub struct Rng(crate::simulation::rng::SplitMix64);
 
 impl Rng {
     /// A generator for `seed` mixed with `stream`.
     #[must_use]
     pub fn new(seed: u64, stream: u64) -> Self {
-        let mut rng = Rng(seed ^ stream.wrapping_mul(0xA24B_AED4_963E_E407));
+        let mut rng = Rng(crate::simulation::rng::SplitMix64::new(seed ^ stream.wrapping_mul(0xA24B_AED4_963E_E407)));
         rng.next_u64();
         rng
     }
 
     /// The next value.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     /// A value in `0..n` (`n > 0`).

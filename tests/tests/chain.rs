@@ -270,6 +270,20 @@ async fn chain_step_is_not_repeated_after_a_released_err_on_postgres() {
 }
 
 #[tokio::test]
+async fn chain_step_is_not_repeated_after_a_released_err_on_redis() {
+    let Some((store, cleanup)) = idempotent_tests::fresh::redis("chain_step_on_redis").await else { return };
+    released_after_first_step(&store, "order-1").await;
+    cleanup.run().await;
+}
+
+#[tokio::test]
+async fn chain_step_is_not_repeated_after_a_released_err_on_mysql() {
+    let Some((store, cleanup)) = idempotent_tests::fresh::mysql("chain_step_on_mysql").await else { return };
+    released_after_first_step(&store, "order-1").await;
+    cleanup.run().await;
+}
+
+#[tokio::test]
 async fn chain_step_recorded_for_another_request_is_a_fingerprint_mismatch() {
     let store = MemoryStore::new();
     let work = Work::default();

@@ -254,6 +254,74 @@ macro_rules! store_tests {
 
 store_tests!(cli_redis: "redis", cli_cluster: "cluster", cli_postgres: "postgres", cli_mysql: "mysql", cli_sqlite: "sqlite");
 
+/// A scope's one record among 300,000 other keys of the same Redis database: `list` walks the
+/// keyspace in `SCAN` batches of 1,000 (it used batches of the page size, at least 10: one round
+/// trip per ten keys, which ran into the store's 10 s step timeout and exit 3 on a Redis a
+/// benchmark had filled with 800,000 keys), and ends a page short, with a cursor, after 2 s. The
+/// keys live in database 5, so the server's `SCAN` count is this test's (other tests scan small
+/// databases).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_redis_lists_a_scope_among_many_other_keys() {
+    use idempotent_runtime::stores::redis::redis;
+
+    let Some(url) = url("redis") else { return };
+    let url = format!("{}/5", url.trim_end_matches('/'));
+    let mut connection = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let scans = async |connection: &mut redis::aio::MultiplexedConnection| -> u64 {
+        let info: String = redis::cmd("INFO").arg("commandstats").query_async(connection).await.unwrap();
+        info.lines()
+            .find_map(|line| line.strip_prefix("cmdstat_scan:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .map_or(0, |calls| calls.parse().unwrap())
+    };
+    let foreign = format!("cli-foreign-{}:", unique());
+    let names = |batch: usize| (0..10_000).map(|i| format!("{foreign}{batch}-{i}")).collect::<Vec<_>>();
+    for batch in 0..30 {
+        let mut pipe = redis::pipe();
+        for name in names(batch) {
+            pipe.cmd("SET").arg(name).arg(1).arg("EX").arg(300).ignore();
+        }
+        pipe.query_async::<()>(&mut connection).await.unwrap();
+    }
+    let store = AnyStore::from_url(&url).await.unwrap();
+    let scope = format!("cli_many_{}", unique());
+    let key = Key::new(&scope, "only").unwrap();
+    let token = Token::new();
+    let claim = store.claim(&ClaimRequest::new(&key, &token, None, Duration::from_secs(600))).await.unwrap();
+    assert_eq!(claim, Claim::Claimed);
+
+    let scans_before = scans(&mut connection).await;
+    let (mut listed, mut after, mut pages) = (Vec::new(), None::<String>, 0);
+    loop {
+        let mut args = vec!["--json", "list", "--scope", &scope, "--limit", "1"];
+        if let Some(cursor) = &after {
+            args.extend(["--after", cursor]);
+        }
+        let page = json(&url, &args);
+        listed.extend(keys_of(&page));
+        pages += 1;
+        assert!(pages < 1000, "the listing does not end");
+        match page["next"].as_str() {
+            Some(next) => after = Some(next.to_owned()),
+            None => break,
+        }
+    }
+    assert_eq!(listed, ["only"]);
+    // About 300 batches of 1,000 for the whole keyspace (SCAN may return a key twice, and other
+    // tests scan their small databases meanwhile); batches of 10 took 30,000.
+    let scanned = scans(&mut connection).await - scans_before;
+    assert!(scanned < 3_000, "{scanned} SCAN calls to list 300,000 keys");
+
+    for batch in 0..30 {
+        let mut pipe = redis::pipe();
+        for name in names(batch) {
+            pipe.cmd("UNLINK").arg(name).ignore();
+        }
+        pipe.query_async::<()>(&mut connection).await.unwrap();
+    }
+    idempotent_runtime::Store::release(&store, &key, &token).await.unwrap();
+}
+
 #[test]
 fn cli_usage_errors_exit_2_and_unreachable_stores_exit_3() {
     let bad = cli("nope://x", &["stats"]);

@@ -172,7 +172,9 @@ impl ListQuery {
 pub struct Page {
     /// The entries, without outcomes.
     pub entries: Vec<Entry>,
-    /// Pass it to [`ListQuery::after`] for the next page; `None` when this was the last.
+    /// Pass it to [`ListQuery::after`] for the next page; `None` when this was the last. A page
+    /// may hold fewer entries than asked for and still have a next one (Redis ends a page after
+    /// scanning for 2 s, so a large keyspace pages instead of timing out).
     pub next: Option<String>,
 }
 

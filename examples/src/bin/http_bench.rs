@@ -11,6 +11,8 @@
 //! cargo run --release -p idempotent-examples --bin http_bench    # 127.0.0.1:3100 (or $ADDR)
 //! ```
 
+use std::time::Duration;
+
 use axum::routing::post;
 use axum::{Json, Router};
 use idempotent_runtime::http::IdempotencyLayer;
@@ -18,6 +20,10 @@ use idempotent_runtime::stores::cache::CachedStore;
 use idempotent_runtime::stores::memory::MemoryLimits;
 use idempotent_runtime::{MemoryStore, RedisStore};
 use serde_json::Value;
+
+/// Records are kept 10 minutes, so a run leaves no keys behind for long (a 5-run benchmark
+/// writes about a million).
+const RETENTION: Duration = Duration::from_secs(600);
 
 /// The handler under test: echoes the JSON body it was sent.
 async fn echo(Json(body): Json<Value>) -> Json<Value> {
@@ -29,17 +35,24 @@ async fn main() {
     let addr = std::env::var("ADDR").unwrap_or_else(|_| "127.0.0.1:3100".into());
     // Room for every key of a long run (the default bound, 64 MiB charged, fills in seconds).
     let memory = MemoryStore::with_limits(MemoryLimits::default().max_entries(50_000_000).max_bytes(16 << 30));
-    let mut app = Router::new()
-        .route("/plain", post(echo))
-        .route("/memory", post(echo).layer(IdempotencyLayer::new(memory).keys_shared_by_all_callers()));
+    let mut app = Router::new().route("/plain", post(echo)).route(
+        "/memory",
+        post(echo).layer(IdempotencyLayer::new(memory).keys_shared_by_all_callers().retention(RETENTION)),
+    );
     let redis_url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
     match RedisStore::connect(&redis_url).await {
         Ok(store) => {
             let store = store.with_prefix("idempotent-http-bench:").expect("a valid prefix");
             let cached = CachedStore::new(store.clone()).max_entries(4_000_000).max_bytes(1 << 30);
             app = app
-                .route("/redis", post(echo).layer(IdempotencyLayer::new(store).keys_shared_by_all_callers()))
-                .route("/redis-cached", post(echo).layer(IdempotencyLayer::new(cached).keys_shared_by_all_callers()));
+                .route(
+                    "/redis",
+                    post(echo).layer(IdempotencyLayer::new(store).keys_shared_by_all_callers().retention(RETENTION)),
+                )
+                .route(
+                    "/redis-cached",
+                    post(echo).layer(IdempotencyLayer::new(cached).keys_shared_by_all_callers().retention(RETENTION)),
+                );
         }
         Err(e) => eprintln!("http_bench: no Redis at {redis_url} ({e}); /redis and /redis-cached are not mounted"),
     }

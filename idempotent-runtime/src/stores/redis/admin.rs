@@ -1,10 +1,11 @@
 //! The Redis store's operator view ([`Admin`]): `SCAN` under the prefix, never `KEYS`.
 //!
-//! A listing walks the keyspace with `SCAN <cursor> MATCH <prefix><scope>:* COUNT <page>` and
+//! A listing walks the keyspace with `SCAN <cursor> MATCH <prefix><scope>:* COUNT 1000` and
 //! reads each key it returns with the store's probe script (value and `PTTL` at one instant). On
 //! a cluster it scans each master in turn (from `CLUSTER NODES`, sorted by address). Its cursor is
 //! `<node>/<scan cursor>/<keys of that batch already returned>`, so a page that fills up in the
-//! middle of a batch resumes there. Values under the prefix that this store did not write
+//! middle of a batch resumes there. A page that has scanned for 2 s ends short, with a cursor,
+//! so a keyspace of millions of other keys pages instead of timing out. Values under the prefix that this store did not write
 //! are skipped by listings and reported as [`StoreError::Corrupt`] by `inspect`.
 
 use std::future::Future;
@@ -16,6 +17,14 @@ use redis::{Cmd, RedisResult, Value};
 use super::{KeyArg, Lua, PROBE, RedisConnection, RedisStore, backend, record};
 use crate::admin::{Admin, Entry, ListQuery, Page, Released, State, Stats};
 use crate::{Key, StoreError};
+
+/// How many keys one `SCAN` call walks at least (its `COUNT`): the server filters by `MATCH`
+/// after walking, so small batches over a large keyspace cost a round trip for few matches.
+const SCAN_COUNT: usize = 1000;
+
+/// How long one page keeps scanning before it is returned with fewer entries than asked for
+/// (and a cursor): well under the store's step timeout (10 s by default).
+const PAGE_BUDGET: Duration = Duration::from_secs(2);
 
 /// `KEYS[1]`: the record. `ARGV[1]`: `idempotent/1 <state> <token> ` as inspected. Deletes the
 /// record if it still starts so; returns 1, or 0 if it changed.
@@ -157,9 +166,16 @@ impl<C: Nodes> RedisStore<C> {
         let mut entries = Vec::new();
         let mut connection = self.connection();
         let nodes = connection.nodes().await.map_err(backend)?;
+        let started = tokio::time::Instant::now();
         while let Some(at) = nodes.get(node) {
+            // A keyspace full of other keys yields few matches per batch: past the time budget,
+            // the page ends short, with a cursor to go on from, instead of running into the
+            // step timeout.
+            if started.elapsed() >= PAGE_BUDGET {
+                return Ok(Page { entries, next: Some(format!("{node}/{cursor}/0")) });
+            }
             let mut scan = redis::cmd("SCAN");
-            scan.arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(size.max(10));
+            scan.arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(size.max(SCAN_COUNT));
             let (after, names): (u64, Vec<Vec<u8>>) =
                 redis::from_redis_value(connection.send(at, scan).await.map_err(backend)?)
                     .map_err(|e| StoreError::Corrupt(format!("unexpected reply to SCAN: {e}")))?;

@@ -14,7 +14,7 @@ use std::time::Duration;
 use redis::aio::ConnectionManager;
 use redis::{Cmd, RedisResult, Value};
 
-use super::{KeyArg, Lua, PROBE, RedisConnection, RedisStore, backend, record};
+use super::{KeyArg, PROBE, RELEASE, RedisConnection, RedisStore, backend, record};
 use crate::admin::{Admin, Entry, ListQuery, Page, Released, State, Stats};
 use crate::{Key, StoreError};
 
@@ -25,19 +25,6 @@ const SCAN_COUNT: usize = 1000;
 /// How long one page keeps scanning before it is returned with fewer entries than asked for
 /// (and a cursor): well under the store's step timeout (10 s by default).
 const PAGE_BUDGET: Duration = Duration::from_secs(2);
-
-/// `KEYS[1]`: the record. `ARGV[1]`: `idempotent/1 <state> <token> ` as inspected. Deletes the
-/// record if it still starts so; returns 1, or 0 if it changed.
-const RELEASE_SEEN_LUA: &str = r"
-local v = redis.pcall('GET', KEYS[1])
-if type(v) == 'string' and string.sub(v, 1, #ARGV[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-return 0
-";
-
-static RELEASE_SEEN: Lua = Lua::new(RELEASE_SEEN_LUA);
 
 /// A node to scan: `None` for the one server, a master's host and port on a cluster.
 type Node = Option<(String, u16)>;
@@ -118,7 +105,9 @@ impl<C: Nodes> Admin for RedisStore<C> {
         let key = self.key_arg(key);
         let reply = self
             .bounded("release", async {
-                self.eval(&RELEASE_SEEN, &key, |cmd| {
+                // The store's own release script: it deletes the record only if its header still starts
+                // with `idempotent/1 <state> <token> ` as inspected.
+                self.eval(&RELEASE, &key, |cmd| {
                     cmd.arg(&owned);
                 })
                 .await

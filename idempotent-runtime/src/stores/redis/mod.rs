@@ -194,7 +194,9 @@ if string.sub(v, 1, #ARGV[2]) == ARGV[2] then return 1 end
 return 0
 ";
 
-/// `KEYS[1]`: the record. `ARGV`: `idempotent/1 running <token> `. Returns 1, or 0 if not owner.
+/// `KEYS[1]`: the record. `ARGV[1]`: the header prefix it must still start with (`idempotent/1 running
+/// <token> ` for a release; the inspected state and token for the admin's fenced release). Deletes
+/// it and returns 1, or returns 0.
 const RELEASE_LUA: &str = r"
 local v = redis.pcall('GET', KEYS[1])
 if type(v) == 'string' and string.sub(v, 1, #ARGV[1]) == ARGV[1] then

@@ -253,46 +253,73 @@ impl Default for Token {
     }
 }
 
-/// Forwards every method of `Store` through a pointer type.
+/// Writes `Store` methods that forward to another store: `$target(self)` names it.
+///
+/// `forward_store!(direct $target; claim complete ...)` returns the target's futures as they are
+/// (for pointer types, whose target is a `Store` too); `awaited` wraps each in an `async` block,
+/// for a target whose futures borrow `self` and the arguments for one lifetime (`AnyStore`'s
+/// boxed futures), which the trait's signatures cannot name. Each method listed is written once
+/// here, so a wrapper names what it forwards and writes only what it changes.
 macro_rules! forward_store {
+    ($mode:ident $target:path; $($method:ident)+) => {$(
+        $crate::store::forward_store!(@$method $mode $target);
+    )+};
+    (@claim $mode:ident $target:path) => {
+        fn claim(&self, request: &$crate::ClaimRequest<'_>) -> impl ::core::future::Future<Output = Result<$crate::Claim, $crate::StoreError>> + Send {
+            $crate::store::forward_store!(@future $mode $target(self).claim(request))
+        }
+    };
+    (@complete $mode:ident $target:path) => {
+        fn complete(&self, completion: &$crate::Completion<'_>) -> impl ::core::future::Future<Output = Result<(), $crate::StoreError>> + Send {
+            $crate::store::forward_store!(@future $mode $target(self).complete(completion))
+        }
+    };
+    (@release $mode:ident $target:path) => {
+        fn release(&self, key: &$crate::Key, token: &$crate::Token) -> impl ::core::future::Future<Output = Result<(), $crate::StoreError>> + Send {
+            $crate::store::forward_store!(@future $mode $target(self).release(key, token))
+        }
+    };
+    (@extend $mode:ident $target:path) => {
+        fn extend(&self, key: &$crate::Key, token: &$crate::Token, lease: ::core::time::Duration) -> impl ::core::future::Future<Output = Result<(), $crate::StoreError>> + Send {
+            $crate::store::forward_store!(@future $mode $target(self).extend(key, token, lease))
+        }
+    };
+    (@purge_expired $mode:ident $target:path) => {
+        fn purge_expired(&self) -> impl ::core::future::Future<Output = Result<u64, $crate::StoreError>> + Send {
+            $crate::store::forward_store!(@future $mode $target(self).purge_expired())
+        }
+    };
+    (@detach $mode:ident $target:path) => {
+        fn detach(&self, step: $crate::Detached) {
+            $target(self).detach(step);
+        }
+    };
+    (@max_record_bytes $mode:ident $target:path) => {
+        fn max_record_bytes(&self) -> usize {
+            $target(self).max_record_bytes()
+        }
+    };
+    (@name $mode:ident $target:path) => {
+        fn name(&self) -> &'static str {
+            $target(self).name()
+        }
+    };
+    (@future direct $future:expr) => { $future };
+    (@future awaited $future:expr) => { async move { $future.await } };
+}
+pub(crate) use forward_store;
+
+/// Every method of `Store`, through a pointer type, to the store it points to.
+macro_rules! forward_through_pointers {
     ($([$($generics:tt)*] $pointer:ty;)*) => {$(
         impl<$($generics)*> Store for $pointer {
-            fn claim(&self, request: &ClaimRequest<'_>) -> impl Future<Output = Result<Claim, StoreError>> + Send {
-                (**self).claim(request)
-            }
-
-            fn complete(&self, completion: &Completion<'_>) -> impl Future<Output = Result<(), StoreError>> + Send {
-                (**self).complete(completion)
-            }
-
-            fn release(&self, key: &Key, token: &Token) -> impl Future<Output = Result<(), StoreError>> + Send {
-                (**self).release(key, token)
-            }
-
-            fn extend(&self, key: &Key, token: &Token, lease: Duration) -> impl Future<Output = Result<(), StoreError>> + Send {
-                (**self).extend(key, token, lease)
-            }
-
-            fn detach(&self, step: Detached) {
-                (**self).detach(step);
-            }
-
-            fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send {
-                (**self).purge_expired()
-            }
-
-            fn max_record_bytes(&self) -> usize {
-                (**self).max_record_bytes()
-            }
-
-            fn name(&self) -> &'static str {
-                (**self).name()
-            }
+            forward_store!(direct std::ops::Deref::deref;
+                claim complete release extend detach purge_expired max_record_bytes name);
         }
     )*};
 }
 
-forward_store! {
+forward_through_pointers! {
     [S: Store + ?Sized] &S;
     [S: Store + ?Sized] Box<S>;
     [S: Store + ?Sized] Arc<S>;

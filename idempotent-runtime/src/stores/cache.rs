@@ -59,7 +59,8 @@ use tokio::time::Instant;
 use moka::Expiry;
 use moka::sync::Cache;
 
-use crate::{Claim, ClaimRequest, Completion, Detached, Fingerprint, Key, Record, Store, StoreError, Token};
+use crate::store::forward_store;
+use crate::{Claim, ClaimRequest, Completion, Fingerprint, Key, Record, Store, StoreError};
 
 /// The default bound on cached records: 10,000.
 pub const DEFAULT_MAX_ENTRIES: u64 = 10_000;
@@ -303,25 +304,11 @@ impl<S: Store> Store for CachedStore<S> {
         Ok(())
     }
 
-    async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
-        self.inner.release(key, token).await
-    }
-
-    async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
-        self.inner.extend(key, token, lease).await
-    }
-
-    fn detach(&self, step: Detached) {
-        self.inner.detach(step);
-    }
+    forward_store!(direct CachedStore::inner; release extend detach max_record_bytes);
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         self.shared.records.run_pending_tasks();
         self.inner.purge_expired().await
-    }
-
-    fn max_record_bytes(&self) -> usize {
-        self.inner.max_record_bytes()
     }
 
     fn name(&self) -> &'static str {

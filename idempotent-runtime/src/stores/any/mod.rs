@@ -28,6 +28,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::store::forward_store;
 use crate::{Claim, ClaimRequest, Completion, Detached, Key, Store, StoreError, Token};
 
 pub use url::StoreUrlError;
@@ -154,38 +155,15 @@ impl std::fmt::Debug for AnyStore {
     }
 }
 
-// The futures are awaited inside `async fn`s rather than returned: a boxed future borrows
-// `self` and the arguments for one lifetime, which `Store`'s signatures cannot name.
+impl AnyStore {
+    fn erased(&self) -> &dyn Erased {
+        &*self.inner
+    }
+}
+
+// Awaited, not returned: a boxed future borrows `self` and the arguments for one lifetime, which
+// `Store`'s signatures cannot name.
 impl Store for AnyStore {
-    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        self.inner.claim(request).await
-    }
-
-    async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
-        self.inner.complete(completion).await
-    }
-
-    async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
-        self.inner.release(key, token).await
-    }
-
-    async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
-        self.inner.extend(key, token, lease).await
-    }
-
-    fn detach(&self, step: Detached) {
-        self.inner.detach(step);
-    }
-
-    async fn purge_expired(&self) -> Result<u64, StoreError> {
-        self.inner.purge_expired().await
-    }
-
-    fn max_record_bytes(&self) -> usize {
-        self.inner.max_record_bytes()
-    }
-
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
+    forward_store!(awaited AnyStore::erased;
+        claim complete release extend detach purge_expired max_record_bytes name);
 }

@@ -15,6 +15,7 @@ use crate::context::{self, CallContext};
 use crate::observe::{CallObserver, Outcome, timed};
 use crate::outcome::{self, ErrorPolicy, ReleaseErrors, Replayed};
 use crate::scope::Site;
+use crate::setters::setters;
 use crate::step::{self, Steps};
 use crate::{
     Claim, ClaimRequest, Completion, Detached, Error, Fingerprint, IdempotencyKey, Key, Store, StoreError, Token,
@@ -122,39 +123,27 @@ impl Call {
         self
     }
 
-    /// How long a claim lasts if its caller dies (default [`DEFAULT_LEASE`], from [`MIN_LEASE`]
-    /// to [`MAX_LEASE`]). While the body runs, the lease is renewed every third of its length, so a
-    /// live body keeps its claim however long it takes; a crashed caller's claim ends one lease
-    /// after its last renewal.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
-        self
-    }
-
-    /// How long the completed result is replayed (default [`DEFAULT_RETENTION`]; not shorter
-    /// than the lease, at most [`MAX_RETENTION`]).
-    pub fn retention(mut self, retention: Duration) -> Self {
-        self.retention = retention;
-        self
+    setters! {
+        /// How long a claim lasts if its caller dies (default [`DEFAULT_LEASE`], from
+        /// [`MIN_LEASE`] to [`MAX_LEASE`]). While the body runs, the lease is renewed every third
+        /// of its length, so a live body keeps its claim however long it takes; a crashed
+        /// caller's claim ends one lease after its last renewal.
+        pub fn lease(lease: Duration);
+        /// How long the completed result is replayed (default [`DEFAULT_RETENTION`]; not shorter
+        /// than the lease, at most [`MAX_RETENTION`]).
+        pub fn retention(retention: Duration);
+        /// What a cancellation does to the claim while the body runs (default [`OnCancel::Keep`]).
+        pub fn on_cancel(on_cancel: OnCancel);
+        /// Records the raw key in the call's `tracing` span (field `key`). Off by default: keys
+        /// can be secrets, so the span and the library's events carry only the scope (see
+        /// [`crate::observe`]).
+        pub fn trace_key(trace_key: bool);
     }
 
     /// Makes a concurrent duplicate wait up to `wait` for the running call and replay its result,
     /// instead of failing at once with [`Error::InProgress`] (at most [`MAX_WAIT`]).
     pub fn wait(mut self, wait: Duration) -> Self {
         self.wait = Some(wait);
-        self
-    }
-
-    /// What a cancellation does to the claim while the body runs (default [`OnCancel::Keep`]).
-    pub fn on_cancel(mut self, on_cancel: OnCancel) -> Self {
-        self.on_cancel = on_cancel;
-        self
-    }
-
-    /// Records the raw key in the call's `tracing` span (field `key`). Off by default: keys can be
-    /// secrets, so the span and the library's events carry only the scope (see [`crate::observe`]).
-    pub fn trace_key(mut self, trace_key: bool) -> Self {
-        self.trace_key = trace_key;
         self
     }
 
@@ -210,105 +199,99 @@ impl Call {
     {
         let observer = CallObserver::start(self.prepared.as_ref().ok().map(|(key, _)| key), self.trace_key);
         let span = observer.span().clone();
-        self.run_observed(store, policy, body, &observer).instrument(span).await
-    }
-
-    async fn run_observed<S, T, E, P, F>(self, store: &S, policy: P, body: F, observer: &CallObserver) -> Result<T, E>
-    where
-        S: Store + ?Sized,
-        T: Serialize + DeserializeOwned,
-        E: From<Error>,
-        P: ErrorPolicy<E>,
-        F: Future<Output = Result<T, E>>,
-    {
-        let (key, fingerprint) = self.prepared.map_err(|e| observer.error(e))?;
-        if let Some((site, self_type)) = self.site {
-            site.check(key.scope(), self_type).map_err(|e| observer.error(e))?;
-        }
-        check_durations(&key, self.lease, self.retention, self.wait).map_err(|e| observer.error(e))?;
-        let token = Token::new();
-        let request = ClaimRequest::new(&key, &token, fingerprint.as_ref(), self.lease);
-        let mut guard = Guard {
-            store,
-            key: &key,
-            token: &token,
-            fingerprint: fingerprint.as_ref(),
-            on_cancel: self.on_cancel,
-            phase: Phase::Idle,
-            body_polling: false,
-        };
-        let deadline = self.wait.map(|wait| Instant::now() + wait);
-        let mut backoff = FIRST_BACKOFF;
-        let mut late_replies = 0;
-        let lease_end = loop {
-            // The lease is counted from before the request, so our estimate of its end is never late.
-            let sent = Instant::now();
-            guard.phase = Phase::Claiming;
-            let claim = timed(store.name(), "claim", store.claim(&request))
-                .await
-                .map_err(|source| observer.error(store_error(&key, "claim", source)))?;
-            guard.phase = Phase::Idle;
-            match claim {
-                // A reply that took longer than the lease: the claim may have ended already and
-                // another caller may be running the body. Asked again with the same token, the
-                // store renews the claim if it is still ours, or says who holds the key now.
-                Claim::Claimed if Instant::now() >= sent + self.lease => {
-                    late_replies += 1;
-                    if late_replies == MAX_LATE_CLAIM_REPLIES {
-                        let source = StoreError::backend(
-                            store.name(),
-                            "every claim was answered after its lease had ended; the body was not started",
-                        );
-                        return Err(observer.error(store_error(&key, "claim", source)).into());
-                    }
-                    tracing::warn!(target: "idempotent", "a claim was answered after its lease ended; claiming again");
-                }
-                Claim::Claimed => break sent + self.lease,
-                Claim::Completed(record) => {
-                    check_fingerprint(&key, fingerprint.as_ref(), record.fingerprint.as_ref())
-                        .map_err(|e| observer.error(e))?;
-                    return replay(&key, &record.outcome, &policy, observer);
-                }
-                Claim::InProgress { fingerprint: running, lease_remaining } => {
-                    check_fingerprint(&key, fingerprint.as_ref(), running.as_ref()).map_err(|e| observer.error(e))?;
-                    let now = Instant::now();
-                    match deadline {
-                        Some(deadline) if now < deadline => {
-                            tokio::time::sleep(backoff.min(deadline - now)).await;
-                            backoff = (backoff * 2).min(MAX_BACKOFF);
-                        }
-                        _ => {
-                            tracing::debug!(target: "idempotent", "in progress");
-                            let error = Error::InProgress { key: key.to_string(), retry_after: lease_remaining };
-                            return Err(observer.error(error).into());
-                        }
-                    }
-                }
+        let observer = &observer;
+        async move {
+            let (key, fingerprint) = self.prepared.map_err(|e| observer.error(e))?;
+            if let Some((site, self_type)) = self.site {
+                site.check(key.scope(), self_type).map_err(|e| observer.error(e))?;
             }
-        };
+            check_durations(&key, self.lease, self.retention, self.wait).map_err(|e| observer.error(e))?;
+            let token = Token::new();
+            let request = ClaimRequest::new(&key, &token, fingerprint.as_ref(), self.lease);
+            let mut guard = Guard {
+                store,
+                key: &key,
+                token: &token,
+                fingerprint: fingerprint.as_ref(),
+                on_cancel: self.on_cancel,
+                phase: Phase::Idle,
+                body_polling: false,
+            };
+            let deadline = self.wait.map(|wait| Instant::now() + wait);
+            let mut backoff = FIRST_BACKOFF;
+            let mut late_replies = 0;
+            let lease_end = loop {
+                // The lease is counted from before the request, so our estimate of its end is never late.
+                let sent = Instant::now();
+                guard.phase = Phase::Claiming;
+                let claim = timed(store.name(), "claim", store.claim(&request))
+                    .await
+                    .map_err(|source| observer.error(store_error(&key, "claim", source)))?;
+                guard.phase = Phase::Idle;
+                match claim {
+                    // A reply that took longer than the lease: the claim may have ended already and
+                    // another caller may be running the body. Asked again with the same token, the
+                    // store renews the claim if it is still ours, or says who holds the key now.
+                    Claim::Claimed if Instant::now() >= sent + self.lease => {
+                        late_replies += 1;
+                        if late_replies == MAX_LATE_CLAIM_REPLIES {
+                            let source = StoreError::backend(
+                                store.name(),
+                                "every claim was answered after its lease had ended; the body was not started",
+                            );
+                            return Err(observer.error(store_error(&key, "claim", source)).into());
+                        }
+                        tracing::warn!(target: "idempotent", "a claim was answered after its lease ended; claiming again");
+                    }
+                    Claim::Claimed => break sent + self.lease,
+                    Claim::Completed(record) => {
+                        check_fingerprint(&key, fingerprint.as_ref(), record.fingerprint.as_ref())
+                            .map_err(|e| observer.error(e))?;
+                        return replay(&key, &record.outcome, &policy, observer);
+                    }
+                    Claim::InProgress { fingerprint: running, lease_remaining } => {
+                        check_fingerprint(&key, fingerprint.as_ref(), running.as_ref()).map_err(|e| observer.error(e))?;
+                        let now = Instant::now();
+                        match deadline {
+                            Some(deadline) if now < deadline => {
+                                tokio::time::sleep(backoff.min(deadline - now)).await;
+                                backoff = (backoff * 2).min(MAX_BACKOFF);
+                            }
+                            _ => {
+                                tracing::debug!(target: "idempotent", "in progress");
+                                let error = Error::InProgress { key: key.to_string(), retry_after: lease_remaining };
+                                return Err(observer.error(error).into());
+                            }
+                        }
+                    }
+                }
+            };
 
-        guard.phase = Phase::Running;
-        let lease_end = Mutex::new(lease_end);
-        // The body runs with its call's identity (derived outbound keys, steps); its steps are
-        // served here, with the store.
-        let context = CallContext::root(&key);
-        let body = context::scoped(Arc::clone(&context), body);
-        let steps = Steps {
-            store,
-            call: &key,
-            token: &token,
-            fingerprint: fingerprint.as_ref(),
-            lease: self.lease,
-            retention: self.retention,
-            lease_end: &lease_end,
-            observer,
-        };
-        let beat = heartbeat(store, &key, &token, self.lease, &lease_end);
-        let serve = step::serve(&steps, context.queue());
-        let result = with_heartbeat(&mut guard.body_polling, body, beat, serve).await;
-        step::drain(&steps, context.queue()).await;
-        let lease_end = lease_end.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
-        record(&mut guard, self.retention, lease_end, &policy, result, observer).await
+            guard.phase = Phase::Running;
+            let lease_end = Mutex::new(lease_end);
+            // The body runs with its call's identity (derived outbound keys, steps); its steps are
+            // served here, with the store.
+            let context = CallContext::root(&key);
+            let body = context::scoped(Arc::clone(&context), body);
+            let steps = Steps {
+                store,
+                call: &key,
+                token: &token,
+                fingerprint: fingerprint.as_ref(),
+                lease: self.lease,
+                retention: self.retention,
+                lease_end: &lease_end,
+                observer,
+            };
+            let beat = heartbeat(store, &key, &token, self.lease, &lease_end);
+            let serve = step::serve(&steps, context.queue());
+            let result = with_heartbeat(&mut guard.body_polling, body, beat, serve).await;
+            step::drain(&steps, context.queue()).await;
+            let lease_end = lease_end.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
+            record(&mut guard, self.retention, lease_end, &policy, result, observer).await
+        }
+        .instrument(span)
+        .await
     }
 }
 

@@ -111,6 +111,7 @@ pub mod observe;
 mod outcome;
 mod replayable;
 mod scope;
+mod setters;
 mod step;
 mod store;
 pub mod stores;

@@ -25,6 +25,7 @@ use super::not_processed::NotProcessed;
 use super::problem::{Problem, problem_response};
 use super::recorded::{DEFAULT_RECORDED_HEADERS, Read, Recorded, read_response};
 use super::spawn::{RunsToCompletion, panicked, run_to_completion};
+use crate::setters::setters;
 use crate::{Call, DEFAULT_LEASE, DEFAULT_RETENTION, Error, Fingerprint, Key, ReleaseErrors, Store};
 
 /// The largest request body the layer buffers to fingerprint it by default (1 MiB); larger bodies
@@ -322,40 +323,23 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
         self
     }
 
-    /// The largest request body buffered (default [`DEFAULT_MAX_REQUEST_BYTES`]); larger ones get `413`.
-    #[must_use]
-    pub fn max_request_bytes(mut self, limit: usize) -> Self {
-        self.config_mut().max_request_bytes = limit;
-        self
-    }
-
-    /// The largest response body recorded (default [`DEFAULT_MAX_RESPONSE_BYTES`]).
-    ///
-    /// A larger body is never truncated: the request that ran gets its whole response (the part
-    /// read up to the limit, then the rest as the handler streams it), and every retry with that
-    /// key gets a `500` problem (`urn:idempotent:response-too-large`, marked replayed) saying the
-    /// request was processed and its response cannot be replayed; it does not run again. Raise the
-    /// limit for routes with large responses (the store's own record limit applies too: over it,
-    /// the first response goes through and retries get `500`).
-    #[must_use]
-    pub fn max_response_bytes(mut self, limit: usize) -> Self {
-        self.config_mut().max_response_bytes = limit;
-        self
-    }
-
-    /// How long a request holds its key if the process dies (default [`DEFAULT_LEASE`]); make it
-    /// longer than the route can take.
-    #[must_use]
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.config_mut().lease = lease;
-        self
-    }
-
-    /// How long a recorded response is replayed (default [`DEFAULT_RETENTION`]).
-    #[must_use]
-    pub fn retention(mut self, retention: Duration) -> Self {
-        self.config_mut().retention = retention;
-        self
+    setters! { in config_mut:
+        /// The largest request body buffered (default [`DEFAULT_MAX_REQUEST_BYTES`]); larger ones get `413`.
+        pub fn max_request_bytes(max_request_bytes: usize);
+        /// The largest response body recorded (default [`DEFAULT_MAX_RESPONSE_BYTES`]).
+        ///
+        /// A larger body is never truncated: the request that ran gets its whole response (the part
+        /// read up to the limit, then the rest as the handler streams it), and every retry with that
+        /// key gets a `500` problem (`urn:idempotent:response-too-large`, marked replayed) saying the
+        /// request was processed and its response cannot be replayed; it does not run again. Raise the
+        /// limit for routes with large responses (the store's own record limit applies too: over it,
+        /// the first response goes through and retries get `500`).
+        pub fn max_response_bytes(max_response_bytes: usize);
+        /// How long a request holds its key if the process dies (default [`DEFAULT_LEASE`]); make it
+        /// longer than the route can take.
+        pub fn lease(lease: Duration);
+        /// How long a recorded response is replayed (default [`DEFAULT_RETENTION`]).
+        pub fn retention(retention: Duration);
     }
 
     /// Makes a request that arrives while the first with its key is running wait up to `wait` for

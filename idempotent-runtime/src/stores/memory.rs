@@ -8,6 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 
+use crate::setters::setters;
 use crate::store::DEFAULT_MAX_RECORD_BYTES;
 use crate::{Claim, ClaimRequest, Completion, Detached, Fingerprint, Key, Record, Store, StoreError, Token};
 
@@ -128,25 +129,13 @@ impl MemoryLimits {
         self
     }
 
-    /// At most `bytes` charged in all.
-    #[must_use]
-    pub fn max_bytes(mut self, bytes: usize) -> Self {
-        self.max_bytes = bytes;
-        self
-    }
-
-    /// Outcomes of at most `bytes` are recorded.
-    #[must_use]
-    pub fn max_record_bytes(mut self, bytes: usize) -> Self {
-        self.max_record_bytes = bytes;
-        self
-    }
-
-    /// What a new key gets when a bound is reached.
-    #[must_use]
-    pub fn when_full(mut self, when_full: WhenFull) -> Self {
-        self.when_full = when_full;
-        self
+    setters! {
+        /// At most `max_bytes` charged in all.
+        pub fn max_bytes(max_bytes: usize);
+        /// Outcomes of at most `max_record_bytes` are recorded.
+        pub fn max_record_bytes(max_record_bytes: usize);
+        /// What a new key gets when a bound is reached.
+        pub fn when_full(when_full: WhenFull);
     }
 }
 

@@ -10,6 +10,7 @@ use super::dialect::Statements;
 use super::dialect::TableName;
 use super::steps::{self, Session};
 use super::{DEFAULT_TABLE, Dialect, PurgeTask, SqlTxStore, TableNameError, TimedOut};
+use crate::setters::setters;
 use crate::store::DEFAULT_MAX_RECORD_BYTES;
 use crate::{Claim, ClaimRequest, Completion, Detached, Key, Store, StoreError, Token};
 
@@ -90,26 +91,19 @@ impl<D: Dialect> SqlStore<D> {
         })
     }
 
-    /// Records outcomes of at most `limit` encoded bytes (default 1 MiB; on MySQL keep it under
-    /// the server's `max_allowed_packet`); larger results are not recorded and replay as
-    /// [`Error::Unrecordable`](crate::Error::Unrecordable).
-    #[must_use]
-    pub fn with_max_record_bytes(mut self, limit: usize) -> Self {
-        self.max_record_bytes = limit;
-        self
-    }
-
-    /// Bounds the statements of every call by `timeout` (default [`DEFAULT_TIMEOUT`]; the wait
-    /// for a pooled connection is the pool's `acquire_timeout`, see [Timeouts](SqlStore#timeouts)).
-    /// A call that takes longer fails with [`TimedOut`] as the source of [`StoreError::Backend`];
-    /// its connection is dropped, not reused.
-    ///
-    /// Keep it above the longest wait on a row lock you expect: a claim on a key that a
-    /// transactional store holds in an open transaction waits for that transaction (MySQL).
-    #[must_use]
-    pub fn with_timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
+    setters! {
+        /// Records outcomes of at most `max_record_bytes` encoded bytes (default 1 MiB; on MySQL
+        /// keep it under the server's `max_allowed_packet`); larger results are not recorded and
+        /// replay as [`Error::Unrecordable`](crate::Error::Unrecordable).
+        pub fn with_max_record_bytes(max_record_bytes: usize);
+        /// Bounds the statements of every call by `timeout` (default [`DEFAULT_TIMEOUT`]; the
+        /// wait for a pooled connection is the pool's `acquire_timeout`, see
+        /// [Timeouts](SqlStore#timeouts)). A call that takes longer fails with [`TimedOut`] as the
+        /// source of [`StoreError::Backend`]; its connection is dropped, not reused.
+        ///
+        /// Keep it above the longest wait on a row lock you expect: a claim on a key that a
+        /// transactional store holds in an open transaction waits for that transaction (MySQL).
+        pub fn with_timeout(timeout: Duration);
     }
 
     /// Deletes at most `rows` expired rows per statement when purging (default

@@ -684,7 +684,8 @@ impl<C: RedisConnection> RedisStore<C> {
     async fn claim_now(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         record::check_fields(request.token, request.fingerprint)?;
         let key = self.key_arg(request.key);
-        let running = record::Running {
+        let running = record::Header {
+            state: record::RUNNING,
             token: request.token.as_str(),
             fingerprint: request.fingerprint.map(crate::Fingerprint::as_str),
         };
@@ -710,7 +711,11 @@ impl<C: RedisConnection> RedisStore<C> {
         let key = self.key_arg(completion.key);
         let running = record::Owned { state: record::RUNNING, token };
         let done = record::Owned { state: record::DONE, token };
-        let header = record::DoneHeader { token, fingerprint: completion.fingerprint.map(crate::Fingerprint::as_str) };
+        let header = record::Header {
+            state: record::DONE,
+            token,
+            fingerprint: completion.fingerprint.map(crate::Fingerprint::as_str),
+        };
         let retention = expiry_millis(completion.retention);
         let args = |cmd: &mut Cmd| {
             cmd.arg(&running).arg(&done).arg(completion.outcome).arg(retention).arg(&header);

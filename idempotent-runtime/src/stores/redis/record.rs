@@ -27,43 +27,21 @@ pub(super) const DONE: &str = "idempotent/1 done ";
 /// The longest token or fingerprint accepted, in hex digits.
 const MAX_HEX: usize = 128;
 
-/// The running record a claim writes: `idempotent/1 running <token> <fp|->\n`.
+/// A record's header, `<state><token> <fp|->\n` with `state` [`RUNNING`] or [`DONE`]: the whole
+/// running record a claim writes, or the start of the completed record a completion writes when the
+/// key no longer holds its claim.
 ///
 /// Written straight into the command's buffer, without an intermediate allocation.
-pub(super) struct Running<'a> {
+pub(super) struct Header<'a> {
+    pub state: &'static str,
     pub token: &'a str,
     pub fingerprint: Option<&'a str>,
 }
 
-impl ToRedisArgs for Running<'_> {
+impl ToRedisArgs for Header<'_> {
     fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
-        use std::io::Write as _;
-        let mut arg = out.writer_for_next_arg();
-        // Writing into a Vec cannot fail.
-        let _ = arg.write_all(RUNNING.as_bytes());
-        let _ = arg.write_all(self.token.as_bytes());
-        let _ = arg.write_all(b" ");
-        let _ = arg.write_all(self.fingerprint.unwrap_or("-").as_bytes());
-        let _ = arg.write_all(b"\n");
-    }
-}
-
-/// The header of a completed record, `idempotent/1 done <token> <fp|->\n`: what a completion
-/// writes when the key no longer holds its claim.
-pub(super) struct DoneHeader<'a> {
-    pub token: &'a str,
-    pub fingerprint: Option<&'a str>,
-}
-
-impl ToRedisArgs for DoneHeader<'_> {
-    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
-        use std::io::Write as _;
-        let mut arg = out.writer_for_next_arg();
-        let _ = arg.write_all(DONE.as_bytes());
-        let _ = arg.write_all(self.token.as_bytes());
-        let _ = arg.write_all(b" ");
-        let _ = arg.write_all(self.fingerprint.unwrap_or("-").as_bytes());
-        let _ = arg.write_all(b"\n");
+        let fingerprint = self.fingerprint.unwrap_or("-");
+        write_arg(out, &[self.state, self.token, " ", fingerprint, "\n"]);
     }
 }
 
@@ -75,11 +53,17 @@ pub(super) struct Owned<'a> {
 
 impl ToRedisArgs for Owned<'_> {
     fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
-        use std::io::Write as _;
-        let mut arg = out.writer_for_next_arg();
-        let _ = arg.write_all(self.state.as_bytes());
-        let _ = arg.write_all(self.token.as_bytes());
-        let _ = arg.write_all(b" ");
+        write_arg(out, &[self.state, self.token, " "]);
+    }
+}
+
+/// Writes `parts`, joined, as the command's next argument.
+fn write_arg<W: ?Sized + RedisWrite>(out: &mut W, parts: &[&str]) {
+    use std::io::Write as _;
+    let mut arg = out.writer_for_next_arg();
+    for part in parts {
+        // Writing into a Vec cannot fail.
+        let _ = arg.write_all(part.as_bytes());
     }
 }
 
@@ -187,9 +171,9 @@ mod tests {
     #[test]
     fn redis_records_are_written_in_the_documented_format() {
         let fp = "ab".repeat(32);
-        let running = written(&Running { token: TOKEN, fingerprint: Some(&fp) });
+        let running = written(&Header { state: RUNNING, token: TOKEN, fingerprint: Some(&fp) });
         assert_eq!(running, format!("idempotent/1 running {TOKEN} {fp}\n").into_bytes());
-        let bare = written(&Running { token: TOKEN, fingerprint: None });
+        let bare = written(&Header { state: RUNNING, token: TOKEN, fingerprint: None });
         assert_eq!(bare, format!("idempotent/1 running {TOKEN} -\n").into_bytes());
         assert_eq!(written(&Owned { state: DONE, token: TOKEN }), format!("idempotent/1 done {TOKEN} ").into_bytes());
     }
@@ -197,7 +181,7 @@ mod tests {
     #[test]
     fn redis_records_parse_back() {
         let fp = "0f".repeat(32);
-        let running = written(&Running { token: TOKEN, fingerprint: Some(&fp) });
+        let running = written(&Header { state: RUNNING, token: TOKEN, fingerprint: Some(&fp) });
         assert_eq!(
             parse(running, b"k").unwrap(),
             Parsed::Running {

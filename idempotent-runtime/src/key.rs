@@ -57,110 +57,18 @@ impl IdempotencyKey for uuid::Uuid {
     }
 }
 
+/// Integers are written in decimal by `itoa`, without `fmt` (a key is made on every call, and
+/// `write!` is most of the cost of a small one).
 macro_rules! integer_keys {
-    ($wide:ty, $unsigned:ty: $($t:ty),*) => {$(
+    ($($t:ty),*) => {$(
         impl IdempotencyKey for $t {
             fn write_key(&self, out: &mut String) {
-                // Widened without loss to the widest type of the same signedness.
-                let wide = <$wide>::from(*self);
-                #[allow(unused_comparisons)] // the unsigned types are never negative
-                let negative = wide < 0;
-                write_decimal::<$unsigned>(negative, wide.unsigned_abs_or_self(), out);
+                out.push_str(itoa::Buffer::new().format(*self));
             }
         }
     )*};
 }
-integer_keys!(u64, u64: u8, u16, u32, u64);
-integer_keys!(i64, u64: i8, i16, i32, i64);
-integer_keys!(u128, u128: u128);
-integer_keys!(i128, u128: i128);
-
-impl IdempotencyKey for usize {
-    fn write_key(&self, out: &mut String) {
-        (*self as u64).write_key(out);
-    }
-}
-
-impl IdempotencyKey for isize {
-    fn write_key(&self, out: &mut String) {
-        (*self as i64).write_key(out);
-    }
-}
-
-/// The magnitude of a widened integer key.
-trait Magnitude<U> {
-    fn unsigned_abs_or_self(self) -> U;
-}
-
-impl Magnitude<u64> for u64 {
-    fn unsigned_abs_or_self(self) -> u64 {
-        self
-    }
-}
-
-impl Magnitude<u64> for i64 {
-    fn unsigned_abs_or_self(self) -> u64 {
-        self.unsigned_abs()
-    }
-}
-
-impl Magnitude<u128> for u128 {
-    fn unsigned_abs_or_self(self) -> u128 {
-        self
-    }
-}
-
-impl Magnitude<u128> for i128 {
-    fn unsigned_abs_or_self(self) -> u128 {
-        self.unsigned_abs()
-    }
-}
-
-/// The unsigned integers a key's magnitude is written from.
-trait Digits: Copy + PartialEq + std::ops::Div<Output = Self> + std::ops::Rem<Output = Self> {
-    const ZERO: Self;
-    const TEN: Self;
-    fn digit(self) -> u8;
-}
-
-impl Digits for u64 {
-    const ZERO: Self = 0;
-    const TEN: Self = 10;
-    #[allow(clippy::cast_possible_truncation)] // below ten
-    fn digit(self) -> u8 {
-        self as u8
-    }
-}
-
-impl Digits for u128 {
-    const ZERO: Self = 0;
-    const TEN: Self = 10;
-    #[allow(clippy::cast_possible_truncation)] // below ten
-    fn digit(self) -> u8 {
-        self as u8
-    }
-}
-
-/// Appends `magnitude` in decimal, with a `-` when `negative`, without `fmt` (a key is made on
-/// every call, and `write!` is most of the cost of a small one).
-fn write_decimal<U: Digits>(negative: bool, mut magnitude: U, out: &mut String) {
-    let mut digits = [0u8; 40];
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (magnitude % U::TEN).digit();
-        magnitude = magnitude / U::TEN;
-        if magnitude == U::ZERO {
-            break;
-        }
-    }
-    if negative {
-        out.push('-');
-    }
-    for &digit in &digits[at..] {
-        out.push(char::from(digit));
-    }
-}
+integer_keys!(u8, u16, u32, u64, u128, usize, i8, i16, i32, i64, i128, isize);
 
 impl<T: IdempotencyKey + ?Sized> IdempotencyKey for &T {
     fn write_key(&self, out: &mut String) {

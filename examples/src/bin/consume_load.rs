@@ -13,7 +13,7 @@
 //! apart. It prints a Markdown table of medians over the runs.
 //!
 //! ```text
-//! cargo run --release -p idempotent-examples --bin consume_load -- --runs 5 --messages 4000 --concurrency 16
+//! cargo run --release -p idempotent-examples --bin consume_load -- --runs 5 --messages 20000 --concurrency 16
 //! ```
 //!
 //! Servers come from `AMQP_URL`, `NATS_URL`, `REDIS_URL` and `POSTGRES_URL` (the test suite's
@@ -38,7 +38,10 @@ use idempotent_runtime::consume::{Disposition, amqp, jetstream as js_consume};
 use idempotent_runtime::stores::sql::{PostgresStore, sqlx};
 use idempotent_runtime::{Error, RedisStore, Store, idempotent};
 
-const USAGE: &str = "usage: consume_load [--runs 5] [--messages 4000] [--concurrency 16]";
+const USAGE: &str = "usage: consume_load [--runs 5] [--messages 20000] [--concurrency 16]";
+
+/// How many JetStream publish acks the fill has pending at most (the context allows 5,000).
+const PUBLISH_WINDOW: usize = 1000;
 
 #[idempotent(key = id, store = store, scope = "consume-load", retention = "10m")]
 async fn handle<S: Store>(store: &S, id: &str, handled: &AtomicUsize) -> Result<usize, Error> {
@@ -79,7 +82,7 @@ fn env(var: &str, default: &str) -> String {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let (mut runs, mut messages, mut concurrency) = (5usize, 4000usize, 16usize);
+    let (mut runs, mut messages, mut concurrency) = (5usize, 20_000usize, 16usize);
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let value: usize = args.next().and_then(|v| v.parse().ok()).ok_or(USAGE)?;
@@ -90,6 +93,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             _ => return Err(USAGE.into()),
         }
     }
+    println!("uptime at start: {}", uptime());
     let redis = RedisStore::connect(&env("REDIS_URL", "redis://127.0.0.1:6379"))
         .await?
         .with_prefix(format!("idempotent-consume-load:{}:", std::process::id()))?;
@@ -147,7 +151,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         };
         println!("| {broker} | {mode} | {:.0} | {ratio} |", median(values.clone()));
     }
+    println!("\nuptime at end: {}", uptime());
     Ok(())
+}
+
+/// What `uptime` prints (the load average: the machine's other work during the measurement).
+fn uptime() -> String {
+    match std::process::Command::new("uptime").output() {
+        Ok(out) if out.status.success() => String::from_utf8_lossy(&out.stdout).trim().to_owned(),
+        _ => std::fs::read_to_string("/proc/loadavg")
+            .map_or_else(|e| format!("unknown ({e})"), |l| format!("load average {}", l.trim())),
+    }
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -201,11 +215,17 @@ impl Setup {
         let config =
             jetstream::stream::Config { name: name.to_owned(), subjects: vec![subject.clone()], ..Default::default() };
         let stream = js.create_stream(config).await?;
-        let mut acks = Vec::with_capacity(self.messages);
+        // Acks awaited a window at a time: each pending ack holds one of the context's permits
+        // (5,000 by default), and a publish waits for a free one, so holding the acks of every
+        // message until the end stalled the fill for good at 5,001 messages.
+        let mut acks = std::collections::VecDeque::with_capacity(PUBLISH_WINDOW);
         for id in self.ids(name) {
+            if acks.len() == PUBLISH_WINDOW {
+                acks.pop_front().expect("a full window").await?;
+            }
             let mut headers = async_nats::HeaderMap::new();
             headers.insert("Nats-Msg-Id", id.as_str());
-            acks.push(js.publish_with_headers(subject.clone(), headers, "{}".into()).await?);
+            acks.push_back(js.publish_with_headers(subject.clone(), headers, "{}".into()).await?);
         }
         for ack in acks {
             ack.await?;

@@ -76,6 +76,7 @@
 //! | `postgres`, `mysql`, `sqlite` | `stores::sql`: the pooled and transactional SQL stores |
 //! | `cache` | `stores::cache::CachedStore`, a local replay cache in front of any store |
 //! | `axum` | `http`: the `Idempotency-Key` layer and extractor |
+//! | `tonic` | `grpc`: the gRPC layer for tonic servers and the key interceptor for tonic clients |
 //! | `reqwest` | `client`: retries that keep their key |
 //! | `amqp`, `jetstream` | `consume`: broker consumers that settle by the record |
 //! | `metrics` | counters and histograms on the `metrics` facade (see [`observe`]) |
@@ -101,6 +102,8 @@ mod detached;
 mod error;
 mod expansion;
 mod fingerprint;
+#[cfg(feature = "tonic")]
+pub mod grpc;
 #[cfg(any(feature = "axum", feature = "reqwest"))]
 mod headers;
 mod hex;

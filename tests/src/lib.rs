@@ -7,6 +7,8 @@ pub mod conformance;
 #[cfg(feature = "postgres")]
 pub mod consume;
 pub mod fresh;
+#[cfg(feature = "grpc")]
+pub mod grpc;
 pub mod proxy;
 pub mod services;
 pub mod simulation;

@@ -41,7 +41,7 @@ pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 512 * 1024;
 /// the IETF draft is about. Requests with other methods pass through untouched, even with a key.
 pub const DEFAULT_METHODS: [Method; 2] = [Method::POST, Method::PATCH];
 
-type CallerFn = dyn Fn(&Parts) -> String + Send + Sync;
+pub(crate) type CallerFn = dyn Fn(&Parts) -> String + Send + Sync;
 type StatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
 
 /// Makes the routes it wraps run at most once per `Idempotency-Key`, replaying the recorded
@@ -158,7 +158,7 @@ impl<St> Clone for Config<St> {
 
 /// Whose keys a layer holds.
 #[derive(Clone)]
-enum Callers {
+pub(crate) enum Callers {
     /// Not said yet: the layer refuses to be applied.
     Unchosen,
     /// Every caller's: [`IdempotencyLayer::keys_shared_by_all_callers`].

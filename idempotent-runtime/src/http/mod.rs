@@ -88,7 +88,7 @@
 mod canonical_json;
 mod extractor;
 mod json;
-mod key_header;
+pub(crate) mod key_header;
 mod layer;
 mod not_processed;
 mod problem;
@@ -107,3 +107,7 @@ pub use recorded::DEFAULT_RECORDED_HEADERS;
 pub use spawn::{RunToCompletion, RunToCompletionLayer};
 
 pub use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+
+// What the gRPC layer shares with this one.
+#[cfg(feature = "tonic")]
+pub(crate) use {key_header::KeyHeaderError, layer::Callers, recorded::Data, spawn::run_to_completion};

@@ -52,14 +52,14 @@ pub(crate) enum Data {
 }
 
 impl Data {
-    fn from_bytes(bytes: &[u8]) -> Self {
+    pub(crate) fn from_bytes(bytes: &[u8]) -> Self {
         match std::str::from_utf8(bytes) {
             Ok(text) => Data::Text(text.to_owned()),
             Err(_) => Data::Base64(BASE64.encode(bytes)),
         }
     }
 
-    fn into_bytes(self) -> Option<Vec<u8>> {
+    pub(crate) fn into_bytes(self) -> Option<Vec<u8>> {
         match self {
             Data::Text(text) => Some(text.into_bytes()),
             Data::Base64(text) => BASE64.decode(text).ok(),

@@ -1,0 +1,190 @@
+//! What the layer records of an RPC's answer, and how an answer is rebuilt from the record.
+
+use std::panic::AssertUnwindSafe;
+
+use bytes::Bytes;
+use futures_util::{FutureExt as _, StreamExt as _, TryStreamExt};
+use http::{HeaderMap, HeaderName, HeaderValue, header};
+use http_body::Frame;
+use http_body_util::{BodyExt as _, BodyStream, StreamBody};
+use serde::{Deserialize, Serialize};
+use tonic::Code;
+use tonic::body::Body;
+
+use super::status::{self, NOT_PROCESSED_HEADER};
+use crate::http::{Data, IDEMPOTENT_REPLAYED};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The header that carries a status, in the trailers or (a trailers-only answer) the headers.
+const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+
+/// A recorded outcome of a covered RPC.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum Recorded {
+    /// The answer: initial metadata, the body (its length-prefixed messages) and the trailers.
+    Answer { headers: Vec<(String, Data)>, body: Data, trailers: Option<Vec<(String, Data)>> },
+    /// The handler answered with a body over the layer's limit (sent to the call that ran it).
+    TooLarge { limit: usize },
+    /// The handler's answer failed mid-way (an error or a panic of its body); for the log.
+    Failed { reason: String },
+}
+
+/// A handler's answer, read whole.
+pub(crate) struct Answer {
+    pub(crate) parts: http::response::Parts,
+    pub(crate) body: Bytes,
+    pub(crate) trailers: Option<HeaderMap>,
+}
+
+/// A handler's answer as the layer read it.
+pub(crate) enum Read {
+    /// Whole, within the limit.
+    Whole(Answer),
+    /// Over the limit: the answer to send the call that ran it, whole.
+    TooLarge(http::Response<Body>),
+    /// Its body failed before its end.
+    Failed(String),
+}
+
+/// Reads `response`'s body and trailers, up to `limit` bytes of body.
+pub(crate) async fn read_answer<B>(response: http::Response<B>, limit: usize) -> Read
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let (parts, body) = response.into_parts();
+    let mut body = Box::pin(body);
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut len = 0usize;
+    let mut trailers = None;
+    loop {
+        let frame = match AssertUnwindSafe(body.frame()).catch_unwind().await {
+            Ok(None) => break,
+            Ok(Some(Ok(frame))) => frame,
+            Ok(Some(Err(error))) => return Read::Failed(error.into().to_string()),
+            Err(_) => return Read::Failed("the answer's body panicked".to_owned()),
+        };
+        let frame = match frame.into_data() {
+            Ok(data) => data,
+            Err(frame) => {
+                if let Ok(more) = frame.into_trailers() {
+                    trailers.get_or_insert_with(HeaderMap::new).extend(more);
+                }
+                continue;
+            }
+        };
+        len = len.saturating_add(frame.len());
+        chunks.push(frame);
+        if len > limit {
+            let read = futures_util::stream::iter(chunks.into_iter().map(|chunk| Ok(Frame::data(chunk))));
+            let rest = TryStreamExt::map_err(BodyStream::new(body), Into::into);
+            return Read::TooLarge(http::Response::from_parts(parts, Body::new(StreamBody::new(read.chain(rest)))));
+        }
+    }
+    let body = match <[Bytes; 1]>::try_from(chunks) {
+        Ok([one]) => one,
+        Err(chunks) => chunks.concat().into(),
+    };
+    Read::Whole(Answer { parts, body, trailers })
+}
+
+impl Answer {
+    /// The answer's status code: from its trailers, or its headers for a trailers-only answer.
+    /// An answer with neither is `UNKNOWN`, as a client reads it.
+    pub(crate) fn code(&self) -> Code {
+        let value =
+            self.trailers.as_ref().and_then(|t| t.get(GRPC_STATUS)).or_else(|| self.parts.headers.get(GRPC_STATUS));
+        value.map_or(Code::Unknown, |value| Code::from_bytes(value.as_bytes()))
+    }
+
+    /// Removes the [`not_processed`](super::not_processed) marker; `true` if it was there.
+    pub(crate) fn take_not_processed(&mut self) -> bool {
+        let in_headers = self.parts.headers.remove(NOT_PROCESSED_HEADER).is_some();
+        let in_trailers = self.trailers.as_mut().is_some_and(|t| t.remove(NOT_PROCESSED_HEADER).is_some());
+        in_headers || in_trailers
+    }
+
+    /// The record of this answer: every header but those of one exchange (`date`,
+    /// `content-length`), the body, the trailers.
+    pub(crate) fn record(&self) -> Recorded {
+        let headers = self
+            .parts
+            .headers
+            .iter()
+            .filter(|(name, _)| *name != header::DATE && *name != header::CONTENT_LENGTH)
+            .map(entry)
+            .collect();
+        let trailers = self.trailers.as_ref().map(|t| t.iter().map(entry).collect());
+        Recorded::Answer { headers, body: Data::from_bytes(&self.body), trailers }
+    }
+
+    /// The answer, to send.
+    pub(crate) fn into_response(self) -> http::Response<Body> {
+        http::Response::from_parts(self.parts, body(self.body, self.trailers))
+    }
+}
+
+fn entry((name, value): (&HeaderName, &HeaderValue)) -> (String, Data) {
+    (name.as_str().to_owned(), Data::from_bytes(value.as_bytes()))
+}
+
+impl Recorded {
+    /// The answer a replay sends: the recorded one with `idempotent-replayed: true`.
+    pub(crate) fn into_replay(self) -> http::Response<Body> {
+        let rebuilt = match self {
+            Recorded::Answer { headers, body, trailers } => rebuild(headers, body, trailers),
+            Recorded::TooLarge { limit } => Some(status::replay_impossible(&format!(
+                "a call with this idempotency-key was processed, but its response was over the {limit}-byte recording \
+                 limit, so it cannot be replayed; it will not run again under this key"
+            )).into_http()),
+            Recorded::Failed { .. } => Some(status::replay_impossible(
+                "a call with this idempotency-key was processed, but its response failed while it was sent, so it \
+                 cannot be replayed; it will not run again under this key",
+            ).into_http()),
+        };
+        let Some(mut response) = rebuilt else {
+            tracing::error!(target: "idempotent", "a recorded RPC answer is malformed and cannot be replayed");
+            return tonic::Status::internal(
+                "the answer recorded for this idempotency-key cannot be replayed; use a new key",
+            )
+            .into_http();
+        };
+        response.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        response
+    }
+}
+
+fn rebuild(
+    headers: Vec<(String, Data)>,
+    body_data: Data,
+    trailers: Option<Vec<(String, Data)>>,
+) -> Option<http::Response<Body>> {
+    let trailers = match trailers {
+        Some(entries) => Some(header_map(entries)?),
+        None => None,
+    };
+    let mut response = http::Response::new(body(Bytes::from(body_data.into_bytes()?), trailers));
+    *response.headers_mut() = header_map(headers)?;
+    Some(response)
+}
+
+fn header_map(entries: Vec<(String, Data)>) -> Option<HeaderMap> {
+    let mut map = HeaderMap::with_capacity(entries.len());
+    for (name, value) in entries {
+        map.append(HeaderName::from_bytes(name.as_bytes()).ok()?, HeaderValue::from_bytes(&value.into_bytes()?).ok()?);
+    }
+    Some(map)
+}
+
+/// A body of `data` followed by `trailers`. A trailers-only answer (its status in its headers)
+/// gets a body that says it is empty, so its headers end the stream as gRPC requires: clients
+/// refuse a trailers-only answer followed by an empty data frame.
+fn body(data: Bytes, trailers: Option<HeaderMap>) -> Body {
+    if data.is_empty() && trailers.is_none() {
+        return Body::empty();
+    }
+    let data = (!data.is_empty()).then(|| Frame::data(data));
+    let frames = data.into_iter().chain(trailers.map(Frame::trailers));
+    Body::new(StreamBody::new(futures_util::stream::iter(frames.map(Ok::<_, std::convert::Infallible>))))
+}

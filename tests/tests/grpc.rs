@@ -1,0 +1,298 @@
+//! The gRPC layer against real clients: Python's grpcio with a service-config retry policy, and
+//! tonic's own client. Every test counts the handler's runs in the bank's own ledger, never in
+//! the store.
+
+#![cfg(feature = "grpc")]
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idempotent_runtime::grpc::{GrpcIdempotencyLayer, IdempotencyKeys};
+use idempotent_runtime::{Call, Error, MemoryStore, Store};
+use idempotent_tests::grpc::{Bank, Ledger, PAY, PayRequest, PaymentsClient, TestServer, request_id};
+use idempotent_tests::proxy::FaultProxy;
+use idempotent_tests::services::{services_required, skipped};
+use serde_json::Value;
+use tonic::transport::Channel;
+use tonic::{Code, Request, Status};
+
+fn layer<St: Store>(store: St) -> GrpcIdempotencyLayer<St> {
+    GrpcIdempotencyLayer::new(store).keys_shared_by_all_callers().method(PAY)
+}
+
+fn pay(key: Option<&str>, user: &str, amount: i64, behaviour: &str) -> Request<PayRequest> {
+    let mut request = Request::new(PayRequest {
+        request_id: String::new(),
+        user: user.to_owned(),
+        amount,
+        behaviour: behaviour.to_owned(),
+    });
+    if let Some(key) = key {
+        request.metadata_mut().insert("idempotency-key", key.parse().unwrap());
+    }
+    request
+}
+
+async fn client(addr: std::net::SocketAddr) -> PaymentsClient<Channel> {
+    PaymentsClient::connect(format!("http://{addr}")).await.expect("connect to the test server")
+}
+
+fn replayed<T>(response: &tonic::Response<T>) -> bool {
+    response.metadata().get("idempotent-replayed").is_some_and(|v| v == "true")
+}
+
+// ---- Python's grpcio ------------------------------------------------------------------------
+
+/// The Python interpreter of a virtual environment with grpcio 1.85.0, made once under
+/// `target/` (from `PyPI`); `None`, loudly, when it cannot be made and services are not required.
+fn python() -> Option<PathBuf> {
+    static MADE: Mutex<Option<Result<PathBuf, String>>> = Mutex::new(None);
+    let mut made = MADE.lock().unwrap();
+    let result = made.get_or_insert_with(|| {
+        let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/grpc-venv");
+        let python = venv.join("bin/python");
+        let ready = || Command::new(&python).args(["-c", "import grpc; assert grpc.__version__ == '1.85.0'"]).output();
+        if ready().is_ok_and(|out| out.status.success()) {
+            return Ok(python);
+        }
+        let run = |program: &std::path::Path, args: &[&str]| -> Result<(), String> {
+            let out = Command::new(program).args(args).output().map_err(|e| format!("{}: {e}", program.display()))?;
+            if out.status.success() {
+                Ok(())
+            } else {
+                Err(format!("{} {args:?}: {}", program.display(), String::from_utf8_lossy(&out.stderr)))
+            }
+        };
+        run("python3".as_ref(), &["-m", "venv", venv.to_str().unwrap()])?;
+        run(&venv.join("bin/pip"), &["install", "--quiet", "grpcio==1.85.0"])?;
+        Ok(python)
+    });
+    match result {
+        Ok(python) => Some(python.clone()),
+        Err(error) => {
+            let message = format!("grpc python tests: cannot install grpcio 1.85.0 from PyPI ({error})");
+            assert!(!services_required(), "{message}, and IDEMPOTENT_REQUIRE_SERVICES=1 requires it");
+            skipped(&message);
+            None
+        }
+    }
+}
+
+/// Runs `tests/grpc/pay_client.py` against `target` with `calls`; one JSON object per call.
+async fn python_calls(python: PathBuf, target: String, calls: Value) -> Vec<Value> {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("grpc/pay_client.py");
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(python).arg(script).arg(target).arg(calls.to_string()).output().expect("run the Python client")
+    })
+    .await
+    .unwrap();
+    assert!(out.status.success(), "the Python client failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().lines().map(|line| serde_json::from_str(line).unwrap()).collect()
+}
+
+fn call(key: Option<&str>, user: &str, behaviour: &str, messages: u8) -> Value {
+    serde_json::json!({"key": key, "request_id": "", "user": user, "amount": 10, "behaviour": behaviour, "messages": messages})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_python_client_retrying_after_a_lost_answer_gets_the_recorded_one() {
+    let Some(python) = python() else { return };
+    let proxy = Arc::new(FaultProxy::start("127.0.0.1:9").await.unwrap());
+    let ledger = Ledger::default();
+    let server =
+        TestServer::start(layer(MemoryStore::new()), Bank::new(ledger.clone(), Some(Arc::clone(&proxy)))).await;
+    proxy.set_target(server.addr);
+
+    let keys: Vec<String> = (0..5).map(|i| format!("py-lost-{i}-{}", uuid::Uuid::new_v4())).collect();
+    let mut calls: Vec<Value> =
+        keys.iter().enumerate().map(|(i, k)| call(Some(k), &format!("lost-{i}"), "drop-first", 1)).collect();
+    let failing = format!("py-failing-{}", uuid::Uuid::new_v4());
+    calls.push(call(Some(&failing), "failing", "fail-after-effect", 1));
+    let refused = format!("py-refused-{}", uuid::Uuid::new_v4());
+    calls.push(call(Some(&refused), "refused", "refuse", 1));
+    calls.push(call(Some(&format!("py-stream-{}", uuid::Uuid::new_v4())), "streaming", "", 2));
+    calls.push(call(None, "keyless", "", 1));
+    let calls = Value::Array(calls);
+
+    let first = python_calls(python.clone(), proxy.addr().to_string(), calls.clone()).await;
+    assert_eq!(first.len(), 9, "{first:?}");
+    for (i, answer) in first[..5].iter().enumerate() {
+        let user = format!("lost-{i}");
+        assert_eq!(answer["code"], "OK", "the retry after the lost answer gets the recorded one: {answer}");
+        assert_eq!(answer["replayed"], true, "{answer}");
+        assert_eq!(ledger.runs_for(&user), 1, "{user} was paid once: {answer}");
+    }
+    // The handler failed after its effect: the retry policy retries UNAVAILABLE, every retry got
+    // the recorded failure, and the payment was made once.
+    assert_eq!(first[5]["code"], "UNAVAILABLE", "{}", first[5]);
+    assert!(first[5]["details"].as_str().unwrap().contains("receipt service timed out"), "{}", first[5]);
+    assert_eq!(first[5]["replayed"], true, "{}", first[5]);
+    assert_eq!(ledger.runs_for("failing"), 1);
+    // Marked not processed: not recorded, nothing paid.
+    assert_eq!(first[6]["code"], "INVALID_ARGUMENT", "{}", first[6]);
+    assert_eq!(first[6]["replayed"], false, "{}", first[6]);
+    // Two messages on a covered method: refused before the handler.
+    assert_eq!(first[7]["code"], "UNIMPLEMENTED", "{}", first[7]);
+    assert!(first[7]["details"].as_str().unwrap().contains("2 messages"), "{}", first[7]);
+    assert_eq!(ledger.runs_for("streaming"), 0);
+    assert_eq!(first[8]["code"], "INVALID_ARGUMENT", "{}", first[8]);
+    assert!(first[8]["details"].as_str().unwrap().contains("requires an idempotency key"), "{}", first[8]);
+    assert_eq!(ledger.runs_for("keyless"), 0);
+
+    // A second client process sends the same calls: the same answers, nothing more paid.
+    let paid = ledger.len();
+    let again = python_calls(python, proxy.addr().to_string(), calls).await;
+    for (before, after) in first[..6].iter().zip(&again[..6]) {
+        assert_eq!(before["code"], after["code"], "{before} / {after}");
+        assert_eq!(before.get("receipt"), after.get("receipt"), "{before} / {after}");
+        assert_eq!(after["replayed"], true, "{after}");
+    }
+    assert_eq!(ledger.len(), paid, "the repeated calls paid nothing");
+    assert_eq!(ledger.runs_for("lost-0") + ledger.runs_for("failing"), 2);
+}
+
+// ---- tonic's client ---------------------------------------------------------------------
+
+#[tokio::test]
+async fn grpc_64_concurrent_duplicates_run_once_memory() {
+    let ledger = Ledger::default();
+    let server = TestServer::start(layer(MemoryStore::new()), Bank::new(ledger.clone(), None)).await;
+    let client = client(server.addr).await;
+    let key = format!("dup-{}", uuid::Uuid::new_v4());
+    let calls = (0..64).map(|_| {
+        let mut client = client.clone();
+        let key = key.clone();
+        tokio::spawn(async move { client.pay(pay(Some(&key), "dup", 10, "slow")).await })
+    });
+    let answers = futures_util::future::join_all(calls).await;
+    let (mut ok, mut aborted) = (0, 0);
+    for answer in answers {
+        match answer.unwrap() {
+            Ok(response) => {
+                assert!(!replayed(&response));
+                ok += 1;
+            }
+            Err(status) => {
+                assert_eq!(status.code(), Code::Aborted, "{status:?}");
+                let pushback = status.metadata().get("grpc-retry-pushback-ms").expect("a pushback");
+                let ms: u64 = pushback.to_str().unwrap().parse().unwrap();
+                assert!((1..=1000).contains(&ms), "pushback {ms} ms");
+                aborted += 1;
+            }
+        }
+    }
+    assert_eq!((ok, aborted), (1, 63));
+    assert_eq!(ledger.len(), 1, "64 concurrent duplicates paid once");
+    let replay = client.clone().pay(pay(Some(&key), "dup", 10, "slow")).await.unwrap();
+    assert!(replayed(&replay));
+    assert_eq!(replay.get_ref().seq, 1);
+    assert_eq!(ledger.len(), 1);
+}
+
+#[tokio::test]
+async fn grpc_reused_key_with_another_message_is_refused_and_runs_nothing_memory() {
+    let ledger = Ledger::default();
+    let server = TestServer::start(layer(MemoryStore::new()), Bank::new(ledger.clone(), None)).await;
+    let mut client = client(server.addr).await;
+    client.pay(pay(Some("reused"), "alice", 10, "")).await.unwrap();
+    let status = client.pay(pay(Some("reused"), "alice", 20, "")).await.unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+    assert!(status.message().contains("different request"), "{status:?}");
+    let malformed = client.pay(pay(Some("a b"), "alice", 20, "")).await.unwrap_err();
+    assert_eq!(malformed.code(), Code::InvalidArgument, "{malformed:?}");
+    assert_eq!(ledger.len(), 1);
+}
+
+#[tokio::test]
+async fn grpc_aip155_request_id_in_the_message_is_the_key_memory() {
+    let ledger = Ledger::default();
+    let layer =
+        GrpcIdempotencyLayer::new(MemoryStore::new()).keys_shared_by_all_callers().method_keyed_by(PAY, request_id);
+    let server = TestServer::start(layer, Bank::new(ledger.clone(), None)).await;
+    let mut client = client(server.addr).await;
+    let request = |id: &str| {
+        Request::new(PayRequest { request_id: id.to_owned(), user: "bob".into(), amount: 5, behaviour: String::new() })
+    };
+    let first = client.pay(request("3f1c0a52-8d7e-4c43-9a55-1b2f8f6a9d10")).await.unwrap();
+    let second = client.pay(request("3f1c0a52-8d7e-4c43-9a55-1b2f8f6a9d10")).await.unwrap();
+    assert!(!replayed(&first) && replayed(&second));
+    assert_eq!(first.get_ref(), second.get_ref());
+    let missing = client.pay(request("")).await.unwrap_err();
+    assert_eq!(missing.code(), Code::InvalidArgument, "{missing:?}");
+    assert!(missing.message().contains("in its request message"), "{missing:?}");
+    assert_eq!(ledger.len(), 1);
+}
+
+#[tokio::test]
+async fn grpc_server_restart_on_sqlite_replays() {
+    use idempotent_runtime::stores::sql::SqliteStore;
+    let path = idempotent_tests::fresh::temp_dir("grpc-restart").join("records.db");
+    let ledger = Ledger::default();
+    let key = "restart-1";
+    let store = SqliteStore::open(&path).await.unwrap();
+    let server = TestServer::start(layer(store), Bank::new(ledger.clone(), None)).await;
+    let first = client(server.addr).await.pay(pay(Some(key), "carol", 7, "")).await.unwrap();
+    server.stop().await;
+
+    let store = SqliteStore::open(&path).await.unwrap();
+    let server = TestServer::start(layer(store), Bank::new(ledger.clone(), None)).await;
+    let again = client(server.addr).await.pay(pay(Some(key), "carol", 7, "")).await.unwrap();
+    assert!(replayed(&again), "the restarted server replays");
+    assert_eq!(first.get_ref(), again.get_ref());
+    assert_eq!(ledger.len(), 1);
+}
+
+#[derive(Debug)]
+enum Failed {
+    #[allow(dead_code, reason = "read through Debug when a test fails")]
+    Idempotency(Error),
+    Rpc(Status),
+}
+
+impl From<Error> for Failed {
+    fn from(error: Error) -> Self {
+        Failed::Idempotency(error)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_tonic_client_in_an_idempotent_body_sends_the_same_derived_key_when_the_body_runs_again_memory() {
+    let proxy = Arc::new(FaultProxy::start("127.0.0.1:9").await.unwrap());
+    let ledger = Ledger::default();
+    let server =
+        TestServer::start(layer(MemoryStore::new()), Bank::new(ledger.clone(), Some(Arc::clone(&proxy)))).await;
+    proxy.set_target(server.addr);
+    let channel = Channel::from_shared(format!("http://{}", proxy.addr())).unwrap().connect_lazy();
+    let client = PaymentsClient::with_interceptor(channel, IdempotencyKeys);
+
+    // The calling service's own idempotent operation: an order that pays through the bank.
+    let shop = MemoryStore::new();
+    let order = || {
+        let mut client = client.clone();
+        Call::new("shop", "order-17").run(&shop, async move {
+            let receipt = client.pay(pay(None, "dave", 30, "drop-first")).await.map_err(Failed::Rpc)?;
+            Ok::<_, Failed>((receipt.get_ref().seq, replayed(&receipt)))
+        })
+    };
+    // The bank paid, the answer was lost: the body failed, its key was released.
+    let lost = order().await.unwrap_err();
+    assert!(matches!(&lost, Failed::Rpc(_)), "{lost:?}");
+    assert_eq!(ledger.len(), 1);
+    // The shop's retry runs the body again; its call gets the same derived key, and the bank replays.
+    let mut again = order().await;
+    for _ in 0..20 {
+        // The channel may still be reconnecting through the proxy.
+        if !matches!(&again, Err(Failed::Rpc(status)) if matches!(status.code(), Code::Unavailable | Code::Unknown | Code::Cancelled))
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        again = order().await;
+    }
+    let (seq, was_replayed) = again.unwrap();
+    assert_eq!(seq, 1);
+    assert!(was_replayed, "the bank replayed the derived key's answer");
+    assert_eq!(ledger.len(), 1, "one payment for the order");
+}

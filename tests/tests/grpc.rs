@@ -296,3 +296,37 @@ async fn grpc_tonic_client_in_an_idempotent_body_sends_the_same_derived_key_when
     assert!(was_replayed, "the bank replayed the derived key's answer");
     assert_eq!(ledger.len(), 1, "one payment for the order");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_store_down_before_the_claim_is_unavailable_and_not_recorded_redis() {
+    use idempotent_tests::proxy::Mode;
+    let test = "grpc_store_down_before_the_claim_is_unavailable_and_not_recorded_redis";
+    let Some(url) = idempotent_tests::services::redis_url(test) else { return };
+    let target = url.trim_start_matches("redis://").trim_end_matches('/').to_owned();
+    let proxy = FaultProxy::start(&target).await.expect("start the proxy");
+    let (store, cleanup) = idempotent_tests::fresh::redis_at(&format!("redis://{}", proxy.addr())).await;
+    let ledger = Ledger::default();
+    let server = TestServer::start(layer(store), Bank::new(ledger.clone(), None)).await;
+    let mut client = client(server.addr).await;
+    proxy.set_mode(Mode::Refuse);
+    proxy.kill_connections();
+    let key = format!("down-{}", uuid::Uuid::new_v4());
+    let down = client.pay(pay(Some(&key), "erin", 10, "")).await.unwrap_err();
+    assert_eq!(down.code(), Code::Unavailable, "{down:?}");
+    assert!(down.message().contains("not processed"), "{down:?}");
+    assert!(ledger.is_empty(), "nothing ran");
+    proxy.set_mode(Mode::Pass);
+    let mut again = client.pay(pay(Some(&key), "erin", 10, "")).await;
+    for _ in 0..100 {
+        if !matches!(&again, Err(status) if status.code() == Code::Unavailable) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        again = client.pay(pay(Some(&key), "erin", 10, "")).await;
+    }
+    let again = again.expect("the store is back: the call runs");
+    assert!(!replayed(&again), "the UNAVAILABLE was not recorded: the retry ran");
+    assert_eq!(ledger.len(), 1);
+    drop(server);
+    cleanup.run().await;
+}

@@ -82,25 +82,25 @@ pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
 #[must_use = "a Consumer does nothing until `run`"]
 pub struct Consumer<B, E> {
     broker: B,
-    settings: Settings<E>,
+    settings: Settings,
+    on_failure: FailurePolicy<E>,
+    observer: Option<Observer>,
 }
 
-/// What every consumer is configured with, whatever its broker.
-struct Settings<E> {
+/// The numbers every consumer is configured with, whatever its broker (the callbacks are beside
+/// them in [`Consumer`]).
+#[derive(Debug, Clone, Copy)]
+struct Settings {
     concurrency: usize,
     retry_delay: Duration,
     max_attempts: u32,
-    on_failure: FailurePolicy<E>,
-    observer: Option<Observer>,
 }
 
 impl<B: std::fmt::Debug, E> std::fmt::Debug for Consumer<B, E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Consumer")
             .field("broker", &self.broker)
-            .field("concurrency", &self.settings.concurrency)
-            .field("retry_delay", &self.settings.retry_delay)
-            .field("max_attempts", &self.settings.max_attempts)
+            .field("settings", &self.settings)
             .finish_non_exhaustive()
     }
 }
@@ -114,9 +114,9 @@ impl<B, E> Consumer<B, E> {
                 concurrency: DEFAULT_CONCURRENCY,
                 retry_delay: DEFAULT_RETRY_DELAY,
                 max_attempts: DEFAULT_MAX_ATTEMPTS,
-                on_failure: Box::new(|_| Disposition::Retry),
-                observer: None,
             },
+            on_failure: Box::new(|_| Disposition::Retry),
+            observer: None,
         }
     }
 
@@ -149,13 +149,13 @@ impl<B, E> Consumer<B, E> {
     /// run out), [`Disposition::Ack`] (the error is final, for example recorded with
     /// `record_err`) or [`Disposition::DeadLetter`].
     pub fn on_failure(mut self, policy: impl Fn(&E) -> Disposition + Send + Sync + 'static) -> Self {
-        self.settings.on_failure = Box::new(policy);
+        self.on_failure = Box::new(policy);
         self
     }
 
     /// Calls `observer` after each delivery is settled (for metrics, or a test's ledger).
     pub fn on_settled(mut self, observer: impl Fn(&Settled) + Send + Sync + 'static) -> Self {
-        self.settings.observer = Some(Arc::new(observer));
+        self.observer = Some(Arc::new(observer));
         self
     }
 }
@@ -189,7 +189,7 @@ impl<B, E: HandlerError> Consumer<B, E> {
         let mut verdict = match AssertUnwindSafe(run).catch_unwind().await {
             Ok(result) => {
                 let own_error = matches!(&result, Err(e) if e.idempotency_error().is_none());
-                let (disposition, reason) = disposition(&result, &*self.settings.on_failure);
+                let (disposition, reason) = disposition(&result, &*self.on_failure);
                 Verdict { disposition, reason, failed: own_error && disposition == Disposition::Retry }
             }
             Err(panic) => {
@@ -216,7 +216,7 @@ impl<B, E: HandlerError> Consumer<B, E> {
     /// Logs a settlement and tells the observer.
     pub(crate) fn settled(&self, settled: &Settled) {
         log(settled);
-        if let Some(observer) = &self.settings.observer {
+        if let Some(observer) = &self.observer {
             observer(settled);
         }
     }

@@ -85,13 +85,19 @@ pub struct CachedStore<S> {
 
 struct Shared {
     records: Cache<Box<str>, Arc<Cached>>,
-    learned_ttl: Duration,
+    limits: Limits,
     /// `cache+<the inner store's name>`, made once.
     name: OnceLock<&'static str>,
-    max_entries: u64,
-    max_bytes: u64,
     hits: AtomicU64,
     misses: AtomicU64,
+}
+
+/// What a cache is built with: its two bounds and how long a record found in the store is kept.
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    max_entries: u64,
+    max_bytes: u64,
+    learned_ttl: Duration,
 }
 
 struct Cached {
@@ -141,9 +147,9 @@ impl Expiry<Box<str>, Arc<Cached>> for UntilExpiry {
 
 impl Shared {
     #[allow(clippy::borrowed_box)] // the weigher's signature is moka's
-    fn new(max_entries: u64, max_bytes: u64, learned_ttl: Duration) -> Self {
-        let max_entries = max_entries.max(1);
-        let max_bytes = max_bytes.max(1);
+    fn new(limits: Limits) -> Self {
+        let limits = Limits { max_entries: limits.max_entries.max(1), max_bytes: limits.max_bytes.max(1), ..limits };
+        let Limits { max_entries, max_bytes, .. } = limits;
         // One weighted capacity enforces both bounds: every entry weighs at least
         // `max_bytes / max_entries`, so no more than `max_entries` fit, and at least its size in
         // bytes, so they never take more than `max_bytes`.
@@ -156,15 +162,7 @@ impl Shared {
             })
             .expire_after(UntilExpiry)
             .build();
-        Shared {
-            records,
-            learned_ttl,
-            name: OnceLock::new(),
-            max_entries,
-            max_bytes,
-            hits: AtomicU64::new(0),
-            misses: AtomicU64::new(0),
-        }
+        Shared { records, limits, name: OnceLock::new(), hits: AtomicU64::new(0), misses: AtomicU64::new(0) }
     }
 }
 
@@ -174,7 +172,11 @@ impl<S> CachedStore<S> {
     pub fn new(inner: S) -> Self {
         CachedStore {
             inner,
-            shared: Arc::new(Shared::new(DEFAULT_MAX_ENTRIES, DEFAULT_MAX_BYTES, DEFAULT_LEARNED_TTL)),
+            shared: Arc::new(Shared::new(Limits {
+                max_entries: DEFAULT_MAX_ENTRIES,
+                max_bytes: DEFAULT_MAX_BYTES,
+                learned_ttl: DEFAULT_LEARNED_TTL,
+            })),
         }
     }
 
@@ -182,16 +184,14 @@ impl<S> CachedStore<S> {
     /// set the limits when building the store.
     #[must_use]
     pub fn max_entries(self, entries: u64) -> Self {
-        let shared = Shared::new(entries, self.shared.max_bytes, self.shared.learned_ttl);
-        CachedStore { inner: self.inner, shared: Arc::new(shared) }
+        self.with_limits(|limits| Limits { max_entries: entries, ..limits })
     }
 
     /// Caches records taking at most `bytes` in all (keys and outcomes, plus a small overhead per
     /// entry; default [`DEFAULT_MAX_BYTES`]). Starts an empty cache.
     #[must_use]
     pub fn max_bytes(self, bytes: u64) -> Self {
-        let shared = Shared::new(self.shared.max_entries, bytes, self.shared.learned_ttl);
-        CachedStore { inner: self.inner, shared: Arc::new(shared) }
+        self.with_limits(|limits| Limits { max_bytes: bytes, ..limits })
     }
 
     /// How long a completed record returned by the store (not completed by this process) is
@@ -199,8 +199,13 @@ impl<S> CachedStore<S> {
     /// up to this long after its retention ended in the store. Starts an empty cache.
     #[must_use]
     pub fn learned_ttl(self, ttl: Duration) -> Self {
-        let shared = Shared::new(self.shared.max_entries, self.shared.max_bytes, ttl);
-        CachedStore { inner: self.inner, shared: Arc::new(shared) }
+        self.with_limits(|limits| Limits { learned_ttl: ttl, ..limits })
+    }
+
+    /// This store with a new, empty cache, built with its limits changed by `change`.
+    fn with_limits(self, change: impl FnOnce(Limits) -> Limits) -> Self {
+        let limits = change(self.shared.limits);
+        CachedStore { inner: self.inner, shared: Arc::new(Shared::new(limits)) }
     }
 
     /// The wrapped store.
@@ -262,9 +267,7 @@ impl<S: std::fmt::Debug> std::fmt::Debug for CachedStore<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CachedStore")
             .field("inner", &self.inner)
-            .field("max_entries", &self.shared.max_entries)
-            .field("max_bytes", &self.shared.max_bytes)
-            .field("learned_ttl", &self.shared.learned_ttl)
+            .field("limits", &self.shared.limits)
             .finish_non_exhaustive()
     }
 }
@@ -281,7 +284,7 @@ impl<S: Store> Store for CachedStore<S> {
         count("miss");
         let claim = self.inner.claim(request).await?;
         if let Claim::Completed(record) = &claim
-            && let Some(expires) = now.checked_add(self.shared.learned_ttl)
+            && let Some(expires) = now.checked_add(self.shared.limits.learned_ttl)
         {
             let cached = Cached { fingerprint: record.fingerprint.clone(), outcome: record.outcome.clone(), expires };
             self.cache(request.key, cached);

@@ -80,6 +80,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel};
 
+use super::broker::{Broker, Consume, Handle};
 use super::{Disposition, HandlerError, NO_ID, Settled, Verdict};
 
 /// The header in which the consumer counts a message's attempts (absent: the first).
@@ -165,6 +166,11 @@ impl Message {
 
 type IdOf = Box<dyn Fn(&Delivery) -> Option<String> + Send + Sync>;
 
+impl Broker for Amqp {
+    type Message = Message;
+    type Error = lapin::Error;
+}
+
 impl<E: HandlerError> Consumer<E> {
     /// A consumer of `queue` on `channel`, taking each message's id from its `message_id` property.
     pub fn new(channel: Channel, queue: impl Into<String>) -> Self {
@@ -179,35 +185,10 @@ impl<E: HandlerError> Consumer<E> {
         self.broker.id_of = Box::new(id_of);
         self
     }
+}
 
-    /// Consumes until the channel closes or the broker cancels the consumer.
-    ///
-    /// # Errors
-    ///
-    /// When the consumer cannot be started, or the channel fails.
-    pub async fn run<F, Fut, T>(self, handler: F) -> Result<(), lapin::Error>
-    where
-        F: Fn(Message) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-    {
-        self.run_until(handler, std::future::pending()).await
-    }
-
-    /// Consumes until `stop` completes (or the channel closes), then cancels the consumer and
-    /// finishes the deliveries in hand. Deliveries prefetched but not started stay unacknowledged
-    /// and return to the queue when the channel closes.
-    ///
-    /// The channel is put in publisher-confirm mode (the copies returned after a failure are
-    /// confirmed before the original is acked).
-    ///
-    /// # Errors
-    ///
-    /// When the consumer cannot be started, or the channel fails.
-    pub async fn run_until<F, Fut, T>(self, handler: F, stop: impl Future<Output = ()>) -> Result<(), lapin::Error>
-    where
-        F: Fn(Message) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-    {
+impl<E: HandlerError> Consume<Amqp, E> for Consumer<E> {
+    async fn consume(self, handler: impl Handle<Amqp, E>, stop: impl Future<Output = ()>) -> Result<(), lapin::Error> {
         let channel = &self.broker.channel;
         channel.confirm_select(ConfirmSelectOptions::default()).await?;
         let prefetch = u16::try_from(self.settings.concurrency).unwrap_or(u16::MAX);
@@ -235,12 +216,10 @@ impl<E: HandlerError> Consumer<E> {
         }
         Ok(())
     }
+}
 
-    async fn settle<F, Fut, T>(&self, delivery: Delivery, handler: &F)
-    where
-        F: Fn(Message) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-    {
+impl<E: HandlerError> Consumer<E> {
+    async fn settle(&self, delivery: Delivery, handler: &impl Handle<Amqp, E>) {
         let id = (self.broker.id_of)(&delivery).filter(|id| !id.is_empty());
         let attempt = header_count(&delivery.properties, ATTEMPT).unwrap_or(1).max(1);
         let Delivery { acker, data, properties, redelivered, routing_key, .. } = delivery;
@@ -252,7 +231,7 @@ impl<E: HandlerError> Consumer<E> {
             None => Verdict::dead_letter(NO_ID),
             Some(id) => {
                 let message = Message { id: id.clone(), data, properties, redelivered, routing_key, attempt };
-                self.decide(id, attempt, self.settings.max_attempts, handler(message)).await
+                self.decide(id, attempt, self.settings.max_attempts, handler.handle(message)).await
             }
         };
         let Verdict { disposition, reason, failed } = verdict;

@@ -80,6 +80,7 @@ use async_nats::{HeaderMap, Subject};
 use bytes::Bytes;
 use futures_util::StreamExt as _;
 
+use super::broker::{Broker, Consume, Handle};
 use super::{Disposition, HandlerError, NO_ID, Settled, Verdict};
 
 /// The header a dead-lettered copy carries its reason in.
@@ -170,6 +171,11 @@ fn default_id(message: &async_nats::Message) -> Option<String> {
     Some(headers.get(async_nats::header::NATS_MESSAGE_ID)?.as_str().to_owned())
 }
 
+impl Broker for JetStream {
+    type Message = Message;
+    type Error = async_nats::Error;
+}
+
 impl<E: HandlerError> Consumer<E> {
     /// Consumes from `consumer` (with an explicit ack policy, the default), taking each message's
     /// id from its `Nats-Msg-Id` header (or, on a dead-letter copy, [`DEAD_LETTER_MESSAGE_ID`]).
@@ -196,31 +202,14 @@ impl<E: HandlerError> Consumer<E> {
         self.broker.id_of = Box::new(id_of);
         self
     }
+}
 
-    /// Consumes until the consumer fails (deleted, for example).
-    ///
-    /// # Errors
-    ///
-    /// When pulling fails for another reason than a missed heartbeat (which is logged).
-    pub async fn run<F, Fut, T>(self, handler: F) -> Result<(), async_nats::Error>
-    where
-        F: Fn(Message) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-    {
-        self.run_until(handler, std::future::pending()).await
-    }
-
-    /// Consumes until `stop` completes, then finishes the messages in hand. Messages pulled but
-    /// not started are redelivered by JetStream after the consumer's `ack_wait`.
-    ///
-    /// # Errors
-    ///
-    /// When pulling fails for another reason than a missed heartbeat (which is logged).
-    pub async fn run_until<F, Fut, T>(self, handler: F, stop: impl Future<Output = ()>) -> Result<(), async_nats::Error>
-    where
-        F: Fn(Message) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-    {
+impl<E: HandlerError> Consume<JetStream, E> for Consumer<E> {
+    async fn consume(
+        self,
+        handler: impl Handle<JetStream, E>,
+        stop: impl Future<Output = ()>,
+    ) -> Result<(), async_nats::Error> {
         let config = &self.broker.pull.cached_info().config;
         let ack_wait = if config.ack_wait.is_zero() { DEFAULT_ACK_WAIT } else { config.ack_wait };
         let cap = match u32::try_from(config.max_deliver) {
@@ -254,12 +243,15 @@ impl<E: HandlerError> Consumer<E> {
             None => Ok(()),
         }
     }
+}
 
-    async fn settle<F, Fut, T>(&self, message: async_nats::jetstream::Message, handler: &F, limits: Limits)
-    where
-        F: Fn(Message) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-    {
+impl<E: HandlerError> Consumer<E> {
+    async fn settle(
+        &self,
+        message: async_nats::jetstream::Message,
+        handler: &impl Handle<JetStream, E>,
+        limits: Limits,
+    ) {
         let id = (self.broker.id_of)(&message.message).filter(|id| !id.is_empty());
         let (delivered, source) = match message.info() {
             Ok(info) => (info.delivered, format!("{}.{}.{}", info.stream, info.consumer, info.stream_sequence)),
@@ -275,7 +267,7 @@ impl<E: HandlerError> Consumer<E> {
             None => Verdict::dead_letter(NO_ID),
             Some(id) => {
                 let message = Message { id: id.clone(), subject, payload, headers, delivered };
-                let run = with_progress(handler(message), &acker, limits.progress_every);
+                let run = with_progress(handler.handle(message), &acker, limits.progress_every);
                 self.decide(id, attempt, limits.cap, run).await
             }
         };

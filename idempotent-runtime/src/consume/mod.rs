@@ -160,6 +160,101 @@ impl<B, E> Consumer<B, E> {
     }
 }
 
+impl<B: Broker, E: HandlerError> Consumer<B, E>
+where
+    Self: Consume<B, E>,
+{
+    /// Consumes until the broker ends the consumption: [`run_until`](Self::run_until) with a
+    /// `stop` that never completes.
+    ///
+    /// # Errors
+    ///
+    /// As [`run_until`](Self::run_until).
+    pub async fn run<F, Fut, T>(self, handler: F) -> Result<(), B::Error>
+    where
+        F: Fn(B::Message) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        self.run_until(handler, std::future::pending()).await
+    }
+
+    /// Consumes until `stop` completes, then finishes the deliveries in hand; or until the broker
+    /// ends the consumption: the AMQP channel closes or RabbitMQ cancels the consumer, the
+    /// JetStream consumer fails (deleted, for example).
+    ///
+    /// Deliveries taken but not started stay unacknowledged, and the broker delivers them again:
+    /// AMQP when the channel closes (the consumer is cancelled once `stop` completed), JetStream
+    /// after the consumer's `ack_wait`. The AMQP channel is put in publisher-confirm mode (the
+    /// copies returned after a failure are confirmed before the original is acked).
+    ///
+    /// # Errors
+    ///
+    /// The broker's error (`lapin::Error`, `async_nats::Error`): when the AMQP consumer cannot be
+    /// started or its channel fails; when a JetStream pull fails for another reason than a missed
+    /// heartbeat (which is logged).
+    pub async fn run_until<F, Fut, T>(self, handler: F, stop: impl Future<Output = ()>) -> Result<(), B::Error>
+    where
+        F: Fn(B::Message) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        self.consume(handler, stop).await
+    }
+}
+
+/// The traits through which each broker's module plugs its consuming into [`Consumer::run`] and
+/// [`Consumer::run_until`], which are written once here. Public (in a private module) only so that
+/// those signatures can name them: outside the crate they cannot be named or implemented.
+pub(crate) mod broker {
+    use std::future::Future;
+
+    /// The broker's half of a [`Consumer`](super::Consumer) (`amqp::Amqp`, `jetstream::JetStream`):
+    /// what its handler is given and how its consuming fails.
+    pub trait Broker {
+        /// What the handler is given (`amqp::Message`, `jetstream::Message`).
+        type Message;
+        /// How consuming fails (`lapin::Error`, `async_nats::Error`).
+        type Error;
+    }
+
+    /// The consuming of a consumer of broker `B`: the body of `run_until`.
+    pub trait Consume<B: Broker, E> {
+        /// Hands each delivery to `handler` and settles it, until `stop` completes or the broker
+        /// ends the consumption.
+        fn consume(
+            self,
+            handler: impl Handle<B, E>,
+            stop: impl Future<Output = ()>,
+        ) -> impl Future<Output = Result<(), B::Error>>;
+    }
+
+    /// A consumer's handler, `Fn(B::Message) -> impl Future<Output = Result<T, E>>`, named once for
+    /// the brokers' code.
+    pub trait Handle<B: Broker, E> {
+        /// What the handler returns on success.
+        type Ok;
+        /// The handler's future.
+        type Future: Future<Output = Result<Self::Ok, E>>;
+
+        /// Runs the handler on `message`.
+        fn handle(&self, message: B::Message) -> Self::Future;
+    }
+
+    impl<B: Broker, E, T, F, Fut> Handle<B, E> for F
+    where
+        F: Fn(B::Message) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        type Ok = T;
+        type Future = Fut;
+
+        fn handle(&self, message: B::Message) -> Fut {
+            self(message)
+        }
+    }
+}
+
+use broker::{Broker, Consume};
+
 /// What the consumer decided for one delivery, from the handler's run.
 pub(crate) struct Verdict {
     pub(crate) disposition: Disposition,

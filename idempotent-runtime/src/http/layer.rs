@@ -251,35 +251,25 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
         self
     }
 
-    /// Lets requests without an `Idempotency-Key` through, without idempotency (by default they
-    /// get `400`). A malformed key is still refused.
-    #[must_use]
-    pub fn optional(mut self) -> Self {
-        self.config_mut().required = false;
-        self
-    }
-
-    /// Scopes keys to the caller: `identity` reads who sent the request (a user id set by an
-    /// authentication layer in the extensions, an API-key id from a header) and the key is bound to
-    /// it (see [`CallerKey`]), so two callers that send the same key never see each other's
-    /// responses. Callers mapped to the same text share their keys; map anonymous callers to
-    /// something unique or refuse them before this layer. Replaces
-    /// [`keys_shared_by_all_callers`](Self::keys_shared_by_all_callers) if both are called.
-    #[must_use]
-    pub fn caller(mut self, identity: impl Fn(&Parts) -> String + Send + Sync + 'static) -> Self {
-        self.config_mut().callers = Callers::Each(Arc::new(identity));
-        self
-    }
-
-    /// Says that keys are shared by all callers: whoever sends a key that another caller used for
-    /// the same request (method, path, query, body) gets that caller's recorded response. Right for
-    /// a service with one caller, or whose callers trust each other (an internal job queue, a
-    /// single-tenant backend); wrong for a public API, where [`caller`](Self::caller) keeps each
-    /// user's responses to that user. Replaces `caller` if both are called.
-    #[must_use]
-    pub fn keys_shared_by_all_callers(mut self) -> Self {
-        self.config_mut().callers = Callers::Shared;
-        self
+    setters! { in config_mut:
+        /// Lets requests without an `Idempotency-Key` through, without idempotency (by default they
+        /// get `400`). A malformed key is still refused.
+        pub fn optional() { required = false }
+        /// Scopes keys to the caller: `identity` reads who sent the request (a user id set by an
+        /// authentication layer in the extensions, an API-key id from a header) and the key is bound to
+        /// it (see [`CallerKey`]), so two callers that send the same key never see each other's
+        /// responses. Callers mapped to the same text share their keys; map anonymous callers to
+        /// something unique or refuse them before this layer. Replaces
+        /// [`keys_shared_by_all_callers`](Self::keys_shared_by_all_callers) if both are called.
+        pub fn caller(identity: impl Fn(&Parts) -> String + Send + Sync + 'static) {
+            callers = Callers::Each(Arc::new(identity))
+        }
+        /// Says that keys are shared by all callers: whoever sends a key that another caller used for
+        /// the same request (method, path, query, body) gets that caller's recorded response. Right for
+        /// a service with one caller, or whose callers trust each other (an internal job queue, a
+        /// single-tenant backend); wrong for a public API, where [`caller`](Self::caller) keeps each
+        /// user's responses to that user. Replaces `caller` if both are called.
+        pub fn keys_shared_by_all_callers() { callers = Callers::Shared }
     }
 
     /// Also records and replays the response header `name`.
@@ -291,39 +281,33 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
         self
     }
 
-    /// Records exactly these response headers, instead of [`DEFAULT_RECORDED_HEADERS`](super::DEFAULT_RECORDED_HEADERS).
-    #[must_use]
-    pub fn recorded_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
-        self.config_mut().recorded_headers = names.into_iter().collect();
-        self
-    }
-
-    /// Chooses by status which of the handler's responses are recorded (and replayed): a status for
-    /// which `record` says `false` releases the key, so a retry runs the request again. The default
-    /// records every status (see [which responses are recorded](Self#which-responses-are-recorded));
-    /// a response marked [`NotProcessed`] is released whatever this says.
-    ///
-    /// A rule by status is only as safe as the route's handlers: releasing `429` is right if every
-    /// handler behind the layer answers `429` before doing anything, and would let a retry act twice
-    /// otherwise.
-    ///
-    /// ```
-    /// use http::StatusCode;
-    /// use idempotent_runtime::{MemoryStore, http::IdempotencyLayer};
-    ///
-    /// // This route's rate limiter answers 429 before the handler runs.
-    /// let layer = IdempotencyLayer::new(MemoryStore::new())
-    ///     .keys_shared_by_all_callers()
-    ///     .record_status(|status| status != StatusCode::TOO_MANY_REQUESTS);
-    /// # let _ = layer;
-    /// ```
-    #[must_use]
-    pub fn record_status(mut self, record: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
-        self.config_mut().record_status = Arc::new(record);
-        self
-    }
-
     setters! { in config_mut:
+        /// Records exactly these response headers, instead of [`DEFAULT_RECORDED_HEADERS`](super::DEFAULT_RECORDED_HEADERS).
+        pub fn recorded_headers(names: impl IntoIterator<Item = HeaderName>) {
+            recorded_headers = names.into_iter().collect()
+        }
+        /// Chooses by status which of the handler's responses are recorded (and replayed): a status for
+        /// which `record` says `false` releases the key, so a retry runs the request again. The default
+        /// records every status (see [which responses are recorded](Self#which-responses-are-recorded));
+        /// a response marked [`NotProcessed`] is released whatever this says.
+        ///
+        /// A rule by status is only as safe as the route's handlers: releasing `429` is right if every
+        /// handler behind the layer answers `429` before doing anything, and would let a retry act twice
+        /// otherwise.
+        ///
+        /// ```
+        /// use http::StatusCode;
+        /// use idempotent_runtime::{MemoryStore, http::IdempotencyLayer};
+        ///
+        /// // This route's rate limiter answers 429 before the handler runs.
+        /// let layer = IdempotencyLayer::new(MemoryStore::new())
+        ///     .keys_shared_by_all_callers()
+        ///     .record_status(|status| status != StatusCode::TOO_MANY_REQUESTS);
+        /// # let _ = layer;
+        /// ```
+        pub fn record_status(record: impl Fn(StatusCode) -> bool + Send + Sync + 'static) {
+            record_status = Arc::new(record)
+        }
         /// The largest request body buffered (default [`DEFAULT_MAX_REQUEST_BYTES`]); larger ones get `413`.
         pub fn max_request_bytes(max_request_bytes: usize);
         /// The largest response body recorded (default [`DEFAULT_MAX_RESPONSE_BYTES`]).
@@ -340,44 +324,29 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
         pub fn lease(lease: Duration);
         /// How long a recorded response is replayed (default [`DEFAULT_RETENTION`]).
         pub fn retention(retention: Duration);
-    }
-
-    /// Makes a request that arrives while the first with its key is running wait up to `wait` for
-    /// its response, instead of getting `409` at once.
-    #[must_use]
-    pub fn wait(mut self, wait: Duration) -> Self {
-        self.config_mut().wait = Some(wait);
-        self
-    }
-
-    /// The methods the layer applies to (default [`DEFAULT_METHODS`]: `POST` and `PATCH`).
-    /// Requests with other methods pass through untouched, even with an `Idempotency-Key`.
-    ///
-    /// ```
-    /// use http::Method;
-    /// use idempotent_runtime::{MemoryStore, http::IdempotencyLayer};
-    ///
-    /// let layer = IdempotencyLayer::new(MemoryStore::new()).methods([Method::POST, Method::PATCH, Method::PUT]);
-    /// # let _ = layer;
-    /// ```
-    #[must_use]
-    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
-        self.config_mut().methods = methods.into_iter().collect();
-        self
-    }
-
-    /// Fingerprints JSON bodies by their content, not their bytes: a request whose body
-    /// (`Content-Type: application/json` or `*/*+json`) differs from the first only in whitespace,
-    /// object key order or string escapes counts as the same request, so it gets the replay, not
-    /// `422`. Nothing else is merged: numbers are compared as written (`12345678901234567.89` and
-    /// `12345678901234567.00`, `1e2` and `100`, `-0` and `0` are different requests, never one
-    /// read through `f64`), and a repeated object key keeps every occurrence in order. Other
-    /// bodies, JSON that does not parse, and JSON nested deeper than 128 levels are fingerprinted
-    /// byte for byte. Off by default.
-    #[must_use]
-    pub fn json_fingerprint(mut self) -> Self {
-        self.config_mut().json_fingerprint = true;
-        self
+        /// Makes a request that arrives while the first with its key is running wait up to `wait` for
+        /// its response, instead of getting `409` at once.
+        pub fn wait(wait: Duration) { wait = Some(wait) }
+        /// The methods the layer applies to (default [`DEFAULT_METHODS`]: `POST` and `PATCH`).
+        /// Requests with other methods pass through untouched, even with an `Idempotency-Key`.
+        ///
+        /// ```
+        /// use http::Method;
+        /// use idempotent_runtime::{MemoryStore, http::IdempotencyLayer};
+        ///
+        /// let layer = IdempotencyLayer::new(MemoryStore::new()).methods([Method::POST, Method::PATCH, Method::PUT]);
+        /// # let _ = layer;
+        /// ```
+        pub fn methods(methods: impl IntoIterator<Item = Method>) { methods = methods.into_iter().collect() }
+        /// Fingerprints JSON bodies by their content, not their bytes: a request whose body
+        /// (`Content-Type: application/json` or `*/*+json`) differs from the first only in whitespace,
+        /// object key order or string escapes counts as the same request, so it gets the replay, not
+        /// `422`. Nothing else is merged: numbers are compared as written (`12345678901234567.89` and
+        /// `12345678901234567.00`, `1e2` and `100`, `-0` and `0` are different requests, never one
+        /// read through `f64`), and a repeated object key keeps every occurrence in order. Other
+        /// bodies, JSON that does not parse, and JSON nested deeper than 128 levels are fingerprinted
+        /// byte for byte. Off by default.
+        pub fn json_fingerprint() { json_fingerprint = true }
     }
 }
 

@@ -142,8 +142,8 @@ async fn redis_cache_expires_with_the_retention() {
 async fn redis_cache_keeps_records_found_in_the_store_for_the_learned_ttl_only() {
     let Some((redis_store, _)) = redis_store("redis_cache_keeps_records_found_in_the_store").await else { return };
     let writer = CachedStore::new(redis_store.clone());
-    let reader = CachedStore::new(redis_store.clone()).learned_ttl(Duration::from_secs(2));
-    let never = CachedStore::new(redis_store).learned_ttl(Duration::ZERO);
+    let reader = CachedStore::new(redis_store.clone()).with_learned_ttl(Duration::from_secs(2));
+    let never = CachedStore::new(redis_store).with_learned_ttl(Duration::ZERO);
     let runs = AtomicUsize::new(0);
     let k = uuid::Uuid::new_v4().to_string();
     let once = async |store: &CachedStore<RedisStore>| {
@@ -166,8 +166,8 @@ async fn redis_cache_keeps_records_found_in_the_store_for_the_learned_ttl_only()
 
 #[tokio::test]
 async fn memory_cache_is_bounded_by_entries_and_by_bytes() {
-    let by_entries = CachedStore::new(MemoryStore::new()).max_entries(10);
-    let by_bytes = CachedStore::new(MemoryStore::new()).max_bytes(8 * 1024);
+    let by_entries = CachedStore::new(MemoryStore::new()).with_max_entries(10);
+    let by_bytes = CachedStore::new(MemoryStore::new()).with_max_bytes(8 * 1024);
     let value = Arc::new("x".repeat(1024));
     for store in [&by_entries, &by_bytes] {
         for i in 0..200 {

@@ -43,7 +43,7 @@ async fn main() {
     match RedisStore::connect(&redis_url).await {
         Ok(store) => {
             let store = store.with_prefix("idempotent-http-bench:").expect("a valid prefix");
-            let cached = CachedStore::new(store.clone()).max_entries(4_000_000).max_bytes(1 << 30);
+            let cached = CachedStore::new(store.clone()).with_max_entries(4_000_000).with_max_bytes(1 << 30);
             app = app
                 .route(
                     "/redis",

@@ -777,7 +777,7 @@ struct CachedRedisTarget {
 impl CachedRedisTarget {
     async fn open() -> Result<Self, String> {
         let redis = RedisTarget::open().await?;
-        let store = CachedStore::new(redis.store.clone()).max_entries(8_000_000).max_bytes(2 << 30);
+        let store = CachedStore::new(redis.store.clone()).with_max_entries(8_000_000).with_max_bytes(2 << 30);
         Ok(CachedRedisTarget { redis, store })
     }
 }

@@ -12,7 +12,7 @@
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() {
-//! let store = CachedStore::new(MemoryStore::new()).max_entries(100_000).max_bytes(64 << 20);
+//! let store = CachedStore::new(MemoryStore::new()).with_max_entries(100_000).with_max_bytes(64 << 20);
 //! charge(&store, "req-1").await.unwrap(); // claim + complete in the store; the record is cached
 //! charge(&store, "req-1").await.unwrap(); // replayed from the cache
 //! assert_eq!(store.stats().hits, 1);
@@ -25,7 +25,7 @@
 //!   their retention ends. The retention is counted from *before* the completion was sent, so the
 //!   cached copy never outlives the store's record.
 //! - **Completed records the store returned to a claim** (written by another process, or before
-//!   this one started), for at most [`learned_ttl`](CachedStore::learned_ttl) (default 10 s): the
+//!   this one started), for at most [`with_learned_ttl`](CachedStore::with_learned_ttl) (default 10 s): the
 //!   store does not say how much of their retention is left, so such a record can be replayed from
 //!   the cache up to that long after its retention ended in the store. Set it to zero to cache
 //!   only this process's own records.
@@ -36,8 +36,8 @@
 //! request's fingerprint against the record's on every replay, cached or not: a reused key with
 //! another request is refused either way.
 //!
-//! The cache is bounded by entries and by bytes ([`max_entries`](CachedStore::max_entries),
-//! [`max_bytes`](CachedStore::max_bytes)); past either bound, the least useful entries are evicted
+//! The cache is bounded by entries and by bytes ([`with_max_entries`](CachedStore::with_max_entries),
+//! [`with_max_bytes`](CachedStore::with_max_bytes)); past either bound, the least useful entries are evicted
 //! (by the `TinyLFU` policy of [`moka`]) and simply read from the store again.
 //!
 //! # Deleting a record by hand
@@ -183,27 +183,27 @@ impl<S> CachedStore<S> {
     /// Caches at most `entries` records (default [`DEFAULT_MAX_ENTRIES`]). Starts an empty cache:
     /// set the limits when building the store.
     #[must_use]
-    pub fn max_entries(self, entries: u64) -> Self {
-        self.with_limits(|limits| Limits { max_entries: entries, ..limits })
+    pub fn with_max_entries(self, entries: u64) -> Self {
+        self.rebuild(|limits| Limits { max_entries: entries, ..limits })
     }
 
     /// Caches records taking at most `bytes` in all (keys and outcomes, plus a small overhead per
     /// entry; default [`DEFAULT_MAX_BYTES`]). Starts an empty cache.
     #[must_use]
-    pub fn max_bytes(self, bytes: u64) -> Self {
-        self.with_limits(|limits| Limits { max_bytes: bytes, ..limits })
+    pub fn with_max_bytes(self, bytes: u64) -> Self {
+        self.rebuild(|limits| Limits { max_bytes: bytes, ..limits })
     }
 
     /// How long a completed record returned by the store (not completed by this process) is
     /// cached (default [`DEFAULT_LEARNED_TTL`]; zero: never). It may be replayed from the cache
     /// up to this long after its retention ended in the store. Starts an empty cache.
     #[must_use]
-    pub fn learned_ttl(self, ttl: Duration) -> Self {
-        self.with_limits(|limits| Limits { learned_ttl: ttl, ..limits })
+    pub fn with_learned_ttl(self, ttl: Duration) -> Self {
+        self.rebuild(|limits| Limits { learned_ttl: ttl, ..limits })
     }
 
     /// This store with a new, empty cache, built with its limits changed by `change`.
-    fn with_limits(self, change: impl FnOnce(Limits) -> Limits) -> Self {
+    fn rebuild(self, change: impl FnOnce(Limits) -> Limits) -> Self {
         let limits = change(self.shared.limits);
         CachedStore { inner: self.inner, shared: Arc::new(Shared::new(limits)) }
     }

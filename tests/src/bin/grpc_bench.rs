@@ -59,7 +59,8 @@ async fn serve<St: Store + 'static>(layer: Option<GrpcIdempotencyLayer<St>>) -> 
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let service = PaymentsServer::new(Bank::default());
-    let incoming = TcpIncoming::from(listener);
+    // As `Server::serve` sets it: without it every answer waits for the client's delayed ACK.
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     if let Some(layer) = layer {
         let server = tonic::transport::Server::builder().layer(layer).add_service(service);
         tokio::spawn(async move { server.serve_with_incoming(incoming).await.unwrap() });
@@ -147,9 +148,10 @@ async fn main() {
     if redis.is_none() {
         println!("no Redis at {redis_url}: its phases are left out");
     }
-    let plain_client = serve::<MemoryStore>(None).await;
     let mut rows: Vec<(&str, Vec<f64>, Vec<f64>)> = Vec::new();
     for run in 0..options.runs {
+        // Every phase gets a server and a connection of its own, made just before it.
+        let plain_client = serve::<MemoryStore>(None).await;
         let plain = drive(&plain_client, &options, &Keys { prefix: None, wrap: None }).await as f64 / options.seconds;
         let mut phases = vec![("plain", plain)];
         let (first, replay) = layered(MemoryStore::new(), &options).await;

@@ -99,6 +99,8 @@ pub mod client;
 pub mod consume;
 mod context;
 mod detached;
+#[cfg(feature = "axum")]
+mod edge;
 mod error;
 mod expansion;
 mod fingerprint;

@@ -9,7 +9,7 @@
 macro_rules! setters {
     (@items [$($fields:ident)?]) => {};
     (@items [$($fields:ident)?] $(#[$attr:meta])* $vis:vis fn $name:ident($field:ident: $ty:ty); $($rest:tt)*) => {
-        setters!(@items [$($fields)?] $(#[$attr])* $vis fn $name($field: $ty) { $field = $field } $($rest)*);
+        $crate::setters::setters!(@items [$($fields)?] $(#[$attr])* $vis fn $name($field: $ty) { $field = $field } $($rest)*);
     };
     (@items [$($fields:ident)?]
         $(#[$attr:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty)?) { $field:ident = $value:expr } $($rest:tt)*
@@ -20,14 +20,14 @@ macro_rules! setters {
             self$(.$fields())?.$field = $value;
             self
         }
-        setters!(@items [$($fields)?] $($rest)*);
+        $crate::setters::setters!(@items [$($fields)?] $($rest)*);
     };
     // The fields live behind `self.$fields()` (a shared configuration made unique on write).
     (in $fields:ident: $($items:tt)*) => {
-        setters!(@items [$fields] $($items)*);
+        $crate::setters::setters!(@items [$fields] $($items)*);
     };
     ($($items:tt)*) => {
-        setters!(@items [] $($items)*);
+        $crate::setters::setters!(@items [] $($items)*);
     };
 }
 pub(crate) use setters;

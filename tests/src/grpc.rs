@@ -159,7 +159,10 @@ impl TestServer {
             let signal = async {
                 let _ = signal.await;
             };
-            server.serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), signal).await.unwrap();
+            server
+                .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), signal)
+                .await
+                .unwrap();
         });
         TestServer { addr, shutdown: Some(shutdown), task }
     }

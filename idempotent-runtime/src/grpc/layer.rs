@@ -5,7 +5,6 @@ use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::FutureExt as _;
@@ -19,9 +18,9 @@ use tower::{Layer, Service};
 use super::frames::{Message, read_request, single_message};
 use super::recorded::{Read, Recorded, read_answer};
 use super::status;
-use crate::http::{CallerKey, Callers, IDEMPOTENCY_KEY, key_header, run_to_completion};
-use crate::setters::setters;
-use crate::{Call, DEFAULT_LEASE, DEFAULT_RETENTION, Error, Fingerprint, ReleaseErrors, Store};
+use crate::edge::{Edge, edge_setters, layer_service};
+use crate::http::{IDEMPOTENCY_KEY, key_header, run_to_completion};
+use crate::{Error, Fingerprint, ReleaseErrors, Store};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type MessageKeyFn = dyn Fn(&[u8]) -> Option<String> + Send + Sync;
@@ -69,34 +68,14 @@ pub struct GrpcIdempotencyLayer<St> {
 }
 
 struct Config<St> {
-    store: Arc<St>,
-    scope: String,
-    required: bool,
-    callers: Callers,
+    edge: Edge<St>,
     methods: Vec<Method>,
     record_code: Arc<CodeFn>,
-    max_request_bytes: usize,
-    max_response_bytes: usize,
-    lease: Duration,
-    retention: Duration,
-    wait: Option<Duration>,
 }
 
 impl<St> Clone for Config<St> {
     fn clone(&self) -> Self {
-        Config {
-            store: Arc::clone(&self.store),
-            scope: self.scope.clone(),
-            required: self.required,
-            callers: self.callers.clone(),
-            methods: self.methods.clone(),
-            record_code: Arc::clone(&self.record_code),
-            max_request_bytes: self.max_request_bytes,
-            max_response_bytes: self.max_response_bytes,
-            lease: self.lease,
-            retention: self.retention,
-            wait: self.wait,
-        }
+        Config { edge: self.edge.clone(), methods: self.methods.clone(), record_code: Arc::clone(&self.record_code) }
     }
 }
 
@@ -111,9 +90,8 @@ impl<St> std::fmt::Debug for GrpcIdempotencyLayer<St> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let methods: Vec<&str> = self.config.methods.iter().map(|m| m.path.as_str()).collect();
         f.debug_struct("GrpcIdempotencyLayer")
-            .field("scope", &self.config.scope)
+            .field("edge", &self.config.edge)
             .field("methods", &methods)
-            .field("callers", &self.config.callers)
             .finish_non_exhaustive()
     }
 }
@@ -135,26 +113,16 @@ impl<St: Store> GrpcIdempotencyLayer<St> {
     pub fn from_arc(store: Arc<St>) -> Self {
         GrpcIdempotencyLayer {
             config: Arc::new(Config {
-                store,
-                scope: "grpc".to_owned(),
-                required: true,
-                callers: Callers::Unchosen,
+                edge: Edge::new(store, "grpc", DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES),
                 methods: Vec::new(),
                 record_code: Arc::new(|_| true),
-                max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
-                max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
-                lease: DEFAULT_LEASE,
-                retention: DEFAULT_RETENTION,
-                wait: None,
             }),
         }
     }
 }
 
 impl<St> GrpcIdempotencyLayer<St> {
-    fn config_mut(&mut self) -> &mut Config<St> {
-        Arc::make_mut(&mut self.config)
-    }
+    edge_setters!("GrpcIdempotencyLayer", missing: "`INVALID_ARGUMENT`", running: "`ABORTED`", too_large: "`DATA_LOSS`");
 
     /// Covers the unary method at `path` (`/package.Service/Method`), with each call's key taken
     /// from its `idempotency-key` metadata.
@@ -179,48 +147,6 @@ impl<St> GrpcIdempotencyLayer<St> {
         self
     }
 
-    /// The namespace of this layer's keys in the store (default `"grpc"`).
-    ///
-    /// # Panics
-    ///
-    /// If `scope` is empty, over 255 bytes, or holds `:` or a control character.
-    #[must_use]
-    pub fn scope(mut self, scope: impl Into<String>) -> Self {
-        let scope = scope.into();
-        if let Err(e) = crate::Key::new(&scope, "k") {
-            panic!("GrpcIdempotencyLayer::scope: {e}");
-        }
-        self.config_mut().scope = scope;
-        self
-    }
-
-    /// Lets calls without a key through, without idempotency (by default they get
-    /// `INVALID_ARGUMENT`), as AIP-155 allows: "request IDs should be optional". A malformed key
-    /// is still refused.
-    #[must_use]
-    pub fn optional(mut self) -> Self {
-        self.config_mut().required = false;
-        self
-    }
-
-    /// Binds each key to the caller `identity` reads from the request (a client id from
-    /// authentication metadata or extensions), so two callers that send the same key never see
-    /// each other's answers.
-    #[must_use]
-    pub fn caller(mut self, identity: impl Fn(&Parts) -> String + Send + Sync + 'static) -> Self {
-        self.config_mut().callers = Callers::Each(Arc::new(identity));
-        self
-    }
-
-    /// Says that keys are shared by all callers: a caller who sends another's key for the same
-    /// request gets that caller's answer. Right for a service with one caller or callers that
-    /// trust each other.
-    #[must_use]
-    pub fn keys_shared_by_all_callers(mut self) -> Self {
-        self.config_mut().callers = Callers::Shared;
-        self
-    }
-
     /// Chooses by status code which of the handlers' answers are recorded: a code for which
     /// `record` says `false` releases the key, so a retry runs the handler again. The default
     /// records every code; an answer marked [`not_processed`](super::not_processed) is released
@@ -229,27 +155,6 @@ impl<St> GrpcIdempotencyLayer<St> {
     #[must_use]
     pub fn record_code(mut self, record: impl Fn(Code) -> bool + Send + Sync + 'static) -> Self {
         self.config_mut().record_code = Arc::new(record);
-        self
-    }
-
-    setters! { in config_mut:
-        /// The largest request buffered (default [`DEFAULT_MAX_REQUEST_BYTES`]).
-        pub fn max_request_bytes(max_request_bytes: usize);
-        /// The largest response body recorded (default [`DEFAULT_MAX_RESPONSE_BYTES`]). A larger
-        /// answer goes whole to the call that ran, and its retries get `DATA_LOSS`: it does not run again.
-        pub fn max_response_bytes(max_response_bytes: usize);
-        /// How long a call holds its key if the process dies (default [`DEFAULT_LEASE`]); make it
-        /// longer than the method can take.
-        pub fn lease(lease: Duration);
-        /// How long a recorded answer is replayed (default [`DEFAULT_RETENTION`]).
-        pub fn retention(retention: Duration);
-    }
-
-    /// Makes a call that arrives while the first with its key runs wait up to `wait` for its
-    /// answer, instead of getting `ABORTED` at once.
-    #[must_use]
-    pub fn wait(mut self, wait: Duration) -> Self {
-        self.config_mut().wait = Some(wait);
         self
     }
 }
@@ -262,39 +167,20 @@ impl<S, St> Layer<S> for GrpcIdempotencyLayer<St> {
     /// If the layer covers no method, or says neither [`caller`](GrpcIdempotencyLayer::caller)
     /// nor [`keys_shared_by_all_callers`](GrpcIdempotencyLayer::keys_shared_by_all_callers).
     fn layer(&self, inner: S) -> Self::Service {
-        assert!(
-            !matches!(self.config.callers, Callers::Unchosen),
-            "GrpcIdempotencyLayer (scope {:?}) does not say whose keys it holds: two callers who send the same key \
-             and message would get one recorded answer, the first caller's. Call `.caller(|parts| ...)` to bind each \
-             key to who sent it, or `.keys_shared_by_all_callers()` if every caller may get every other's answers",
-            self.config.scope
-        );
+        self.config.edge.check_callers("GrpcIdempotencyLayer");
         assert!(
             !self.config.methods.is_empty(),
             "GrpcIdempotencyLayer (scope {:?}) covers no method, so it would protect nothing: name each unary method \
              with `.method(\"/package.Service/Method\")` or `.method_keyed_by(..)`",
-            self.config.scope
+            self.config.edge.scope
         );
         GrpcIdempotencyService { inner, config: Arc::clone(&self.config) }
     }
 }
 
-/// The service [`GrpcIdempotencyLayer`] wraps around a tonic server's routes.
-pub struct GrpcIdempotencyService<S, St> {
-    inner: S,
-    config: Arc<Config<St>>,
-}
-
-impl<S: Clone, St> Clone for GrpcIdempotencyService<S, St> {
-    fn clone(&self) -> Self {
-        GrpcIdempotencyService { inner: self.inner.clone(), config: Arc::clone(&self.config) }
-    }
-}
-
-impl<S: std::fmt::Debug, St> std::fmt::Debug for GrpcIdempotencyService<S, St> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GrpcIdempotencyService").field("inner", &self.inner).finish_non_exhaustive()
-    }
+layer_service! {
+    /// The service [`GrpcIdempotencyLayer`] wraps around a tonic server's routes.
+    GrpcIdempotencyService
 }
 
 impl<S, St, B> Service<Request<Body>> for GrpcIdempotencyService<S, St>
@@ -327,19 +213,7 @@ where
     }
 }
 
-/// Why the body given to [`Call`] did not produce a recordable answer; every case releases the key.
-enum Failure<E> {
-    Idempotency(Error),
-    Inner(E),
-    Panicked,
-    NotRecorded(http::Response<Body>),
-}
-
-impl<E> From<Error> for Failure<E> {
-    fn from(error: Error) -> Self {
-        Failure::Idempotency(error)
-    }
-}
+type Failure<E> = crate::edge::Failure<E, http::Response<Body>>;
 
 impl<St: Store> Config<St> {
     async fn handle<S, B>(
@@ -355,7 +229,7 @@ impl<St: Store> Config<St> {
     {
         let method = &self.methods[method];
         let (parts, body) = request.into_parts();
-        let bytes = match read_request(body, self.max_request_bytes).await {
+        let bytes = match read_request(body, self.edge.max_request_bytes).await {
             Ok(bytes) => bytes,
             Err(refusal) => return Ok(refusal.into_http()),
         };
@@ -365,7 +239,7 @@ impl<St: Store> Config<St> {
         };
         let key = match method.key(&parts, &message) {
             Ok(Some(key)) => key,
-            Ok(None) if !self.required => {
+            Ok(None) if !self.edge.required => {
                 let request = Request::from_parts(parts, Body::new(Full::new(bytes)));
                 return Ok(inner.call(request).await?.map(Body::new));
             }
@@ -381,18 +255,7 @@ impl<St: Store> Config<St> {
             Err(refusal) => return Ok(refusal.into_http()),
         };
         let fingerprint = Fingerprint::of_fields(&[method.path.as_bytes(), &bytes]);
-        let caller = match &self.callers {
-            Callers::Each(identity) => Some(identity(&parts)),
-            Callers::Shared | Callers::Unchosen => None,
-        };
-        let call = match &caller {
-            Some(caller) => Call::new(&self.scope, &CallerKey::new(caller, &key)),
-            None => Call::new(&self.scope, &key),
-        };
-        let mut call = call.with_fingerprint(Ok(fingerprint)).lease(self.lease).retention(self.retention);
-        if let Some(wait) = self.wait {
-            call = call.wait(wait);
-        }
+        let call = self.edge.call(&parts, &key, fingerprint);
 
         let request = Request::from_parts(parts, Body::new(Full::new(bytes)));
         let mut first = None;
@@ -400,7 +263,7 @@ impl<St: Store> Config<St> {
             let answer = AssertUnwindSafe(inner.call(request)).catch_unwind().await.map_err(|_| Failure::Panicked)?;
             let answer = answer.map_err(Failure::Inner)?;
             // From here on the handler has answered: the key is recorded whatever its body does.
-            let recorded = match read_answer(answer, self.max_response_bytes).await {
+            let recorded = match read_answer(answer, self.edge.max_response_bytes).await {
                 Read::Whole(mut answer) => {
                     if answer.take_not_processed() || !(self.record_code)(answer.code()) {
                         return Err(Failure::NotRecorded(answer.into_response()));
@@ -411,11 +274,11 @@ impl<St: Store> Config<St> {
                 }
                 Read::TooLarge(answer) => {
                     tracing::warn!(
-                        target: "idempotent", limit = self.max_response_bytes,
+                        target: "idempotent", limit = self.edge.max_response_bytes,
                         "an RPC answer is over the recording limit; it goes to this call, retries get DATA_LOSS"
                     );
                     first = Some(answer);
-                    Recorded::TooLarge { limit: self.max_response_bytes }
+                    Recorded::TooLarge { limit: self.edge.max_response_bytes }
                 }
                 Read::Failed(reason) => {
                     tracing::error!(
@@ -428,7 +291,7 @@ impl<St: Store> Config<St> {
             };
             Ok(recorded)
         };
-        Ok(match call.run_with(&*self.store, ReleaseErrors, body).await {
+        Ok(match call.run_with(&*self.edge.store, ReleaseErrors, body).await {
             Ok(recorded) => first.unwrap_or_else(|| recorded.into_replay()),
             Err(Failure::Inner(error)) => return Err(error),
             Err(Failure::Panicked) => status::panicked().into_http(),

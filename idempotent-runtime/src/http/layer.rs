@@ -6,7 +6,6 @@ use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::OriginalUri;
@@ -20,13 +19,14 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower::{Layer, Service};
 
 use super::IDEMPOTENT_REPLAYED;
-use super::key_header::{self, CallerKey};
+use super::key_header;
 use super::not_processed::NotProcessed;
 use super::problem::{Problem, problem_response};
 use super::recorded::{DEFAULT_RECORDED_HEADERS, Read, Recorded, read_response};
 use super::spawn::{RunsToCompletion, panicked, run_to_completion};
+use crate::edge::{Edge, edge_setters, layer_service};
 use crate::setters::setters;
-use crate::{Call, DEFAULT_LEASE, DEFAULT_RETENTION, Error, Fingerprint, Key, ReleaseErrors, Store};
+use crate::{Error, Fingerprint, ReleaseErrors, Store};
 
 /// The largest request body the layer buffers to fingerprint it by default (1 MiB); larger bodies
 /// get `413 Payload Too Large`.
@@ -41,7 +41,6 @@ pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 512 * 1024;
 /// the IETF draft is about. Requests with other methods pass through untouched, even with a key.
 pub const DEFAULT_METHODS: [Method; 2] = [Method::POST, Method::PATCH];
 
-pub(crate) type CallerFn = dyn Fn(&Parts) -> String + Send + Sync;
 type StatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
 
 /// Makes the routes it wraps run at most once per `Idempotency-Key`, replaying the recorded
@@ -51,7 +50,7 @@ type StatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
 /// `Idempotency-Key` header, buffers the body (up to [`max_request_bytes`](Self::max_request_bytes))
 /// and fingerprints the method, the path and query as the client sent them (the full path, also
 /// under a nested router: axum's `OriginalUri`) and the body, then runs the request through
-/// [`Call`] against the store: the inner service runs once per key; its response (status, the
+/// [`Call`](crate::Call) against the store: the inner service runs once per key; its response (status, the
 /// [recorded headers](Self::record_header) and the body) is recorded and replayed to later requests
 /// with the same key, with `Idempotent-Replayed: true` added. Requests with other methods pass
 /// through untouched, key or not.
@@ -121,17 +120,9 @@ pub struct IdempotencyLayer<St> {
 }
 
 struct Config<St> {
-    store: Arc<St>,
-    scope: String,
-    required: bool,
-    callers: Callers,
+    edge: Edge<St>,
     recorded_headers: Vec<HeaderName>,
     record_status: Arc<StatusFn>,
-    max_request_bytes: usize,
-    max_response_bytes: usize,
-    lease: Duration,
-    retention: Duration,
-    wait: Option<Duration>,
     methods: Vec<Method>,
     json_fingerprint: bool,
 }
@@ -139,41 +130,12 @@ struct Config<St> {
 impl<St> Clone for Config<St> {
     fn clone(&self) -> Self {
         Config {
-            store: Arc::clone(&self.store),
-            scope: self.scope.clone(),
-            required: self.required,
-            callers: self.callers.clone(),
+            edge: self.edge.clone(),
             recorded_headers: self.recorded_headers.clone(),
             record_status: Arc::clone(&self.record_status),
-            max_request_bytes: self.max_request_bytes,
-            max_response_bytes: self.max_response_bytes,
-            lease: self.lease,
-            retention: self.retention,
-            wait: self.wait,
             methods: self.methods.clone(),
             json_fingerprint: self.json_fingerprint,
         }
-    }
-}
-
-/// Whose keys a layer holds.
-#[derive(Clone)]
-pub(crate) enum Callers {
-    /// Not said yet: the layer refuses to be applied.
-    Unchosen,
-    /// Every caller's: [`IdempotencyLayer::keys_shared_by_all_callers`].
-    Shared,
-    /// Each caller's own: [`IdempotencyLayer::caller`].
-    Each(Arc<CallerFn>),
-}
-
-impl std::fmt::Debug for Callers {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Callers::Unchosen => "unchosen",
-            Callers::Shared => "shared by all callers",
-            Callers::Each(_) => "each caller's own",
-        })
     }
 }
 
@@ -186,15 +148,8 @@ impl<St> Clone for IdempotencyLayer<St> {
 impl<St> std::fmt::Debug for IdempotencyLayer<St> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("IdempotencyLayer")
-            .field("scope", &self.config.scope)
-            .field("required", &self.config.required)
-            .field("callers", &self.config.callers)
+            .field("edge", &self.config.edge)
             .field("recorded_headers", &self.config.recorded_headers)
-            .field("max_request_bytes", &self.config.max_request_bytes)
-            .field("max_response_bytes", &self.config.max_response_bytes)
-            .field("lease", &self.config.lease)
-            .field("retention", &self.config.retention)
-            .field("wait", &self.config.wait)
             .field("methods", &self.config.methods)
             .field("json_fingerprint", &self.config.json_fingerprint)
             .finish_non_exhaustive()
@@ -212,65 +167,16 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
     pub fn new(store: St) -> Self {
         IdempotencyLayer {
             config: Arc::new(Config {
-                store: Arc::new(store),
-                scope: "http".to_owned(),
-                required: true,
-                callers: Callers::Unchosen,
+                edge: Edge::new(Arc::new(store), "http", DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES),
                 recorded_headers: DEFAULT_RECORDED_HEADERS.to_vec(),
                 record_status: Arc::new(|_| true),
-                max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
-                max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
-                lease: DEFAULT_LEASE,
-                retention: DEFAULT_RETENTION,
-                wait: None,
                 methods: DEFAULT_METHODS.to_vec(),
                 json_fingerprint: false,
             }),
         }
     }
 
-    /// The configuration, to change while the layer is built (copied first if a service shares it).
-    fn config_mut(&mut self) -> &mut Config<St> {
-        Arc::make_mut(&mut self.config)
-    }
-
-    /// The namespace of this layer's keys in the store (default `"http"`): give routes that share
-    /// a store different scopes if clients may use the same key on both.
-    ///
-    /// # Panics
-    ///
-    /// If `scope` is empty, over 255 bytes, or holds `:` or a control character: a bug in the
-    /// program, caught when the layer is built rather than on the first request.
-    #[must_use]
-    pub fn scope(mut self, scope: impl Into<String>) -> Self {
-        let scope = scope.into();
-        if let Err(e) = Key::new(&scope, "k") {
-            panic!("IdempotencyLayer::scope: {e}");
-        }
-        self.config_mut().scope = scope;
-        self
-    }
-
-    setters! { in config_mut:
-        /// Lets requests without an `Idempotency-Key` through, without idempotency (by default they
-        /// get `400`). A malformed key is still refused.
-        pub fn optional() { required = false }
-        /// Scopes keys to the caller: `identity` reads who sent the request (a user id set by an
-        /// authentication layer in the extensions, an API-key id from a header) and the key is bound to
-        /// it (see [`CallerKey`]), so two callers that send the same key never see each other's
-        /// responses. Callers mapped to the same text share their keys; map anonymous callers to
-        /// something unique or refuse them before this layer. Replaces
-        /// [`keys_shared_by_all_callers`](Self::keys_shared_by_all_callers) if both are called.
-        pub fn caller(identity: impl Fn(&Parts) -> String + Send + Sync + 'static) {
-            callers = Callers::Each(Arc::new(identity))
-        }
-        /// Says that keys are shared by all callers: whoever sends a key that another caller used for
-        /// the same request (method, path, query, body) gets that caller's recorded response. Right for
-        /// a service with one caller, or whose callers trust each other (an internal job queue, a
-        /// single-tenant backend); wrong for a public API, where [`caller`](Self::caller) keeps each
-        /// user's responses to that user. Replaces `caller` if both are called.
-        pub fn keys_shared_by_all_callers() { callers = Callers::Shared }
-    }
+    edge_setters!("IdempotencyLayer", missing: "`400`", running: "`409`", too_large: "a `500` problem (`urn:idempotent:response-too-large`, marked replayed)");
 
     /// Also records and replays the response header `name`.
     #[must_use]
@@ -308,25 +214,6 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
         pub fn record_status(record: impl Fn(StatusCode) -> bool + Send + Sync + 'static) {
             record_status = Arc::new(record)
         }
-        /// The largest request body buffered (default [`DEFAULT_MAX_REQUEST_BYTES`]); larger ones get `413`.
-        pub fn max_request_bytes(max_request_bytes: usize);
-        /// The largest response body recorded (default [`DEFAULT_MAX_RESPONSE_BYTES`]).
-        ///
-        /// A larger body is never truncated: the request that ran gets its whole response (the part
-        /// read up to the limit, then the rest as the handler streams it), and every retry with that
-        /// key gets a `500` problem (`urn:idempotent:response-too-large`, marked replayed) saying the
-        /// request was processed and its response cannot be replayed; it does not run again. Raise the
-        /// limit for routes with large responses (the store's own record limit applies too: over it,
-        /// the first response goes through and retries get `500`).
-        pub fn max_response_bytes(max_response_bytes: usize);
-        /// How long a request holds its key if the process dies (default [`DEFAULT_LEASE`]); make it
-        /// longer than the route can take.
-        pub fn lease(lease: Duration);
-        /// How long a recorded response is replayed (default [`DEFAULT_RETENTION`]).
-        pub fn retention(retention: Duration);
-        /// Makes a request that arrives while the first with its key is running wait up to `wait` for
-        /// its response, instead of getting `409` at once.
-        pub fn wait(wait: Duration) { wait = Some(wait) }
         /// The methods the layer applies to (default [`DEFAULT_METHODS`]: `POST` and `PATCH`).
         /// Requests with other methods pass through untouched, even with an `Idempotency-Key`.
         ///
@@ -360,36 +247,14 @@ impl<S, St> Layer<S> for IdempotencyLayer<St> {
     /// a layer that silently shared every key across callers would hand one user's responses to
     /// another. axum applies layers while the router is built, so this fails at startup.
     fn layer(&self, inner: S) -> Self::Service {
-        if matches!(self.config.callers, Callers::Unchosen) {
-            panic!(
-                "IdempotencyLayer (scope {:?}) does not say whose keys it holds: two callers who send the same \
-                 Idempotency-Key and body would get one recorded response, the first caller's. Call \
-                 `.caller(|parts| ...)` to bind each key to who sent it (a user or API-client id, for example from \
-                 the extensions your authentication layer sets), or `.keys_shared_by_all_callers()` if every \
-                 caller may get every other caller's responses (one caller, or callers that trust each other)",
-                self.config.scope
-            );
-        }
+        self.config.edge.check_callers("IdempotencyLayer");
         IdempotencyService { inner, config: Arc::clone(&self.config) }
     }
 }
 
-/// The service [`IdempotencyLayer`] wraps around a route.
-pub struct IdempotencyService<S, St> {
-    inner: S,
-    config: Arc<Config<St>>,
-}
-
-impl<S: Clone, St> Clone for IdempotencyService<S, St> {
-    fn clone(&self) -> Self {
-        IdempotencyService { inner: self.inner.clone(), config: Arc::clone(&self.config) }
-    }
-}
-
-impl<S: std::fmt::Debug, St> std::fmt::Debug for IdempotencyService<S, St> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("IdempotencyService").field("inner", &self.inner).finish_non_exhaustive()
-    }
+layer_service! {
+    /// The service [`IdempotencyLayer`] wraps around a route.
+    IdempotencyService
 }
 
 impl<S, St> Service<Request> for IdempotencyService<S, St>
@@ -427,19 +292,7 @@ where
     }
 }
 
-/// Why the body given to [`Call`] did not produce a recordable response; every case releases the key.
-enum Failure<E> {
-    Idempotency(Error),
-    Inner(E),
-    Panicked,
-    NotRecorded(Response),
-}
-
-impl<E> From<Error> for Failure<E> {
-    fn from(error: Error) -> Self {
-        Failure::Idempotency(error)
-    }
-}
+type Failure<E> = crate::edge::Failure<E, Response>;
 
 impl<St: Store> Config<St> {
     async fn handle<S>(&self, mut inner: S, request: Request) -> Result<Response, S::Error>
@@ -449,30 +302,18 @@ impl<St: Store> Config<St> {
         let (parts, body) = request.into_parts();
         let key = match key_header::from_headers(&parts.headers) {
             Ok(Some(key)) => key,
-            Ok(None) if !self.required => {
+            Ok(None) if !self.edge.required => {
                 return inner.call(Request::from_parts(parts, body)).await;
             }
             Ok(None) => return Ok(Problem::missing_key().into_response()),
             Err(error) => return Ok(Problem::from_key_header(&error).into_response()),
         };
-        let bytes = match read_request(&parts, body, self.max_request_bytes).await {
+        let bytes = match read_request(&parts, body, self.edge.max_request_bytes).await {
             Ok(bytes) => bytes,
             Err(problem) => return Ok(problem.into_response()),
         };
         let fingerprint = request_fingerprint(&parts, &bytes, self.json_fingerprint);
-        let caller = match &self.callers {
-            Callers::Each(identity) => Some(identity(&parts)),
-            Callers::Shared | Callers::Unchosen => None,
-        };
-        let call = match &caller {
-            Some(caller) => Call::new(&self.scope, &CallerKey::new(caller, &key)),
-            None => Call::new(&self.scope, &key),
-        };
-        let mut call = call.with_fingerprint(Ok(fingerprint)).lease(self.lease).retention(self.retention);
-        if let Some(wait) = self.wait {
-            call = call.wait(wait);
-        }
-
+        let call = self.edge.call(&parts, &key, fingerprint);
         let request = Request::from_parts(parts, Body::from(bytes));
         let mut first = None;
         let body = async {
@@ -484,7 +325,7 @@ impl<St: Store> Config<St> {
             // From here on the handler has answered: whatever happens to its body, the key is
             // recorded, never released, so a retry cannot run the handler a second time.
             let (parts, body) = response.into_parts();
-            let recorded = match read_response(body, self.max_response_bytes).await {
+            let recorded = match read_response(body, self.edge.max_response_bytes).await {
                 Read::Whole(bytes) => {
                     let recorded = Recorded::response(parts.status, &parts.headers, &self.recorded_headers, &bytes);
                     first = Some(Response::from_parts(parts, Body::from(bytes)));
@@ -492,11 +333,11 @@ impl<St: Store> Config<St> {
                 }
                 Read::TooLarge(body) => {
                     tracing::warn!(
-                        target: "idempotent", limit = self.max_response_bytes,
+                        target: "idempotent", limit = self.edge.max_response_bytes,
                         "a response body is over the recording limit; it goes to this request, retries get 500"
                     );
                     first = Some(Response::from_parts(parts, body));
-                    Recorded::TooLarge { limit: self.max_response_bytes }
+                    Recorded::TooLarge { limit: self.edge.max_response_bytes }
                 }
                 Read::Failed(reason) => {
                     tracing::error!(
@@ -509,7 +350,7 @@ impl<St: Store> Config<St> {
             };
             Ok(recorded)
         };
-        let result = call.run_with(&*self.store, ReleaseErrors, body).await;
+        let result = call.run_with(&*self.edge.store, ReleaseErrors, body).await;
         match result {
             Ok(recorded) => Ok(match first {
                 Some(response) => response,

@@ -110,4 +110,4 @@ pub use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 
 // What the gRPC layer shares with this one.
 #[cfg(feature = "tonic")]
-pub(crate) use {key_header::KeyHeaderError, layer::Callers, recorded::Data, spawn::run_to_completion};
+pub(crate) use {key_header::KeyHeaderError, recorded::Data, spawn::run_to_completion};

@@ -97,16 +97,28 @@ pub trait Store: Send + Sync {
     }
 }
 
-/// The arguments of [`Store::claim`].
+/// Whose claim on which key, for which request: what [`ClaimRequest`] and [`Completion`] both
+/// carry. Each of them dereferences to its claimant, so `request.key`, `completion.token` and
+/// `completion.fingerprint` read its fields directly.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct Claimant<'a> {
+    /// The key.
+    pub key: &'a Key,
+    /// The owner token of the claim.
+    pub token: &'a Token,
+    /// The request's fingerprint, stored with the claim and, when the store no longer holds the
+    /// claim at completion, written with the record, so that a reused key with another request
+    /// is still refused.
+    pub fingerprint: Option<&'a Fingerprint>,
+}
+
+/// The arguments of [`Store::claim`]: the [`Claimant`] (reached through `Deref`) and the lease.
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub struct ClaimRequest<'a> {
-    /// The key to claim.
-    pub key: &'a Key,
-    /// This caller's owner token.
-    pub token: &'a Token,
-    /// The request's fingerprint, stored with the claim.
-    pub fingerprint: Option<&'a Fingerprint>,
+    /// Who claims which key, for which request.
+    pub claimant: Claimant<'a>,
     /// How long the claim lasts if the caller neither completes nor releases it.
     pub lease: Duration,
 }
@@ -115,25 +127,37 @@ impl<'a> ClaimRequest<'a> {
     /// A claim of `key` for `token`, with `fingerprint`, lasting `lease` unless renewed.
     #[must_use]
     pub fn new(key: &'a Key, token: &'a Token, fingerprint: Option<&'a Fingerprint>, lease: Duration) -> Self {
-        ClaimRequest { key, token, fingerprint, lease }
+        ClaimRequest { claimant: Claimant { key, token, fingerprint }, lease }
     }
 }
 
-/// The arguments of [`Store::complete`].
+impl<'a> std::ops::Deref for ClaimRequest<'a> {
+    type Target = Claimant<'a>;
+
+    fn deref(&self) -> &Claimant<'a> {
+        &self.claimant
+    }
+}
+
+/// The arguments of [`Store::complete`]: the [`Claimant`] whose body produced the outcome
+/// (reached through `Deref`), the outcome and its retention.
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub struct Completion<'a> {
-    /// The claimed key.
-    pub key: &'a Key,
-    /// The token of the claim whose body produced the outcome.
-    pub token: &'a Token,
-    /// The request's fingerprint, as claimed (written with the record when the store no longer
-    /// holds the claim, so that a reused key with another request is still refused).
-    pub fingerprint: Option<&'a Fingerprint>,
+    /// The claim whose body produced the outcome, with the request's fingerprint as claimed.
+    pub claimant: Claimant<'a>,
     /// The encoded outcome.
     pub outcome: &'a [u8],
     /// How long the record is replayed.
     pub retention: Duration,
+}
+
+impl<'a> std::ops::Deref for Completion<'a> {
+    type Target = Claimant<'a>;
+
+    fn deref(&self) -> &Claimant<'a> {
+        &self.claimant
+    }
 }
 
 impl<'a> Completion<'a> {
@@ -146,7 +170,7 @@ impl<'a> Completion<'a> {
         outcome: &'a [u8],
         retention: Duration,
     ) -> Self {
-        Completion { key, token, fingerprint, outcome, retention }
+        Completion { claimant: Claimant { key, token, fingerprint }, outcome, retention }
     }
 }
 

@@ -7,7 +7,8 @@
 //! through the test's proxy before answering (the answer is lost after the work was done);
 //! `"fail-after-effect"` pays and answers `UNAVAILABLE` (a receipt service that timed out);
 //! `"refuse"` pays nothing and answers `not_processed(INVALID_ARGUMENT)`; `"slow"` pays and
-//! answers after 300 ms.
+//! answers after 300 ms; `"metadata"` pays and answers with `x-ledger-seq` initial metadata;
+//! `"detailed-failure"` pays and answers `INTERNAL` with `x-ledger-seq` metadata and binary details.
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -134,6 +135,22 @@ impl Payments for Bank {
             }
             "fail-after-effect" => return Err(Status::unavailable(format!("receipt service timed out (seq {seq})"))),
             "slow" => tokio::time::sleep(Duration::from_millis(300)).await,
+            "metadata" => {
+                let mut response = Response::new(receipt);
+                response.metadata_mut().insert("x-ledger-seq", seq.into());
+                return Ok(response);
+            }
+            "detailed-failure" => {
+                let mut metadata = tonic::metadata::MetadataMap::new();
+                metadata.insert("x-ledger-seq", seq.into());
+                let details = vec![0, 159, 146, 150, u8::try_from(seq % 256).unwrap()].into();
+                return Err(Status::with_details_and_metadata(
+                    tonic::Code::Internal,
+                    "ledger closed",
+                    details,
+                    metadata,
+                ));
+            }
             _ => {}
         }
         Ok(Response::new(receipt))

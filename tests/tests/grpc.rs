@@ -330,3 +330,29 @@ async fn grpc_store_down_before_the_claim_is_unavailable_and_not_recorded_redis(
     drop(server);
     cleanup.run().await;
 }
+
+#[tokio::test]
+async fn grpc_replay_carries_the_recorded_metadata_status_and_details_memory() {
+    let ledger = Ledger::default();
+    let server = TestServer::start(layer(MemoryStore::new()), Bank::new(ledger.clone(), None)).await;
+    let mut client = client(server.addr).await;
+
+    let first = client.pay(pay(Some("with-metadata"), "frank", 3, "metadata")).await.unwrap();
+    let again = client.pay(pay(Some("with-metadata"), "frank", 3, "metadata")).await.unwrap();
+    assert!(!replayed(&first) && replayed(&again));
+    assert_eq!(first.metadata().get("x-ledger-seq"), again.metadata().get("x-ledger-seq"));
+    assert_eq!(again.metadata().get("x-ledger-seq").unwrap(), "1");
+    assert_eq!(first.get_ref(), again.get_ref());
+
+    let failed = client.pay(pay(Some("with-details"), "grace", 3, "detailed-failure")).await.unwrap_err();
+    let replay = client.pay(pay(Some("with-details"), "grace", 3, "detailed-failure")).await.unwrap_err();
+    for status in [&failed, &replay] {
+        assert_eq!(status.code(), Code::Internal, "{status:?}");
+        assert_eq!(status.message(), "ledger closed");
+        assert_eq!(status.details(), &[0, 159, 146, 150, 2], "binary details kept byte for byte");
+        assert_eq!(status.metadata().get("x-ledger-seq").unwrap(), "2");
+    }
+    assert!(replay.metadata().get("idempotent-replayed").is_some_and(|v| v == "true"), "{replay:?}");
+    assert!(failed.metadata().get("idempotent-replayed").is_none(), "{failed:?}");
+    assert_eq!(ledger.len(), 2, "one payment per key");
+}

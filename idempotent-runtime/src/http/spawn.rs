@@ -7,12 +7,14 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use futures_util::FutureExt as _;
+use futures_util::future::CatchUnwind;
 
 use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 use tower::{Layer, Service};
 use tracing::Instrument as _;
+use tracing::instrument::Instrumented;
 
 use super::key_header;
 use super::problem::Problem;
@@ -130,21 +132,25 @@ impl RunsToCompletion {
 /// so dropping the returned future never cancels it. A request that finishes in its first poll
 /// (a replay from an in-process store, a refusal) costs no task. `Err(())` if it panicked or the
 /// runtime shut down before it finished.
-pub(crate) fn run_to_completion<T: Send + 'static>(
-    future: impl Future<Output = T> + Send + 'static,
-) -> impl Future<Output = Result<T, ()>> + Send {
-    type Running<T> = Pin<Box<dyn Future<Output = std::thread::Result<T>> + Send>>;
-    enum State<T> {
+pub(crate) fn run_to_completion<F>(future: F) -> impl Future<Output = Result<F::Output, ()>> + Send
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    type Running<F> = CatchUnwind<AssertUnwindSafe<Instrumented<Pin<Box<F>>>>>;
+    enum State<F: Future> {
         /// Not polled yet, or polled here once.
-        Here(Running<T>),
+        Here(Running<F>),
         /// Moved to its own task.
-        Spawned(tokio::task::JoinHandle<std::thread::Result<T>>),
+        Spawned(tokio::task::JoinHandle<std::thread::Result<F::Output>>),
         Done,
     }
-    // Boxed before its first poll, so the task it moves to takes the box, not the future.
-    let mut state = State::Here(Box::pin(AssertUnwindSafe(future.in_current_span()).catch_unwind()));
+    // Boxed first, then wrapped: the wrappers, and the task it may move to, hold the box, not
+    // the future. A request's future is kilobytes, and wrapping it before boxing moved it three
+    // times more (a memcpy each: 3,300 instructions per HTTP request under callgrind).
+    let mut state = State::Here(AssertUnwindSafe(Box::pin(future).in_current_span()).catch_unwind());
     std::future::poll_fn(move |cx| match &mut state {
-        State::Here(running) => match running.as_mut().poll(cx) {
+        State::Here(running) => match Pin::new(running).poll(cx) {
             Poll::Ready(output) => {
                 state = State::Done;
                 Poll::Ready(output.map_err(|_| ()))

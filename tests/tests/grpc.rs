@@ -283,9 +283,12 @@ async fn grpc_tonic_client_in_an_idempotent_body_sends_the_same_derived_key_when
     // The shop's retry runs the body again; its call gets the same derived key, and the bank replays.
     let mut again = order().await;
     for _ in 0..20 {
-        // The channel may still be reconnecting through the proxy.
-        if !matches!(&again, Err(Failed::Rpc(status)) if matches!(status.code(), Code::Unavailable | Code::Unknown | Code::Cancelled))
-        {
+        // The channel may still be reconnecting through the proxy, or the bank still recording
+        // the first run (ABORTED, as a retry policy would retry it).
+        let transient = |status: &Status| {
+            matches!(status.code(), Code::Unavailable | Code::Unknown | Code::Cancelled | Code::Aborted)
+        };
+        if !matches!(&again, Err(Failed::Rpc(status)) if transient(status)) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -90,6 +90,21 @@ pub async fn redis_at(url: &str) -> (idempotent_runtime::RedisStore, Cleanup) {
     (store, Cleanup::Redis { url: url.to_owned(), prefix })
 }
 
+/// A Redis store under a fresh prefix on the test server, reached through a [`FaultProxy`] of
+/// its own (to cut or refuse its connections), or `None` (skipped loudly) without a server.
+///
+/// [`FaultProxy`]: crate::proxy::FaultProxy
+#[cfg(feature = "redis")]
+pub async fn redis_behind_proxy(
+    test: &str,
+) -> Option<(idempotent_runtime::RedisStore, Cleanup, crate::proxy::FaultProxy)> {
+    let url = crate::services::redis_url(test)?;
+    let target = url.trim_start_matches("redis://").trim_end_matches('/').to_owned();
+    let proxy = crate::proxy::FaultProxy::start(&target).await.expect("start the proxy");
+    let (store, cleanup) = redis_at(&format!("redis://{}", proxy.addr())).await;
+    Some((store, cleanup, proxy))
+}
+
 /// A Redis store under a fresh prefix on the test server.
 #[cfg(feature = "redis")]
 pub async fn redis(test: &str) -> Option<(idempotent_runtime::RedisStore, Cleanup)> {

@@ -304,10 +304,7 @@ async fn grpc_tonic_client_in_an_idempotent_body_sends_the_same_derived_key_when
 async fn grpc_store_down_before_the_claim_is_unavailable_and_not_recorded_redis() {
     use idempotent_tests::proxy::Mode;
     let test = "grpc_store_down_before_the_claim_is_unavailable_and_not_recorded_redis";
-    let Some(url) = idempotent_tests::services::redis_url(test) else { return };
-    let target = url.trim_start_matches("redis://").trim_end_matches('/').to_owned();
-    let proxy = FaultProxy::start(&target).await.expect("start the proxy");
-    let (store, cleanup) = idempotent_tests::fresh::redis_at(&format!("redis://{}", proxy.addr())).await;
+    let Some((store, cleanup, proxy)) = idempotent_tests::fresh::redis_behind_proxy(test).await else { return };
     let ledger = Ledger::default();
     let server = TestServer::start(layer(store), Bank::new(ledger.clone(), None)).await;
     let mut client = client(server.addr).await;

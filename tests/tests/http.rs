@@ -1169,14 +1169,9 @@ fn http_layer_without_a_caller_choice_fails_at_startup_naming_both_fixes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http_layer_store_down_before_the_claim_is_503_and_not_recorded_redis() {
-    use idempotent_tests::proxy::{FaultProxy, Mode};
+    use idempotent_tests::proxy::Mode;
     let test = "http_layer_store_down_before_the_claim_is_503_and_not_recorded_redis";
-    let Some(url) = idempotent_tests::services::redis_url(test) else { return };
-    let target = url.trim_start_matches("redis://").trim_end_matches('/').to_owned();
-    let proxy = FaultProxy::start(&target).await.expect("start the proxy");
-    let prefix = format!("idempotent-test:{}:", uuid::Uuid::new_v4().simple());
-    let store =
-        RedisStore::connect(&format!("redis://{}", proxy.addr())).await.expect("connect").with_prefix(prefix).unwrap();
+    let Some((store, cleanup, proxy)) = idempotent_tests::fresh::redis_behind_proxy(test).await else { return };
     let (http, counters) = edge_app(shared(store)).await;
     proxy.set_mode(Mode::Refuse);
     proxy.kill_connections();
@@ -1196,4 +1191,5 @@ async fn http_layer_store_down_before_the_claim_is_503_and_not_recorded_redis() 
     }
     assert_eq!((reply.status, reply.replayed()), (201, false), "the 503 was not recorded: the retry ran: {reply:?}");
     assert_eq!(counters.charges.load(Ordering::SeqCst), 1);
+    cleanup.run().await;
 }

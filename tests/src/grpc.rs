@@ -6,8 +6,8 @@
 //! scenario: `""` pays; `"drop-first"` pays and, on a key's first run, cuts every connection
 //! through the test's proxy before answering (the answer is lost after the work was done);
 //! `"fail-after-effect"` pays and answers `UNAVAILABLE` (a receipt service that timed out);
-//! `"refuse"` pays nothing and answers `not_processed(INVALID_ARGUMENT)`; `"slow"` pays and
-//! answers after 300 ms; `"metadata"` pays and answers with `x-ledger-seq` initial metadata;
+//! `"refuse"` pays nothing and answers `not_processed(INVALID_ARGUMENT)`; `"slow"` waits 300 ms,
+//! then pays; `"metadata"` pays and answers with `x-ledger-seq` initial metadata;
 //! `"detailed-failure"` pays and answers `INTERNAL` with `x-ledger-seq` metadata and binary details.
 
 use std::collections::HashSet;
@@ -123,6 +123,9 @@ impl Payments for Bank {
         if request.behaviour == "refuse" {
             return Err(not_processed(Status::invalid_argument("this request is refused before any payment")));
         }
+        if request.behaviour == "slow" {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
         let seq = self.ledger.pay(&request);
         let receipt = Receipt { user: request.user.clone(), amount: request.amount, seq };
         match request.behaviour.as_str() {
@@ -134,7 +137,6 @@ impl Payments for Bank {
                 }
             }
             "fail-after-effect" => return Err(Status::unavailable(format!("receipt service timed out (seq {seq})"))),
-            "slow" => tokio::time::sleep(Duration::from_millis(300)).await,
             "metadata" => {
                 let mut response = Response::new(receipt);
                 response.metadata_mut().insert("x-ledger-seq", seq.into());

@@ -356,3 +356,23 @@ async fn grpc_replay_carries_the_recorded_metadata_status_and_details_memory() {
     assert!(failed.metadata().get("idempotent-replayed").is_none(), "{failed:?}");
     assert_eq!(ledger.len(), 2, "one payment per key");
 }
+
+#[tokio::test]
+async fn grpc_a_call_whose_deadline_passes_still_runs_to_its_end_and_its_retry_gets_the_answer_memory() {
+    let ledger = Ledger::default();
+    let server = TestServer::start(layer(MemoryStore::new()), Bank::new(ledger.clone(), None)).await;
+    let mut client = client(server.addr).await;
+    // The handler pays after 300 ms; the client gives up after 50 ms (its grpc-timeout makes
+    // tonic's server drop the call's future too).
+    let mut hurried = pay(Some("deadline-1"), "heidi", 4, "slow");
+    hurried.set_timeout(Duration::from_millis(50));
+    let gave_up = client.pay(hurried).await.unwrap_err();
+    assert!(matches!(gave_up.code(), Code::DeadlineExceeded | Code::Cancelled), "{gave_up:?}");
+    assert!(ledger.is_empty(), "the client gave up before the payment");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(ledger.len(), 1, "the handler ran to its end after the client gave up");
+    let retry = client.pay(pay(Some("deadline-1"), "heidi", 4, "slow")).await.unwrap();
+    assert!(replayed(&retry), "the retry gets the answer the abandoned call recorded");
+    assert_eq!(retry.get_ref().seq, 1);
+    assert_eq!(ledger.len(), 1);
+}

@@ -52,8 +52,8 @@
 //! methods pass through untouched. It buffers a call's request whole before the handler sees it,
 //! which a bidirectional or client-streaming RPC cannot survive, so do not list those; a listed
 //! method whose request turns out to hold several messages is refused with `UNIMPLEMENTED` before
-//! the handler runs. A listed server-streaming method is recorded whole like a unary one, up to
-//! the response limit.
+//! the handler runs. Server-streaming methods are not tested under the layer: do not list them
+//! either.
 //!
 //! # Clients
 //!

@@ -200,7 +200,7 @@ fn entry(key: &str, value: Vec<u8>, pttl: i64, with_outcome: bool) -> Result<Ent
     let token =
         std::str::from_utf8(&value[..header_end]).ok().and_then(|h| h.split(' ').nth(2)).unwrap_or("").to_owned();
     let remaining = u64::try_from(pttl).ok().map(Duration::from_millis);
-    Ok(match record::parse(value, key.as_bytes())? {
+    Ok(match record::parse(value, || key.as_bytes().to_vec())? {
         record::Parsed::Running { fingerprint, .. } => Entry {
             key: key.to_owned(),
             state: State::Running,

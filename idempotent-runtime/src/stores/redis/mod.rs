@@ -611,7 +611,7 @@ fn owner_reply(value: &Value) -> Result<(), StoreError> {
 fn parse_claim(reply: RedisResult<Value>, key: &KeyArg<'_>, ours: &Token) -> Result<Claim, StoreError> {
     match reply {
         Ok(Value::Nil) => Ok(Claim::Claimed),
-        Ok(Value::BulkString(value)) => Ok(record::parse(value, &key.bytes())?.into_claim(ours)),
+        Ok(Value::BulkString(value)) => Ok(record::parse(value, || key.bytes())?.into_claim(ours)),
         Ok(other) => Err(StoreError::Corrupt(format!(
             "unexpected reply to SET ... GET on Redis key {:?}: {other:?}",
             String::from_utf8_lossy(&key.bytes())
@@ -636,7 +636,7 @@ fn parse_probe(reply: Value, key: &KeyArg<'_>, ours: &Token) -> Result<Option<Cl
     match (items.next(), items.next(), items.next()) {
         (Some(Value::Nil | Value::Boolean(false)), Some(_), None) => Ok(None),
         (Some(Value::BulkString(value)), Some(Value::Int(pttl)), None) => {
-            match record::parse(value, &key.bytes())?.into_claim(ours) {
+            match record::parse(value, || key.bytes())?.into_claim(ours) {
                 Claim::InProgress { fingerprint, .. } => {
                     // -1 (no expiry) cannot happen with this store's writes; report it as unknown.
                     let lease_remaining = u64::try_from(pttl).ok().map(Duration::from_millis);
@@ -682,7 +682,7 @@ impl<C: RedisConnection> Store for RedisStore<C> {
 /// The steps, unbounded; [`Store`]'s methods bound them by the step timeout.
 impl<C: RedisConnection> RedisStore<C> {
     async fn claim_now(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        record::check_fields(request.token, request.fingerprint)?;
+        record::check_token(request.token)?;
         let key = self.key_arg(request.key);
         let running = record::Header {
             state: record::RUNNING,
@@ -707,7 +707,7 @@ impl<C: RedisConnection> RedisStore<C> {
 
     async fn complete_now(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
         let token = completion.token.as_str();
-        record::check_fields(completion.token, completion.fingerprint)?;
+        record::check_token(completion.token)?;
         let key = self.key_arg(completion.key);
         let running = record::Owned { state: record::RUNNING, token };
         let done = record::Owned { state: record::DONE, token };

@@ -217,6 +217,10 @@ end
 return 0
 ";
 
+/// The buffer a claim or script command starts with: its header arguments, the key and a small
+/// outcome fit, so building it does not grow the buffer step by step (a larger outcome grows it).
+const COMMAND_BYTES: usize = 512;
+
 /// A script's text and its SHA-1, for `EVALSHA` with a fallback to `EVAL`.
 struct Lua {
     source: &'static str,
@@ -515,8 +519,8 @@ impl<C: RedisConnection> RedisStore<C> {
 
 /// `EVALSHA <sha> 1 <key> <args...>`, or `EVAL <script> 1 <key> <args...>`.
 fn script_cmd(script: &Lua, eval: bool, key: &KeyArg<'_>, args: &impl Fn(&mut Cmd)) -> Cmd {
-    let mut cmd = redis::cmd(if eval { "EVAL" } else { "EVALSHA" });
-    cmd.arg(if eval { script.source } else { script.sha() }).arg(1).arg(key);
+    let mut cmd = Cmd::with_capacity(8, COMMAND_BYTES);
+    cmd.arg(if eval { "EVAL" } else { "EVALSHA" }).arg(if eval { script.source } else { script.sha() }).arg(1).arg(key);
     args(&mut cmd);
     cmd
 }
@@ -689,8 +693,8 @@ impl<C: RedisConnection> RedisStore<C> {
             token: request.token.as_str(),
             fingerprint: request.fingerprint.map(crate::Fingerprint::as_str),
         };
-        let mut cmd = redis::cmd("SET");
-        cmd.arg(&key).arg(&running).arg("NX").arg("PX").arg(expiry_millis(request.lease)).arg("GET");
+        let mut cmd = Cmd::with_capacity(7, COMMAND_BYTES);
+        cmd.arg("SET").arg(&key).arg(&running).arg("NX").arg("PX").arg(expiry_millis(request.lease)).arg("GET");
         let mut claim = parse_claim(self.query(&cmd).await, &key, request.token)?;
         // Rare path: another call runs. Read its remaining lease (and the value again, in the same
         // instant, since it may have finished meanwhile); if the key is gone by now, claim again.

@@ -70,6 +70,11 @@ fn write_arg<W: ?Sized + RedisWrite>(out: &mut W, parts: &[&str]) {
 /// `true` for the text this store accepts as a token or fingerprint: 1 to 128 lowercase hex
 /// digits (so that it can never contain the separators of the header).
 pub(super) fn is_hex_field(text: &str) -> bool {
+    is_hex_bytes(text.as_bytes())
+}
+
+/// [`is_hex_field`] on bytes.
+fn is_hex_bytes(bytes: &[u8]) -> bool {
     /// Which bytes are lowercase hex digits: one load per byte (this runs on every claim and
     /// replay, over the token and the fingerprint).
     const HEX: [bool; 256] = {
@@ -81,7 +86,7 @@ pub(super) fn is_hex_field(text: &str) -> bool {
         }
         table
     };
-    !text.is_empty() && text.len() <= MAX_HEX && text.bytes().all(|b| HEX[usize::from(b)])
+    !bytes.is_empty() && bytes.len() <= MAX_HEX && bytes.iter().all(|&b| HEX[usize::from(b)])
 }
 
 /// Refuses an owner token that could not be parsed back from the header. A [`Fingerprint`] needs
@@ -119,17 +124,15 @@ impl Parsed {
 /// Parses a stored value, reusing its buffer for the outcome. `redis_key` names the key in the
 /// error, and is only called for one.
 ///
-/// This runs on every replay, so it reads the header by its fixed layout (the magic and the state
-/// as prefixes, then the two fields around one space), on bytes: a field that passes the hex check
-/// is ASCII, so no UTF-8 pass over the header is needed.
+/// This runs on every replay, so it reads the header by its layout instead of scanning it: the
+/// magic and the state are prefixes, and each field's end is looked for first where a token of
+/// [`Token::new`] and a [`Fingerprint`] put it (then searched for). The digit checks that follow
+/// refuse a field that holds a separator, so the fast path accepts exactly what the search would.
 pub(super) fn parse(mut value: Vec<u8>, redis_key: impl Fn() -> Vec<u8>) -> Result<Parsed, StoreError> {
+    const MALFORMED: &str = "does not start with `idempotent/1 <state> <token> <fingerprint>`";
     let corrupt = |value: &[u8], what: &str| corrupt(&redis_key(), value, what);
-    let Some(newline) = value.iter().position(|&b| b == b'\n') else {
-        return Err(corrupt(&value, "has no header line"));
-    };
-    let header = &value[..newline];
-    let Some(after_magic) = header.strip_prefix(MAGIC.as_bytes()).and_then(|rest| rest.strip_prefix(b" ")) else {
-        return Err(corrupt(&value, "does not start with `idempotent/1 <state> <token> <fingerprint>`"));
+    let Some(after_magic) = value.strip_prefix(MAGIC.as_bytes()).and_then(|rest| rest.strip_prefix(b" ")) else {
+        return Err(corrupt(&value, MALFORMED));
     };
     let (running, fields) = if let Some(fields) = after_magic.strip_prefix(b"running ") {
         (true, fields)
@@ -138,14 +141,16 @@ pub(super) fn parse(mut value: Vec<u8>, redis_key: impl Fn() -> Vec<u8>) -> Resu
     } else {
         return Err(corrupt(&value, "has an unknown state"));
     };
-    let Some(space) = fields.iter().position(|&b| b == b' ') else {
-        return Err(corrupt(&value, "does not start with `idempotent/1 <state> <token> <fingerprint>`"));
+    let Some(token_len) = field_len(fields, b' ', TOKEN_HEX) else {
+        return Err(corrupt(&value, MALFORMED));
     };
-    let (token, fp) = (&fields[..space], &fields[space + 1..]);
-    let Some(token) = hex_field(token) else {
+    let (token, rest) = (&fields[..token_len], &fields[token_len + 1..]);
+    if !is_hex_bytes(token) {
         return Err(corrupt(&value, "has a malformed owner token"));
-    };
-    let fingerprint = match fp {
+    }
+    let fp_len = if rest.starts_with(b"-\n") { Some(1) } else { field_len(rest, b'\n', FINGERPRINT_HEX) };
+    let Some(fp_len) = fp_len else { return Err(corrupt(&value, "has no header line")) };
+    let fingerprint = match &rest[..fp_len] {
         b"-" => None,
         // `Fingerprint::parse` checks the digits itself.
         fp => match std::str::from_utf8(fp).map(Fingerprint::parse) {
@@ -154,8 +159,14 @@ pub(super) fn parse(mut value: Vec<u8>, redis_key: impl Fn() -> Vec<u8>) -> Resu
             Err(_) => return Err(corrupt(&value, "has a malformed fingerprint")),
         },
     };
+    // `rest` lies inside `value`: its offset, plus the fingerprint, is the newline's index.
+    let newline = value.len() - rest.len() + fp_len;
     match running {
-        true if value.len() == newline + 1 => Ok(Parsed::Running { token: Token::from_stored(token), fingerprint }),
+        true if value.len() == newline + 1 => {
+            // Only hex digits, checked above: always UTF-8.
+            let token = std::str::from_utf8(token).unwrap_or_default();
+            Ok(Parsed::Running { token: Token::from_stored(token), fingerprint })
+        }
         true => Err(corrupt(&value, "is a running record with bytes after its header")),
         false => {
             value.drain(..=newline);
@@ -164,9 +175,18 @@ pub(super) fn parse(mut value: Vec<u8>, redis_key: impl Fn() -> Vec<u8>) -> Resu
     }
 }
 
-/// `field` as text, if it is a token or fingerprint this store accepts ([`is_hex_field`]).
-fn hex_field(field: &[u8]) -> Option<&str> {
-    std::str::from_utf8(field).ok().filter(|text| is_hex_field(text))
+/// The hex digits of a token made by [`Token::new`].
+const TOKEN_HEX: usize = 32;
+/// The hex digits of a [`Fingerprint`].
+const FINGERPRINT_HEX: usize = 64;
+
+/// The length of the field at the start of `bytes` that `end` ends: `usual` if the byte there is
+/// `end`, else the position of the first `end` within the longest field accepted.
+fn field_len(bytes: &[u8], end: u8, usual: usize) -> Option<usize> {
+    if bytes.get(usual) == Some(&end) {
+        return Some(usual);
+    }
+    bytes.iter().take(MAX_HEX + 1).position(|&b| b == end)
 }
 
 /// The error for a value this store did not write (or an incompatible version wrote).
@@ -221,6 +241,17 @@ mod tests {
         binary.extend_from_slice(b"\xff\x00");
         let Parsed::Done(record) = parse(binary, || b"k".to_vec()).unwrap() else { panic!() };
         assert_eq!(record.outcome, &b"\xff\x00"[..]);
+        // A token of another length (not from `Token::new`) is found by the search, not the fast path.
+        let long = "0123456789abcdef0123456789abcdef01234567";
+        let running = written(&Header { state: RUNNING, token: long, fingerprint: None });
+        let parsed = parse(running, || b"k".to_vec()).unwrap();
+        assert_eq!(parsed, Parsed::Running { token: Token::from_stored(long), fingerprint: None });
+        let done = format!("idempotent/1 done {long} {fp}\n42").into_bytes();
+        let Parsed::Done(record) = parse(done, || b"k".to_vec()).unwrap() else { panic!() };
+        assert_eq!(
+            (record.fingerprint, &record.outcome[..]),
+            (Some(Fingerprint::parse(fp.as_str()).unwrap()), &b"42"[..])
+        );
     }
 
     #[test]
@@ -238,6 +269,11 @@ mod tests {
             b"idempotent/1 done 0a xyz\n{}",
             b"idempotent/1 done 0a - more\n{}",
             b"idempotent/1 done \xff -\n{}",
+            // Separators where the fast path looks, inside a field the digit checks refuse.
+            b"idempotent/1 done 0123456789abcdef0123456789abcde\n -\n{}",
+            b"idempotent/1 done 0123456789abcdef0123456789abcdef -x\n{}",
+            b"idempotent/1 done 0123456789abcdef0123456789abcdef 0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcde \n{}",
+            b"idempotent/1 done 0123456789abcdef0123456789abcdef -",
         ];
         for value in bad {
             match parse(value.to_vec(), || b"app:s:k".to_vec()) {

@@ -326,11 +326,8 @@ impl<St: Store> Config<St> {
             // recorded, never released, so a retry cannot run the handler a second time.
             let (parts, body) = response.into_parts();
             let recorded = match read_response(body, self.edge.max_response_bytes).await {
-                Read::Whole(bytes) => {
-                    let recorded = Recorded::response(parts.status, &parts.headers, &self.recorded_headers, &bytes);
-                    first = Some(Response::from_parts(parts, Body::from(bytes)));
-                    recorded
-                }
+                // Recorded from the response itself, which then goes to this request as it is.
+                Read::Whole(body) => Recorded::Fresh { parts, body, allowed: &self.recorded_headers },
                 Read::TooLarge(body) => {
                     tracing::warn!(
                         target: "idempotent", limit = self.edge.max_response_bytes,
@@ -354,7 +351,7 @@ impl<St: Store> Config<St> {
         match result {
             Ok(recorded) => Ok(match first {
                 Some(response) => response,
-                None => recorded.into_replay(),
+                None => recorded.into_response(),
             }),
             Err(Failure::Inner(error)) => Err(error),
             Err(Failure::Panicked) => Ok(panicked()),

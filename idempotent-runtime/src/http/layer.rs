@@ -55,8 +55,8 @@ type StatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
 /// with the same key, with `Idempotent-Replayed: true` added. Requests with other methods pass
 /// through untouched, key or not.
 ///
-/// Each request runs on its own Tokio task: a client that disconnects never cancels a request
-/// whose handler has started, so its response is still recorded, and a retry sent meanwhile gets
+/// Each request runs to its end: if its client disconnects, the request moves to a Tokio task of
+/// its own instead of being cancelled, so a request whose handler has started is never cut off, so its response is still recorded, and a retry sent meanwhile gets
 /// `409` (or, with [`wait`](Self::wait), the recorded response). A handler that panics gets `500`
 /// and its key is released. Every response to a request with an `Idempotency-Key` carries that
 /// header back, as sent, so a client can log which key an answer belongs to.
@@ -282,7 +282,8 @@ where
         let config = Arc::clone(&self.config);
         let echo = key_header::echo(request.headers());
         RunsToCompletion::mark(&mut request);
-        // On its own task: hyper drops this future when the client disconnects, the task runs on.
+        // To its end: hyper drops this future when the client disconnects, and the request then
+        // moves to a task of its own.
         let task = run_to_completion(async move { config.handle(inner, request).await });
         Box::pin(async move {
             let mut response = task.await.unwrap_or_else(|()| Ok(panicked()))?;

@@ -99,7 +99,8 @@ pub use extractor::IdempotencyKeyHeader;
 pub use json::JsonResponse;
 pub use key_header::CallerKey;
 pub use layer::{
-    DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_METHODS, IdempotencyLayer, IdempotencyService,
+    DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_METHODS, IdempotencyFuture, IdempotencyLayer,
+    IdempotencyService,
 };
 pub use not_processed::NotProcessed;
 pub use problem::{HttpError, MAX_RETRY_AFTER_SECS, Problem, RETRY_AFTER_SECS, problem_response, retry_after_secs};

@@ -163,23 +163,20 @@ impl std::fmt::Display for Compact<'_> {
 
 /// `bytes` as text (`:`) or base64 (`;`), length-prefixed if `counted`.
 fn write_data(f: &mut std::fmt::Formatter<'_>, bytes: &[u8], counted: bool) -> std::fmt::Result {
-    match std::str::from_utf8(bytes) {
-        Ok(text) => {
-            if counted {
-                f.write_str(itoa::Buffer::new().format(text.len()))?;
-            }
-            f.write_str(":")?;
-            f.write_str(text)
+    if let Ok(text) = std::str::from_utf8(bytes) {
+        if counted {
+            f.write_str(itoa::Buffer::new().format(text.len()))?;
         }
-        Err(_) => {
-            if counted {
-                let len = base64::encoded_len(bytes.len(), true).ok_or(std::fmt::Error)?;
-                f.write_str(itoa::Buffer::new().format(len))?;
-            }
-            f.write_str(";")?;
-            std::fmt::Display::fmt(&base64::display::Base64Display::new(bytes, &BASE64), f)
-        }
+        f.write_str(":")?;
+        return f.write_str(text);
     }
+    if counted {
+        // At most 4/3 of a header value's length: it cannot overflow.
+        let len = base64::encoded_len(bytes.len(), true).unwrap_or(usize::MAX);
+        f.write_str(itoa::Buffer::new().format(len))?;
+    }
+    f.write_str(";")?;
+    std::fmt::Display::fmt(&base64::display::Base64Display::new(bytes, &BASE64), f)
 }
 
 impl Serialize for Recorded<'_> {
@@ -325,6 +322,9 @@ fn rebuild(status: u16, headers: Vec<(String, Data)>, body: Data) -> Option<Resp
 mod tests {
     use super::*;
 
+    /// A test case: status, the response's headers, body.
+    type Case = (u16, &'static [(&'static str, &'static [u8])], &'static [u8]);
+
     fn fresh<'a>(status: u16, headers: &[(&str, &[u8])], body: &[u8], allowed: &'a [HeaderName]) -> Recorded<'a> {
         let mut response = Response::new(());
         *response.status_mut() = StatusCode::from_u16(status).unwrap();
@@ -353,7 +353,7 @@ mod tests {
     #[tokio::test]
     async fn http_recorded_compact_form_round_trips_text_and_binary() {
         let allowed = [header::CONTENT_TYPE, header::LOCATION, HeaderName::from_static("x-bin")];
-        let cases: [(u16, &[(&str, &[u8])], &[u8]); 5] = [
+        let cases: [Case; 5] = [
             (
                 201,
                 &[("content-type", b"application/json"), ("x-trace", b"not recorded"), ("location", b"/o/1")],

@@ -175,12 +175,13 @@ impl<T: Send + 'static> Drop for Completing<T> {
         // Dropped before its end: the rest runs on its own task. Its output (the response of a
         // client that is gone) is dropped there; a panic is caught, and a key it held is released
         // by its call's guard.
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn(running)),
-            Err(_) => tracing::error!(
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            drop(runtime.spawn(running));
+        } else {
+            tracing::error!(
                 target: "idempotent",
                 "a request's future was dropped outside a Tokio runtime before its end; it cannot run on"
-            ),
+            );
         }
     }
 }

@@ -68,6 +68,8 @@ pub(crate) enum Data {
 }
 
 impl Data {
+    /// The gRPC layer's records still use this form.
+    #[cfg(any(feature = "tonic", test))]
     pub(crate) fn from_bytes(bytes: &[u8]) -> Self {
         match std::str::from_utf8(bytes) {
             Ok(text) => Data::Text(text.to_owned()),

@@ -22,7 +22,9 @@ use hyper_util::rt::TokioExecutor;
 use idempotent_runtime::http::{
     HttpError, IdempotencyKeyHeader, IdempotencyLayer, JsonResponse, NotProcessed, RunToCompletionLayer,
 };
-use idempotent_runtime::{MAX_KEY_BYTES, MemoryStore, RedisStore, Store, idempotent};
+use idempotent_runtime::{
+    Claim, ClaimRequest, Completion, Fingerprint, Key, MAX_KEY_BYTES, MemoryStore, RedisStore, Store, Token, idempotent,
+};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -1191,5 +1193,88 @@ async fn http_layer_store_down_before_the_claim_is_503_and_not_recorded_redis() 
     }
     assert_eq!((reply.status, reply.replayed()), (201, false), "the 503 was not recorded: the retry ran: {reply:?}");
     assert_eq!(counters.charges.load(Ordering::SeqCst), 1);
+    cleanup.run().await;
+}
+
+// ---------------------------------------------------------------- records of earlier versions
+
+/// Writes `outcome` into `store` as the record of `key` (scope `legacy`), with `fingerprint`.
+async fn write_record<St: Store>(store: &St, key: &str, fingerprint: Option<&Fingerprint>, outcome: &[u8]) {
+    let key = Key::new("legacy", key).expect("a valid key");
+    let token = Token::new();
+    let claim = store.claim(&ClaimRequest::new(&key, &token, fingerprint, Duration::from_secs(60))).await;
+    assert_eq!(claim.expect("the store answers"), Claim::Claimed);
+    let completion = Completion::new(&key, &token, fingerprint, outcome, Duration::from_secs(600));
+    store.complete(&completion).await.expect("the record is written");
+}
+
+/// Records the layer wrote before its compact record form (JSON objects, `{"Ok":{"Response":..}}`)
+/// still replay from `store` after an upgrade: the response, `TooLarge` and `Failed` records.
+async fn legacy_records_replay<St: Store + Clone + 'static>(store: St) {
+    let (http, counters) = edge_app(shared(store.clone()).scope("legacy")).await;
+    let body = r#"{"amount":5}"#;
+    // A request run now gives the fingerprint the layer computes for this request, and its record
+    // is in the compact form.
+    let now = key();
+    assert_eq!(http.post("/charges", &[("idempotency-key", &now)], body).await.status, 201);
+    let probe = Key::new("legacy", now.as_str()).expect("a valid key");
+    let token = Token::new();
+    let request = ClaimRequest::new(&probe, &token, None, Duration::from_secs(60));
+    let Claim::Completed(record) = store.claim(&request).await.expect("the store answers") else {
+        panic!("the first request's record is not there")
+    };
+    assert!(record.outcome.starts_with(br#"{"Ok":"h201"#), "{:?}", record.outcome);
+    let fingerprint = record.fingerprint.clone();
+    assert!(fingerprint.is_some());
+
+    let legacy = br#"{"Ok":{"Response":{"status":201,"headers":[["content-type",{"Text":"application/json"}],["location",{"Text":"/charges/legacy"}],["x-bin",{"Base64":"/3Rlc3Q="}]],"body":{"Text":"{\"legacy\":true}"}}}}"#;
+    let old = key();
+    write_record(&store, &old, fingerprint.as_ref(), legacy).await;
+    let replay = http.post("/charges", &[("idempotency-key", &old)], body).await;
+    assert_eq!(replay.status, 201, "{replay:?}");
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.header("location"), Some("/charges/legacy"));
+    assert_eq!(replay.header("content-type"), Some("application/json"));
+    assert_eq!(replay.headers.get("x-bin").map(HeaderValue::as_bytes), Some(&b"\xfftest"[..]));
+    assert_eq!(replay.json(), json!({ "legacy": true }));
+    // The old record's fingerprint still refuses another request with the key.
+    http.post("/charges", &[("idempotency-key", &old)], r#"{"amount":6}"#)
+        .await
+        .assert_problem(422, "urn:idempotent:key-reused");
+
+    for (outcome, kind) in [
+        (&br#"{"Ok":{"TooLarge":{"limit":2048}}}"#[..], "urn:idempotent:response-too-large"),
+        (&br#"{"Ok":{"Failed":{"reason":"the stream broke"}}}"#[..], "urn:idempotent:response-failed"),
+    ] {
+        let old = key();
+        write_record(&store, &old, fingerprint.as_ref(), outcome).await;
+        let replay = http.post("/charges", &[("idempotency-key", &old)], body).await;
+        replay.assert_problem(500, kind);
+        assert!(replay.replayed(), "{replay:?}");
+    }
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 1, "only the request run now charged");
+}
+
+#[tokio::test]
+async fn http_layer_legacy_records_replay_memory() {
+    legacy_records_replay(MemoryStore::new()).await;
+}
+
+#[tokio::test]
+async fn http_layer_legacy_records_replay_redis() {
+    let Some((store, cleanup)) = idempotent_tests::fresh::redis("http_layer_legacy_records_replay_redis").await else {
+        return;
+    };
+    legacy_records_replay(store).await;
+    cleanup.run().await;
+}
+
+#[tokio::test]
+async fn http_layer_legacy_records_replay_postgres() {
+    let Some((store, cleanup)) = idempotent_tests::fresh::postgres("http_layer_legacy_records_replay_postgres").await
+    else {
+        return;
+    };
+    legacy_records_replay(store).await;
     cleanup.run().await;
 }

@@ -208,7 +208,7 @@ where
         };
         let config = Arc::clone(&self.config);
         // On its own task: a cancelled call (client gone, deadline passed) still runs to its end.
-        let task = run_to_completion(async move { config.handle(inner, method, request).await });
+        let task = run_to_completion(|| async move { config.handle(inner, method, request).await });
         Box::pin(async move { task.await.unwrap_or_else(|()| Ok(status::panicked().into_http())) })
     }
 }

@@ -1,5 +1,7 @@
 //! Reading the `Idempotency-Key` header value, and scoping a key to its caller.
 
+use std::borrow::Cow;
+
 use http::{HeaderMap, HeaderValue};
 
 use crate::{Fingerprint, IdempotencyKey, MAX_KEY_BYTES};
@@ -19,6 +21,12 @@ pub(crate) enum KeyHeaderError {
 
 /// Reads the request's key: `Ok(None)` when the header is absent.
 pub(crate) fn from_headers(headers: &HeaderMap) -> Result<Option<String>, KeyHeaderError> {
+    Ok(read(headers)?.map(Cow::into_owned))
+}
+
+/// Like [`from_headers`], borrowing the key from the header when it needs no unescaping (a bare
+/// value, as most clients send).
+pub(crate) fn read(headers: &HeaderMap) -> Result<Option<Cow<'_, str>>, KeyHeaderError> {
     let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
     let Some(value) = values.next() else {
         return Ok(None);
@@ -48,9 +56,13 @@ pub(crate) fn echo_into<B>(response: &mut http::Response<B>, echo: Option<Header
 ///
 /// A bare value is any run of visible ASCII characters except `"`, `\`, `,` and `;` (which would
 /// make it a list or carry parameters), so UUIDs, ULIDs and base64 keys work unquoted.
-pub(crate) fn parse(value: &HeaderValue) -> Result<String, KeyHeaderError> {
+pub(crate) fn parse(value: &HeaderValue) -> Result<Cow<'_, str>, KeyHeaderError> {
     let bytes = value.as_bytes().trim_ascii();
-    let key = if let Some(quoted) = bytes.strip_prefix(b"\"") { parse_sf_string(quoted)? } else { parse_bare(bytes)? };
+    let key = if let Some(quoted) = bytes.strip_prefix(b"\"") {
+        Cow::Owned(parse_sf_string(quoted)?)
+    } else {
+        Cow::Borrowed(parse_bare(bytes)?)
+    };
     if key.is_empty() {
         return Err(KeyHeaderError::Malformed("the key is empty; send a non-empty key such as a UUID".into()));
     }
@@ -86,7 +98,7 @@ fn parse_sf_string(after_quote: &[u8]) -> Result<String, KeyHeaderError> {
     Err(malformed("the quoted key has no closing quote"))
 }
 
-fn parse_bare(bytes: &[u8]) -> Result<String, KeyHeaderError> {
+fn parse_bare(bytes: &[u8]) -> Result<&str, KeyHeaderError> {
     for &byte in bytes {
         match byte {
             b'"' | b'\\' | b',' | b';' | b' ' | b'\t' => {
@@ -99,8 +111,8 @@ fn parse_bare(bytes: &[u8]) -> Result<String, KeyHeaderError> {
             other => return Err(invalid_byte(other)),
         }
     }
-    // Every byte is ASCII: the conversion cannot fail.
-    Ok(String::from_utf8_lossy(bytes).into_owned())
+    // Every byte is visible ASCII: the conversion cannot fail.
+    std::str::from_utf8(bytes).map_err(|_| malformed("the key is not ASCII"))
 }
 
 fn malformed(reason: &str) -> KeyHeaderError {
@@ -157,7 +169,7 @@ mod tests {
     use crate::Key;
 
     fn parsed(text: &[u8]) -> Result<String, KeyHeaderError> {
-        parse(&HeaderValue::from_bytes(text).unwrap())
+        parse(&HeaderValue::from_bytes(text).unwrap()).map(Cow::into_owned)
     }
 
     #[test]

@@ -15,7 +15,7 @@ use bytes::Bytes;
 use futures_util::FutureExt as _;
 use http::request::Parts;
 use http::{HeaderName, HeaderValue, Method, StatusCode, header};
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::BodyExt;
 use tower::{Layer, Service};
 
 use super::IDEMPOTENT_REPLAYED;
@@ -23,7 +23,7 @@ use super::key_header;
 use super::not_processed::NotProcessed;
 use super::problem::{Problem, problem_response};
 use super::recorded::{DEFAULT_RECORDED_HEADERS, Read, Recorded, read_response};
-use super::spawn::{RunsToCompletion, panicked, run_to_completion};
+use super::spawn::{Completing, RunsToCompletion, panicked, run_to_completion};
 use crate::edge::{Edge, edge_setters, layer_service};
 use crate::setters::setters;
 use crate::{Error, Fingerprint, ReleaseErrors, Store};
@@ -55,8 +55,8 @@ type StatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
 /// with the same key, with `Idempotent-Replayed: true` added. Requests with other methods pass
 /// through untouched, key or not.
 ///
-/// Each request runs on its own Tokio task: a client that disconnects never cancels a request
-/// whose handler has started, so its response is still recorded, and a retry sent meanwhile gets
+/// Each request runs to its end: if its client disconnects, the request moves to a Tokio task of
+/// its own instead of being cancelled, so a request whose handler has started is never cut off, so its response is still recorded, and a retry sent meanwhile gets
 /// `409` (or, with [`wait`](Self::wait), the recorded response). A handler that panics gets `500`
 /// and its key is released. Every response to a request with an `Idempotency-Key` carries that
 /// header back, as sent, so a client can log which key an answer belongs to.
@@ -266,7 +266,7 @@ where
 {
     type Response = Response;
     type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<Response, S::Error>> + Send>>;
+    type Future = IdempotencyFuture<S::Future, S::Error>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -277,30 +277,68 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         if !self.config.methods.contains(request.method()) {
-            return Box::pin(inner.call(request));
+            return IdempotencyFuture { kind: Kind::Passthrough(Box::pin(inner.call(request))) };
         }
         let config = Arc::clone(&self.config);
         let echo = key_header::echo(request.headers());
         RunsToCompletion::mark(&mut request);
-        // On its own task: hyper drops this future when the client disconnects, the task runs on.
-        let task = run_to_completion(async move { config.handle(inner, request).await });
-        Box::pin(async move {
-            let mut response = task.await.unwrap_or_else(|()| Ok(panicked()))?;
-            key_header::echo_into(&mut response, echo);
-            Ok(response)
-        })
+        // To its end: hyper drops this future when the client disconnects, and the request then
+        // moves to a task of its own.
+        // The handler's future itself, not an `async` block awaiting it (272 bytes less: 5,304),
+        // made straight into the box it runs in.
+        let task = run_to_completion(|| config.handle(inner, request));
+        IdempotencyFuture { kind: Kind::Covered { task, echo } }
+    }
+}
+
+/// The future of an [`IdempotencyService`] call: the response to a request the layer covers (run
+/// to its end even if this future is dropped), or the inner service's own future for a method it
+/// does not cover.
+pub struct IdempotencyFuture<F, E: Send + 'static> {
+    kind: Kind<F, E>,
+}
+
+enum Kind<F, E: Send + 'static> {
+    Passthrough(Pin<Box<F>>),
+    // One box per request, the task's: this future is not boxed again around it.
+    Covered { task: Completing<Result<Response, E>>, echo: Option<HeaderValue> },
+}
+
+impl<F, E: Send + 'static> std::fmt::Debug for IdempotencyFuture<F, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyFuture").finish_non_exhaustive()
+    }
+}
+
+impl<F, E> Future for IdempotencyFuture<F, E>
+where
+    F: Future<Output = Result<Response, E>>,
+    E: Send + 'static,
+{
+    type Output = Result<Response, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.get_mut().kind {
+            Kind::Passthrough(future) => future.as_mut().poll(cx),
+            Kind::Covered { task, echo } => {
+                let Poll::Ready(result) = Pin::new(task).poll(cx) else { return Poll::Pending };
+                let mut response = result.unwrap_or_else(|()| Ok(panicked()))?;
+                key_header::echo_into(&mut response, echo.take());
+                Poll::Ready(Ok(response))
+            }
+        }
     }
 }
 
 type Failure<E> = crate::edge::Failure<E, Response>;
 
 impl<St: Store> Config<St> {
-    async fn handle<S>(&self, mut inner: S, request: Request) -> Result<Response, S::Error>
+    async fn handle<S>(self: Arc<Self>, mut inner: S, request: Request) -> Result<Response, S::Error>
     where
         S: Service<Request, Response = Response>,
     {
         let (parts, body) = request.into_parts();
-        let key = match key_header::from_headers(&parts.headers) {
+        let key = match key_header::read(&parts.headers) {
             Ok(Some(key)) => key,
             Ok(None) if !self.edge.required => {
                 return inner.call(Request::from_parts(parts, body)).await;
@@ -326,11 +364,8 @@ impl<St: Store> Config<St> {
             // recorded, never released, so a retry cannot run the handler a second time.
             let (parts, body) = response.into_parts();
             let recorded = match read_response(body, self.edge.max_response_bytes).await {
-                Read::Whole(bytes) => {
-                    let recorded = Recorded::response(parts.status, &parts.headers, &self.recorded_headers, &bytes);
-                    first = Some(Response::from_parts(parts, Body::from(bytes)));
-                    recorded
-                }
+                // Recorded from the response itself, which then goes to this request as it is.
+                Read::Whole(body) => Recorded::Fresh { parts, body, allowed: &self.recorded_headers },
                 Read::TooLarge(body) => {
                     tracing::warn!(
                         target: "idempotent", limit = self.edge.max_response_bytes,
@@ -354,7 +389,7 @@ impl<St: Store> Config<St> {
         match result {
             Ok(recorded) => Ok(match first {
                 Some(response) => response,
-                None => recorded.into_replay(),
+                None => recorded.into_response(),
             }),
             Err(Failure::Inner(error)) => Err(error),
             Err(Failure::Panicked) => Ok(panicked()),
@@ -378,11 +413,34 @@ async fn read_request(parts: &Parts, body: Body, limit: usize) -> Result<Bytes, 
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(Problem::request_too_large(limit));
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(error) if error.is::<LengthLimitError>() => Err(Problem::request_too_large(limit)),
-        Err(error) => Err(Problem::request_unreadable(&error.to_string())),
+    // Read frame by frame rather than through `collect`: a body of one chunk (hyper's usual
+    // small body) is kept as it is, without the buffer list and trailer map `collect` builds.
+    let mut body = body;
+    let mut whole = Bytes::new();
+    let mut joined: Option<Vec<u8>> = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|error| Problem::request_unreadable(&error.to_string()))?;
+        // Trailers (rare on requests) are not part of the fingerprint, as before.
+        let Ok(data) = frame.into_data() else { continue };
+        if data.is_empty() {
+            continue;
+        }
+        if whole.len() + joined.as_ref().map_or(0, Vec::len) + data.len() > limit {
+            return Err(Problem::request_too_large(limit));
+        }
+        match &mut joined {
+            Some(buffer) => buffer.extend_from_slice(&data),
+            None if whole.is_empty() => whole = data,
+            None => {
+                let mut buffer = Vec::with_capacity(whole.len() + data.len());
+                buffer.extend_from_slice(&whole);
+                buffer.extend_from_slice(&data);
+                whole = Bytes::new();
+                joined = Some(buffer);
+            }
+        }
     }
+    Ok(joined.map_or(whole, Bytes::from))
 }
 
 /// SHA-256 over the method, the path with its query as the client sent it, and the body (or, with

@@ -68,8 +68,8 @@
 //!
 //! # Disconnects and replays under the attribute
 //!
-//! The layer runs each request on its own task, so a client that disconnects never cancels a
-//! started handler. Routes whose handlers use the attribute need [`RunToCompletionLayer`] for the
+//! The layer runs each request to its end (on a task of its own once its client has disconnected),
+//! so a client that disconnects never cancels a started handler. Routes whose handlers use the attribute need [`RunToCompletionLayer`] for the
 //! same, and the [`IdempotencyKeyHeader`] extractor refuses (`500`,
 //! `urn:idempotent:misconfigured`, the fix in the log) requests served without it, before the
 //! handler starts. Under the attribute, a replayed [`JsonResponse`] (or
@@ -99,7 +99,8 @@ pub use extractor::IdempotencyKeyHeader;
 pub use json::JsonResponse;
 pub use key_header::CallerKey;
 pub use layer::{
-    DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_METHODS, IdempotencyLayer, IdempotencyService,
+    DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_METHODS, IdempotencyFuture, IdempotencyLayer,
+    IdempotencyService,
 };
 pub use not_processed::NotProcessed;
 pub use problem::{HttpError, MAX_RETRY_AFTER_SECS, Problem, RETRY_AFTER_SECS, problem_response, retry_after_secs};

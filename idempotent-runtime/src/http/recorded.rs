@@ -31,15 +31,31 @@ pub const DEFAULT_RECORDED_HEADERS: [HeaderName; 9] = [
 ];
 
 /// A recorded outcome of a route behind the layer.
-#[derive(Debug, Serialize, Deserialize)]
-pub(crate) enum Recorded {
-    /// The response: status, allow-listed headers in order, body.
-    Response { status: u16, headers: Vec<(String, Data)>, body: Data },
+///
+/// Recorded as one JSON string in a compact form (see [`Compact`]): `{"Ok":"h201..."}` in the
+/// store. Records written before it, JSON objects (`{"Ok":{"Response":{...}}}`), are still read
+/// and replayed: a record's first byte after `{"Ok":` tells the two apart (`"` or `{`).
+pub(crate) enum Recorded<'a> {
+    /// The response of the request that ran, to record (its status, the `allowed` headers it has,
+    /// its body) and then to send to that request as it is.
+    Fresh { parts: http::response::Parts, body: Bytes, allowed: &'a [HeaderName] },
+    /// A recorded response, read back and rebuilt, not yet marked as a replay.
+    Response(Response),
     /// The handler ran, but its response body was over the layer's limit (it was sent to the
     /// request that ran it, not recorded).
     TooLarge { limit: usize },
     /// The handler ran and returned a response whose body failed (an error or a panic of its
     /// stream) before its end; `reason` is for the server's log only.
+    Failed { reason: String },
+    /// A record that was read back but cannot be replayed (edited by hand, or damaged).
+    Unreadable,
+}
+
+/// The record format before the compact one, read for the records it wrote.
+#[derive(Deserialize)]
+enum Legacy {
+    Response { status: u16, headers: Vec<(String, Data)>, body: Data },
+    TooLarge { limit: usize },
     Failed { reason: String },
 }
 
@@ -52,6 +68,8 @@ pub(crate) enum Data {
 }
 
 impl Data {
+    /// The gRPC layer's records still use this form.
+    #[cfg(any(feature = "tonic", test))]
     pub(crate) fn from_bytes(bytes: &[u8]) -> Self {
         match std::str::from_utf8(bytes) {
             Ok(text) => Data::Text(text.to_owned()),
@@ -67,23 +85,24 @@ impl Data {
     }
 }
 
-impl Recorded {
-    /// Records a response's status, the `allowed` headers it has, and its body.
-    pub(crate) fn response(status: StatusCode, headers: &HeaderMap, allowed: &[HeaderName], body: &[u8]) -> Self {
-        let headers = headers
-            .iter()
-            .filter(|(name, _)| allowed.contains(name))
-            .map(|(name, value)| (name.as_str().to_owned(), Data::from_bytes(value.as_bytes())))
-            .collect();
-        Recorded::Response { status: status.as_u16(), headers, body: Data::from_bytes(body) }
+impl Recorded<'_> {
+    /// The response this request sends: the one that ran, as it is; a recorded one with
+    /// `Idempotent-Replayed: true`.
+    pub(crate) fn into_response(self) -> Response {
+        match self {
+            Recorded::Fresh { parts, body, .. } => Response::from_parts(parts, Body::from(body)),
+            replayed => replayed.into_replay(),
+        }
     }
 
     /// The response a replay sends: the recorded one plus `Idempotent-Replayed: true`.
-    pub(crate) fn into_replay(self) -> Response {
+    fn into_replay(self) -> Response {
         let rebuilt = match self {
-            Recorded::Response { status, headers, body } => rebuild(status, headers, body),
+            Recorded::Fresh { parts, body, .. } => Some(Response::from_parts(parts, Body::from(body))),
+            Recorded::Response(response) => Some(response),
             Recorded::TooLarge { limit } => Some(Problem::response_too_large(limit).into_response()),
             Recorded::Failed { .. } => Some(Problem::response_failed().into_response()),
+            Recorded::Unreadable => None,
         };
         let Some(mut response) = rebuilt else {
             tracing::error!(target: "idempotent", "a recorded response is malformed and cannot be replayed");
@@ -96,6 +115,162 @@ impl Recorded {
         response.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
         response
     }
+}
+
+/// The compact form of a record, one string (JSON-escaped where it is stored):
+///
+/// ```text
+/// record   = "h" status header* body      a response: 3-digit status, headers in order, body
+///          / "l" limit                    TooLarge: the limit in decimal
+///          / "f" reason                   Failed: the reason, as text
+/// header   = len ":" name  value          the name, its byte length before it
+/// value    = len ":" text / len ";" base64
+/// body     = ":" text / ";" base64        to the end of the record
+/// ```
+///
+/// Text is kept as it is when it is UTF-8, base64 (standard alphabet, padded) otherwise. A header
+/// starts with a digit and the body with `:` or `;`, so the body ends the list without a count.
+/// Written straight into the serializer (no string is built first) and read from the string the
+/// deserializer hands over, without an intermediate structure.
+struct Compact<'r>(&'r Recorded<'r>);
+
+impl std::fmt::Display for Compact<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Recorded::Fresh { parts, body, allowed } => {
+                f.write_str("h")?;
+                f.write_str(parts.status.as_str())?;
+                for (name, value) in parts.headers.iter().filter(|(name, _)| allowed.contains(name)) {
+                    let name = name.as_str();
+                    f.write_str(itoa::Buffer::new().format(name.len()))?;
+                    f.write_str(":")?;
+                    f.write_str(name)?;
+                    write_data(f, value.as_bytes(), true)?;
+                }
+                write_data(f, body, false)
+            }
+            Recorded::TooLarge { limit } => {
+                f.write_str("l")?;
+                f.write_str(itoa::Buffer::new().format(*limit))
+            }
+            Recorded::Failed { reason } => {
+                f.write_str("f")?;
+                f.write_str(reason)
+            }
+            // Never recorded (`Serialize` refuses them before writing).
+            Recorded::Response(_) | Recorded::Unreadable => Ok(()),
+        }
+    }
+}
+
+/// `bytes` as text (`:`) or base64 (`;`), length-prefixed if `counted`.
+fn write_data(f: &mut std::fmt::Formatter<'_>, bytes: &[u8], counted: bool) -> std::fmt::Result {
+    if let Ok(text) = std::str::from_utf8(bytes) {
+        if counted {
+            f.write_str(itoa::Buffer::new().format(text.len()))?;
+        }
+        f.write_str(":")?;
+        return f.write_str(text);
+    }
+    if counted {
+        // At most 4/3 of a header value's length: it cannot overflow.
+        let len = base64::encoded_len(bytes.len(), true).unwrap_or(usize::MAX);
+        f.write_str(itoa::Buffer::new().format(len))?;
+    }
+    f.write_str(";")?;
+    std::fmt::Display::fmt(&base64::display::Base64Display::new(bytes, &BASE64), f)
+}
+
+impl Serialize for Recorded<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        if matches!(self, Recorded::Response(_) | Recorded::Unreadable) {
+            return Err(serde::ser::Error::custom("a record read back is never recorded again"));
+        }
+        serializer.collect_str(&Compact(self))
+    }
+}
+
+impl<'de> Deserialize<'de> for Recorded<'_> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(RecordedVisitor)
+    }
+}
+
+struct RecordedVisitor;
+
+impl<'de> serde::de::Visitor<'de> for RecordedVisitor {
+    type Value = Recorded<'static>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a recorded HTTP response")
+    }
+
+    /// The compact form.
+    fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Self::Value, E> {
+        Ok(read_compact(text.as_bytes()).unwrap_or(Recorded::Unreadable))
+    }
+
+    /// The form before it.
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        Ok(match Legacy::deserialize(serde::de::value::MapAccessDeserializer::new(map))? {
+            Legacy::Response { status, headers, body } => {
+                rebuild(status, headers, body).map_or(Recorded::Unreadable, Recorded::Response)
+            }
+            Legacy::TooLarge { limit } => Recorded::TooLarge { limit },
+            Legacy::Failed { reason } => Recorded::Failed { reason },
+        })
+    }
+}
+
+/// Reads a record in the [`Compact`] form; `None` if it is not one.
+fn read_compact(record: &[u8]) -> Option<Recorded<'static>> {
+    let (&tag, rest) = record.split_first()?;
+    match tag {
+        b'h' => {
+            let (status, mut rest) = rest.split_at_checked(3)?;
+            let status = StatusCode::from_bytes(status).ok()?;
+            let mut headers = HeaderMap::new();
+            let body = loop {
+                let (&kind, data) = rest.split_first()?;
+                match kind {
+                    b':' => break Bytes::copy_from_slice(data),
+                    b';' => break Bytes::from(BASE64.decode(data).ok()?),
+                    _ => {
+                        let (b':', name, after) = counted(rest)? else { return None };
+                        let (kind, value, after) = counted(after)?;
+                        let value = match kind {
+                            b':' => HeaderValue::from_bytes(value),
+                            _ => HeaderValue::from_bytes(&BASE64.decode(value).ok()?),
+                        };
+                        headers.append(HeaderName::from_bytes(name).ok()?, value.ok()?);
+                        rest = after;
+                    }
+                }
+            };
+            let mut response = Response::new(Body::from(body));
+            *response.status_mut() = status;
+            *response.headers_mut() = headers;
+            Some(Recorded::Response(response))
+        }
+        b'l' => Some(Recorded::TooLarge { limit: std::str::from_utf8(rest).ok()?.parse().ok()? }),
+        b'f' => Some(Recorded::Failed { reason: String::from_utf8(rest.to_vec()).ok()? }),
+        _ => None,
+    }
+}
+
+/// Splits `len kind data rest` (`kind` being `:` or `;`, `data` `len` bytes long) into its parts.
+fn counted(field: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let digits = field.iter().take_while(|b| b.is_ascii_digit()).count();
+    if digits == 0 || digits > 9 {
+        return None;
+    }
+    let len: usize = std::str::from_utf8(&field[..digits]).ok()?.parse().ok()?;
+    let (&kind, rest) = field[digits..].split_first()?;
+    if kind != b':' && kind != b';' {
+        return None;
+    }
+    let (data, rest) = rest.split_at_checked(len)?;
+    Some((kind, data, rest))
 }
 
 /// A response body, read for recording.
@@ -148,6 +323,107 @@ fn rebuild(status: u16, headers: Vec<(String, Data)>, body: Data) -> Option<Resp
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A test case: status, the response's headers, body.
+    type Case = (u16, &'static [(&'static str, &'static [u8])], &'static [u8]);
+
+    fn fresh<'a>(status: u16, headers: &[(&str, &[u8])], body: &[u8], allowed: &'a [HeaderName]) -> Recorded<'a> {
+        let mut response = Response::new(());
+        *response.status_mut() = StatusCode::from_u16(status).unwrap();
+        for (name, value) in headers {
+            response
+                .headers_mut()
+                .append(HeaderName::from_bytes(name.as_bytes()).unwrap(), HeaderValue::from_bytes(value).unwrap());
+        }
+        let (parts, ()) = response.into_parts();
+        Recorded::Fresh { parts, body: Bytes::copy_from_slice(body), allowed }
+    }
+
+    /// What a store keeps for `recorded`, read back as a replay reads it.
+    fn round_trip(recorded: &Recorded<'_>) -> (String, Recorded<'static>) {
+        let json = serde_json::to_string(recorded).unwrap();
+        let read = serde_json::from_str::<Recorded<'static>>(&json).unwrap();
+        (json, read)
+    }
+
+    async fn parts_of(response: Response) -> (u16, Vec<(String, Vec<u8>)>, Vec<u8>) {
+        let (parts, body) = response.into_parts();
+        let headers = parts.headers.iter().map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec())).collect();
+        (parts.status.as_u16(), headers, body.collect().await.unwrap().to_bytes().to_vec())
+    }
+
+    #[tokio::test]
+    async fn http_recorded_compact_form_round_trips_text_and_binary() {
+        let allowed = [header::CONTENT_TYPE, header::LOCATION, HeaderName::from_static("x-bin")];
+        let cases: [Case; 5] = [
+            (
+                201,
+                &[("content-type", b"application/json"), ("x-trace", b"not recorded"), ("location", b"/o/1")],
+                br#"{"id":"a\"b","n":1}"#,
+            ),
+            (200, &[], b""),
+            (500, &[("x-bin", b"caf\xe9 \x80"), ("x-bin", b"second")], b"\xff\x00binary\n"),
+            (404, &[("location", b"/:;12:")], "caf\u{e9} \u{1F600} 12:3;".as_bytes()),
+            (999, &[("content-type", b"text/plain; charset=utf-8")], b"h201:l5f"),
+        ];
+        for (status, headers, body) in cases {
+            let (json, read) = round_trip(&fresh(status, headers, body, &allowed));
+            assert!(json.starts_with("\"h"), "{json}");
+            let Recorded::Response(response) = read else { panic!("not read back: {json}") };
+            let kept: Vec<(String, Vec<u8>)> = headers
+                .iter()
+                .filter(|(name, _)| allowed.iter().any(|a| a.as_str() == *name))
+                .map(|(n, v)| ((*n).to_owned(), v.to_vec()))
+                .collect();
+            assert_eq!(parts_of(response).await, (status, kept, body.to_vec()), "{json}");
+        }
+        let (json, read) = round_trip(&Recorded::TooLarge { limit: 2048 });
+        assert_eq!(json, r#""l2048""#);
+        assert!(matches!(read, Recorded::TooLarge { limit: 2048 }));
+        let (json, read) = round_trip(&Recorded::Failed { reason: "stream \"broke\"".into() });
+        assert!(matches!(read, Recorded::Failed { reason } if reason == "stream \"broke\""), "{json}");
+    }
+
+    #[tokio::test]
+    async fn http_recorded_legacy_json_records_still_replay() {
+        // What the layer wrote before the compact form, as stores keep it (the value inside `{"Ok":..}`).
+        let legacy = r#"{"Response":{"status":201,"headers":[["content-type",{"Text":"application/json"}],["x-bin",{"Base64":"/3Rlc3Q="}]],"body":{"Text":"{\"id\":7}"}}}"#;
+        let Ok(Recorded::Response(response)) = serde_json::from_str::<Recorded<'static>>(legacy) else { panic!() };
+        let expected =
+            vec![("content-type".to_owned(), b"application/json".to_vec()), ("x-bin".to_owned(), b"\xfftest".to_vec())];
+        assert_eq!(parts_of(response).await, (201, expected, br#"{"id":7}"#.to_vec()));
+        let binary = r#"{"Response":{"status":200,"headers":[],"body":{"Base64":"/3Rlc3Q="}}}"#;
+        let Ok(Recorded::Response(response)) = serde_json::from_str::<Recorded<'static>>(binary) else { panic!() };
+        assert_eq!(parts_of(response).await, (200, vec![], b"\xfftest".to_vec()));
+        assert!(matches!(serde_json::from_str(r#"{"TooLarge":{"limit":9}}"#), Ok(Recorded::TooLarge { limit: 9 })));
+        assert!(
+            matches!(serde_json::from_str(r#"{"Failed":{"reason":"r"}}"#), Ok(Recorded::Failed { reason }) if reason == "r")
+        );
+        // A legacy record with a header no response can carry is unreadable, not a decoding error.
+        let broken = r#"{"Response":{"status":201,"headers":[["bad name",{"Text":"v"}]],"body":{"Text":""}}}"#;
+        assert!(matches!(serde_json::from_str(broken), Ok(Recorded::Unreadable)));
+    }
+
+    #[test]
+    fn http_recorded_damaged_compact_records_are_unreadable() {
+        for damaged in [
+            "",
+            "x",
+            "h20",
+            "h2x1:",
+            "h201",
+            "h20112:content-type",
+            "h2015:x-bin5;ab",
+            "h2015:x-bin99:v:",
+            "h201a:b1:c:",
+            "h2013:a b1:v:",
+            "h201;%%",
+            "lten",
+        ] {
+            let json = serde_json::to_string(damaged).unwrap();
+            assert!(matches!(serde_json::from_str(&json), Ok(Recorded::Unreadable)), "{damaged:?}");
+        }
+    }
 
     #[test]
     fn http_recorded_bytes_are_text_when_utf8_and_base64_otherwise() {

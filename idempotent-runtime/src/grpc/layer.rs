@@ -207,7 +207,7 @@ where
             return Box::pin(async move { Ok(inner.call(request).await?.map(Body::new)) });
         };
         let config = Arc::clone(&self.config);
-        // On its own task: a cancelled call (client gone, deadline passed) still runs to its end.
+        // To its end: a cancelled call (client gone, deadline passed) moves to a task of its own.
         let task = run_to_completion(|| async move { config.handle(inner, method, request).await });
         Box::pin(async move { task.await.unwrap_or_else(|()| Ok(status::panicked().into_http())) })
     }

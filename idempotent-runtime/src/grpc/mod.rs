@@ -42,9 +42,9 @@
 //! [`record_code`](GrpcIdempotencyLayer::record_code) sets a rule by code for a service whose
 //! handlers all follow it. The layer's own refusals above never are: nothing ran.
 //!
-//! Each call runs on its own Tokio task, so a client that cancels, a deadline that passes (tonic's
-//! `timeout` drops the call's future) or a connection that drops never stops a handler that has
-//! started: it finishes, its answer is recorded, and the client's next attempt gets it.
+//! Each call runs to its end: a client that cancels, a deadline that passes (tonic's `timeout`
+//! drops the call's future) or a connection that drops moves a handler that has started to a Tokio
+//! task of its own instead of stopping it: it finishes, its answer is recorded, and the client's next attempt gets it.
 //!
 //! # Streaming RPCs
 //!

@@ -56,8 +56,9 @@ type StatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
 /// through untouched, key or not.
 ///
 /// Each request runs to its end: if its client disconnects, the request moves to a Tokio task of
-/// its own instead of being cancelled, so a request whose handler has started is never cut off, so its response is still recorded, and a retry sent meanwhile gets
-/// `409` (or, with [`wait`](Self::wait), the recorded response). A handler that panics gets `500`
+/// its own instead of being cancelled. A handler that has started is never cut off, its response
+/// is still recorded, and a retry sent meanwhile gets `409` (or, with [`wait`](Self::wait), the
+/// recorded response). A handler that panics gets `500`
 /// and its key is released. Every response to a request with an `Idempotency-Key` carries that
 /// header back, as sent, so a client can log which key an answer belongs to.
 ///

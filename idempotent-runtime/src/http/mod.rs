@@ -69,8 +69,8 @@
 //! # Disconnects and replays under the attribute
 //!
 //! The layer runs each request to its end (on a task of its own once its client has disconnected),
-//! so a client that disconnects never cancels a started handler. Routes whose handlers use the attribute need [`RunToCompletionLayer`] for the
-//! same, and the [`IdempotencyKeyHeader`] extractor refuses (`500`,
+//! so a client that disconnects never cancels a started handler. Routes whose handlers use the
+//! attribute need [`RunToCompletionLayer`] for the same, and the [`IdempotencyKeyHeader`] extractor refuses (`500`,
 //! `urn:idempotent:misconfigured`, the fix in the log) requests served without it, before the
 //! handler starts. Under the attribute, a replayed [`JsonResponse`] (or
 //! [`Replayable`](crate::Replayable) response) carries `Idempotent-Replayed: true`, as the layer's

@@ -168,8 +168,9 @@ pub(crate) struct CallObserver {
 impl CallObserver {
     /// Starts watching a call in `scope` (`None` when the key was invalid before a scope was known).
     pub(crate) fn start(key: Option<&Key>, trace_key: bool) -> Self {
-        let scope = key.map(Key::scope);
-        let span = tracing::info_span!(target: "idempotent", "idempotent", scope, key = Empty, outcome = Empty, elapsed_us = Empty, steps_executed = Empty, steps_replayed = Empty);
+        // The scope is read only when the span is enabled (field values are evaluated then) or
+        // metrics are recorded.
+        let span = tracing::info_span!(target: "idempotent", "idempotent", scope = key.map(Key::scope), key = Empty, outcome = Empty, elapsed_us = Empty, steps_executed = Empty, steps_replayed = Empty);
         if trace_key && let Some(key) = key {
             span.record("key", key.key());
         }
@@ -177,7 +178,7 @@ impl CallObserver {
         let listening = !span.is_disabled() || cfg!(feature = "metrics");
         CallObserver {
             span,
-            scope: scope.filter(|_| cfg!(feature = "metrics")).map(Scope::of),
+            scope: key.filter(|_| cfg!(feature = "metrics")).map(|key| Scope::of(key.scope())),
             started: listening.then(tokio::time::Instant::now),
             outcome: AtomicU8::new(UNSET),
             steps_executed: AtomicU32::new(0),

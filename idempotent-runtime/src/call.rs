@@ -9,7 +9,6 @@ use std::time::Duration;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::time::Instant;
-use tracing::Instrument as _;
 
 use crate::context::{self, CallContext};
 use crate::observe::{CallObserver, Outcome, timed};
@@ -198,9 +197,11 @@ impl Call {
         F: Future<Output = Result<T, E>>,
     {
         let observer = CallObserver::start(self.prepared.as_ref().ok().map(|(key, _)| key), self.trace_key);
-        let span = observer.span().clone();
         let observer = &observer;
-        async move {
+        // The protocol is pinned where it is and polled inside the call's span (what
+        // `Instrument` does, without moving the whole protocol's future into a wrapper and the
+        // wrapper into this one: it is about 2 KB).
+        let protocol = pin!(async move {
             let (key, fingerprint) = self.prepared.map_err(|e| observer.error(e))?;
             if let Some((site, self_type)) = self.site {
                 site.check(key.scope(), self_type).map_err(|e| observer.error(e))?;
@@ -250,7 +251,8 @@ impl Call {
                         return replay(&key, &record.outcome, &policy, observer);
                     }
                     Claim::InProgress { fingerprint: running, lease_remaining } => {
-                        check_fingerprint(&key, fingerprint.as_ref(), running.as_ref()).map_err(|e| observer.error(e))?;
+                        check_fingerprint(&key, fingerprint.as_ref(), running.as_ref())
+                            .map_err(|e| observer.error(e))?;
                         let now = Instant::now();
                         match deadline {
                             Some(deadline) if now < deadline => {
@@ -289,10 +291,18 @@ impl Call {
             step::drain(&steps, context.queue()).await;
             let lease_end = lease_end.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
             record(&mut guard, self.retention, lease_end, &policy, result, observer).await
-        }
-        .instrument(span)
-        .await
+        });
+        in_span(observer.span(), protocol).await
     }
+}
+
+/// Polls `future` to its end, inside `span` on every poll.
+async fn in_span<F: Future>(span: &tracing::Span, mut future: std::pin::Pin<&mut F>) -> F::Output {
+    poll_fn(|cx| {
+        let _entered = span.enter();
+        future.as_mut().poll(cx)
+    })
+    .await
 }
 
 fn store_error(key: &Key, operation: &'static str, source: StoreError) -> Error {
@@ -457,7 +467,7 @@ where
 {
     let (store, key, token, fingerprint) = (guard.store, guard.key, guard.token, guard.fingerprint);
     let encoded = match &result {
-        Ok(value) => Some(outcome::encode_ok(value)),
+        Ok(value) => Some(outcome::encode_ok_reusing(value)),
         Err(error) => policy.encode(error),
     };
     let outcome = match encoded {
@@ -485,7 +495,9 @@ where
     let Phase::Recording { outcome, .. } = &guard.phase else { unreachable!("set above") };
     let completion = Completion::new(key, token, fingerprint, outcome, retention);
     let completed = complete_within_lease(store, &completion, lease_end).await;
-    guard.phase = Phase::Done;
+    if let Phase::Recording { outcome, .. } = std::mem::replace(&mut guard.phase, Phase::Done) {
+        outcome::recycle(outcome);
+    }
     match completed {
         Completed::Recorded { attempts } => {
             observer.outcome(Outcome::Executed);

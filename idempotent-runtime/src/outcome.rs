@@ -91,6 +91,30 @@ pub(crate) fn encode_ok<T: Serialize>(value: &T) -> Result<Vec<u8>, serde_json::
     serde_json::to_vec(&Outcome::<&T, ()>::Ok(value))
 }
 
+thread_local! {
+    /// A buffer for the next call's outcome: a call encodes into it and gives it back once the
+    /// store has copied the outcome ([`recycle`]), so a small outcome costs no allocation.
+    static BUFFER: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// The largest buffer kept for the next outcome.
+const KEPT_BUFFER: usize = 4096;
+
+/// Like [`encode_ok`], into this thread's spare buffer (see [`recycle`]).
+pub(crate) fn encode_ok_reusing<T: Serialize>(value: &T) -> Result<Vec<u8>, serde_json::Error> {
+    let mut buffer = BUFFER.try_with(std::cell::Cell::take).unwrap_or_default();
+    buffer.clear();
+    serde_json::to_writer(&mut buffer, &Outcome::<&T, ()>::Ok(value))?;
+    Ok(buffer)
+}
+
+/// Keeps `buffer` (an outcome the store has copied) for the next call's outcome, unless it is large.
+pub(crate) fn recycle(buffer: Vec<u8>) {
+    if buffer.capacity() <= KEPT_BUFFER {
+        let _ = BUFFER.try_with(|spare| spare.set(buffer));
+    }
+}
+
 pub(crate) fn encode_unrecordable(reason: &str) -> Vec<u8> {
     serde_json::to_vec(&Outcome::<(), ()>::Unrecordable(reason.to_owned())).unwrap_or_default()
 }

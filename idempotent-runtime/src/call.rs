@@ -288,7 +288,9 @@ impl Call {
             let beat = heartbeat(store, &key, &token, self.lease, &lease_end);
             let serve = step::serve(&steps, context.queue());
             let result = with_heartbeat(&mut guard.body_polling, body, beat, serve).await;
-            step::drain(&steps, context.queue()).await;
+            if context.had_steps() {
+                step::drain(&steps, context.queue()).await;
+            }
             let lease_end = lease_end.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
             record(&mut guard, self.retention, lease_end, &policy, result, observer).await
         });

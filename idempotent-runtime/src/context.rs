@@ -68,6 +68,12 @@ impl CallContext {
         &self.key
     }
 
+    /// Whether this run has started a step: until it has, no step job was queued (a nested
+    /// step's job needs an outer step first).
+    pub(crate) fn had_steps(&self) -> bool {
+        self.steps.load(Ordering::Relaxed) > 0
+    }
+
     /// The queue the call serves.
     pub(crate) fn queue(&self) -> &JobQueue {
         self.root.as_ref().map_or(&self.queue, |root| &root.queue)

@@ -192,10 +192,16 @@ impl CallObserver {
     }
 
     /// Notes how the call ended; the first note wins.
+    ///
+    /// Only the call's own future notes outcomes (its protocol and the steps it serves), one
+    /// poll at a time, so a load and a store do what a compare-and-swap would, without its
+    /// locked instruction.
     pub(crate) fn outcome(&self, outcome: Outcome) {
         let index = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
-        #[allow(clippy::cast_possible_truncation)] // ten outcomes
-        let _ = self.outcome.compare_exchange(UNSET, index as u8, Ordering::Relaxed, Ordering::Relaxed);
+        if self.outcome.load(Ordering::Relaxed) == UNSET {
+            #[allow(clippy::cast_possible_truncation)] // ten outcomes
+            self.outcome.store(index as u8, Ordering::Relaxed);
+        }
     }
 
     /// Notes a step of the body: run and recorded, or replayed from an earlier run's record.

@@ -2,7 +2,7 @@
 //! hand-written calls.
 
 use std::future::{Future, poll_fn};
-use std::pin::pin;
+use std::pin::{Pin, pin};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -285,9 +285,14 @@ impl Call {
                 lease_end: &lease_end,
                 observer,
             };
-            let beat = heartbeat(store, &key, &token, self.lease, &lease_end);
-            let serve = step::serve(&steps, context.queue());
-            let result = with_heartbeat(&mut guard.body_polling, body, beat, serve).await;
+            let result = {
+                // Pinned here once (`with_heartbeat` polls them where they are), and dropped when
+                // the body has ended.
+                let body = pin!(body);
+                let beat = pin!(heartbeat(store, &key, &token, self.lease, &lease_end));
+                let serve = pin!(step::serve(&steps, context.queue()));
+                with_heartbeat(&mut guard.body_polling, body, beat, serve).await
+            };
             if context.had_steps() {
                 step::drain(&steps, context.queue()).await;
             }
@@ -299,7 +304,7 @@ impl Call {
 }
 
 /// Polls `future` to its end, inside `span` on every poll.
-async fn in_span<F: Future>(span: &tracing::Span, mut future: std::pin::Pin<&mut F>) -> F::Output {
+async fn in_span<F: Future>(span: &tracing::Span, mut future: Pin<&mut F>) -> F::Output {
     poll_fn(|cx| {
         let _entered = span.enter();
         future.as_mut().poll(cx)
@@ -390,16 +395,13 @@ fn replay<T: DeserializeOwned, E: From<Error>>(
 
 /// Polls `body` to its end while `beat` renews the lease and `serve` serves the body's steps;
 /// `polling` is `true` only while the body is being polled, so a panic that unwinds out of it
-/// leaves it set.
+/// leaves it set. The futures are borrowed, not moved in: they stay where the caller pinned them.
 async fn with_heartbeat<F: Future>(
     polling: &mut bool,
-    body: F,
-    beat: impl Future<Output = ()>,
-    serve: impl Future<Output = ()>,
+    mut body: Pin<&mut F>,
+    mut beat: Pin<&mut impl Future<Output = ()>>,
+    mut serve: Pin<&mut impl Future<Output = ()>>,
 ) -> F::Output {
-    let mut body = pin!(body);
-    let mut beat = pin!(beat);
-    let mut serve = pin!(serve);
     let mut beating = true;
     poll_fn(|cx| {
         *polling = true;

@@ -196,29 +196,35 @@ impl Call {
         P: ErrorPolicy<E>,
         F: Future<Output = Result<T, E>>,
     {
-        let observer = CallObserver::start(self.prepared.as_ref().ok().map(|(key, _)| key), self.trace_key);
+        let Call { prepared, lease, retention, wait, on_cancel, site, trace_key } = self;
+        let observer = CallObserver::start(prepared.as_ref().ok().map(|(key, _)| key), trace_key);
+        let (key, fingerprint) = match prepared {
+            Ok(prepared) => prepared,
+            Err(e) => return Err(observer.error(e).into()),
+        };
+        // Borrowed by the protocol's future (not moved into it, beside the rest of the call).
+        let (key, fingerprint) = (&key, fingerprint.as_ref());
         let observer = &observer;
         // The protocol is pinned where it is and polled inside the call's span (what
         // `Instrument` does, without moving the whole protocol's future into a wrapper and the
         // wrapper into this one: it is about 2 KB).
         let protocol = pin!(async move {
-            let (key, fingerprint) = self.prepared.map_err(|e| observer.error(e))?;
-            if let Some((site, self_type)) = self.site {
+            if let Some((site, self_type)) = site {
                 site.check(key.scope(), self_type).map_err(|e| observer.error(e))?;
             }
-            check_durations(&key, self.lease, self.retention, self.wait).map_err(|e| observer.error(e))?;
+            check_durations(&key, lease, retention, wait).map_err(|e| observer.error(e))?;
             let token = Token::new();
-            let request = ClaimRequest::new(&key, &token, fingerprint.as_ref(), self.lease);
+            let request = ClaimRequest::new(&key, &token, fingerprint, lease);
             let mut guard = Guard {
                 store,
                 key: &key,
                 token: &token,
-                fingerprint: fingerprint.as_ref(),
-                on_cancel: self.on_cancel,
+                fingerprint: fingerprint,
+                on_cancel: on_cancel,
                 phase: Phase::Idle,
                 body_polling: false,
             };
-            let deadline = self.wait.map(|wait| Instant::now() + wait);
+            let deadline = wait.map(|wait| Instant::now() + wait);
             let mut backoff = FIRST_BACKOFF;
             let mut late_replies = 0;
             let lease_end = loop {
@@ -233,7 +239,7 @@ impl Call {
                     // A reply that took longer than the lease: the claim may have ended already and
                     // another caller may be running the body. Asked again with the same token, the
                     // store renews the claim if it is still ours, or says who holds the key now.
-                    Claim::Claimed if Instant::now() >= sent + self.lease => {
+                    Claim::Claimed if Instant::now() >= sent + lease => {
                         late_replies += 1;
                         if late_replies == MAX_LATE_CLAIM_REPLIES {
                             let source = StoreError::backend(
@@ -244,15 +250,14 @@ impl Call {
                         }
                         tracing::warn!(target: "idempotent", "a claim was answered after its lease ended; claiming again");
                     }
-                    Claim::Claimed => break sent + self.lease,
+                    Claim::Claimed => break sent + lease,
                     Claim::Completed(record) => {
-                        check_fingerprint(&key, fingerprint.as_ref(), record.fingerprint.as_ref())
+                        check_fingerprint(&key, fingerprint, record.fingerprint.as_ref())
                             .map_err(|e| observer.error(e))?;
                         return replay(&key, &record.outcome, &policy, observer);
                     }
                     Claim::InProgress { fingerprint: running, lease_remaining } => {
-                        check_fingerprint(&key, fingerprint.as_ref(), running.as_ref())
-                            .map_err(|e| observer.error(e))?;
+                        check_fingerprint(&key, fingerprint, running.as_ref()).map_err(|e| observer.error(e))?;
                         let now = Instant::now();
                         match deadline {
                             Some(deadline) if now < deadline => {
@@ -279,9 +284,9 @@ impl Call {
                 store,
                 call: &key,
                 token: &token,
-                fingerprint: fingerprint.as_ref(),
-                lease: self.lease,
-                retention: self.retention,
+                fingerprint: fingerprint,
+                lease: lease,
+                retention: retention,
                 lease_end: &lease_end,
                 observer,
             };
@@ -289,7 +294,7 @@ impl Call {
                 // Pinned here once (`with_heartbeat` polls them where they are), and dropped when
                 // the body has ended.
                 let body = pin!(body);
-                let beat = pin!(heartbeat(store, &key, &token, self.lease, &lease_end));
+                let beat = pin!(heartbeat(store, &key, &token, lease, &lease_end));
                 let serve = pin!(step::serve(&steps, context.queue()));
                 with_heartbeat(&mut guard.body_polling, body, beat, serve).await
             };
@@ -297,7 +302,7 @@ impl Call {
                 step::drain(&steps, context.queue()).await;
             }
             let lease_end = lease_end.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
-            record(&mut guard, self.retention, lease_end, &policy, result, observer).await
+            record(&mut guard, retention, lease_end, &policy, result, observer).await
         });
         in_span(observer.span(), protocol).await
     }

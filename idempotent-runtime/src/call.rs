@@ -322,6 +322,10 @@ fn store_error(key: &Key, operation: &'static str, source: StoreError) -> Error 
 }
 
 fn check_durations(key: &Key, lease: Duration, retention: Duration, wait: Option<Duration>) -> Result<(), Error> {
+    // The defaults are valid.
+    if lease == DEFAULT_LEASE && retention == DEFAULT_RETENTION && wait.is_none() {
+        return Ok(());
+    }
     let invalid = |option, reason| Err(Error::InvalidOption { key: key.to_string(), option, reason });
     if lease < MIN_LEASE {
         return invalid(

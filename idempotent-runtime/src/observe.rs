@@ -408,23 +408,20 @@ fn describe() {
 }
 
 /// Times `step` of the store named `store` into `idempotent_store_step_seconds` (feature
-/// `metrics`; otherwise it is `step` itself). The protocol sends every step through it.
-#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+/// `metrics`). The protocol sends every step through it.
+#[cfg(feature = "metrics")]
 pub(crate) async fn timed<F: Future>(store: &'static str, step: &'static str, future: F) -> F::Output {
-    #[cfg(feature = "metrics")]
-    {
-        let started = std::time::Instant::now();
-        let output = future.await;
-        let key = metrics::Key::from_static_parts(
-            "idempotent_store_step_seconds",
-            labels([("store", store), ("step", step)]),
-        );
-        metrics::with_recorder(|recorder| recorder.register_histogram(&key, metadata()))
-            .record(started.elapsed().as_secs_f64());
-        output
-    }
-    #[cfg(not(feature = "metrics"))]
-    {
-        future.await
-    }
+    let started = std::time::Instant::now();
+    let output = future.await;
+    let key =
+        metrics::Key::from_static_parts("idempotent_store_step_seconds", labels([("store", store), ("step", step)]));
+    metrics::with_recorder(|recorder| recorder.register_histogram(&key, metadata()))
+        .record(started.elapsed().as_secs_f64());
+    output
+}
+
+/// Without the feature `metrics`, `step` itself (no wrapper future around it).
+#[cfg(not(feature = "metrics"))]
+pub(crate) fn timed<F: Future>(_store: &'static str, _step: &'static str, future: F) -> F {
+    future
 }

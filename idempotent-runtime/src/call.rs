@@ -301,6 +301,7 @@ impl Call {
             if context.had_steps() {
                 step::drain(&steps, context.queue()).await;
             }
+            CallContext::recycle(context);
             let lease_end = lease_end.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
             record(&mut guard, retention, lease_end, &policy, result, observer).await
         });

@@ -31,11 +31,30 @@ pub const MAX_KEY_BYTES: usize = 255;
 pub trait IdempotencyKey {
     /// Appends this key's text to `out`.
     fn write_key(&self, out: &mut String);
+
+    /// Writes the same text as [`write_key`](IdempotencyKey::write_key) into the start of `out`
+    /// and returns its length, or returns `None` (then `write_key` is used): the library's key
+    /// types write short keys straight into a [`Key`]'s inline bytes. Not for other types.
+    #[doc(hidden)]
+    fn write_key_into(&self, out: &mut [u8]) -> Option<usize> {
+        let _ = out;
+        None
+    }
+}
+
+/// Copies `text` into the start of `out`, if it fits.
+fn copy_into(text: &str, out: &mut [u8]) -> Option<usize> {
+    out.get_mut(..text.len())?.copy_from_slice(text.as_bytes());
+    Some(text.len())
 }
 
 impl IdempotencyKey for str {
     fn write_key(&self, out: &mut String) {
         out.push_str(self);
+    }
+
+    fn write_key_into(&self, out: &mut [u8]) -> Option<usize> {
+        copy_into(self, out)
     }
 }
 
@@ -43,17 +62,29 @@ impl IdempotencyKey for String {
     fn write_key(&self, out: &mut String) {
         out.push_str(self);
     }
+
+    fn write_key_into(&self, out: &mut [u8]) -> Option<usize> {
+        copy_into(self, out)
+    }
 }
 
 impl IdempotencyKey for std::borrow::Cow<'_, str> {
     fn write_key(&self, out: &mut String) {
         out.push_str(self);
     }
+
+    fn write_key_into(&self, out: &mut [u8]) -> Option<usize> {
+        copy_into(self, out)
+    }
 }
 
 impl IdempotencyKey for uuid::Uuid {
     fn write_key(&self, out: &mut String) {
         let _ = write!(out, "{}", self.hyphenated());
+    }
+
+    fn write_key_into(&self, out: &mut [u8]) -> Option<usize> {
+        copy_into(self.hyphenated().encode_lower(&mut uuid::Uuid::encode_buffer()), out)
     }
 }
 
@@ -65,28 +96,30 @@ macro_rules! integer_keys {
             fn write_key(&self, out: &mut String) {
                 out.push_str(itoa::Buffer::new().format(*self));
             }
+
+            fn write_key_into(&self, out: &mut [u8]) -> Option<usize> {
+                copy_into(itoa::Buffer::new().format(*self), out)
+            }
         }
     )*};
 }
 integer_keys!(u8, u16, u32, u64, u128, usize, i8, i16, i32, i64, i128, isize);
 
-impl<T: IdempotencyKey + ?Sized> IdempotencyKey for &T {
-    fn write_key(&self, out: &mut String) {
-        (**self).write_key(out);
-    }
-}
+/// Forwards both methods to the pointee.
+macro_rules! pointer_keys {
+    ($($pointer:ty),*) => {$(
+        impl<T: IdempotencyKey + ?Sized> IdempotencyKey for $pointer {
+            fn write_key(&self, out: &mut String) {
+                (**self).write_key(out);
+            }
 
-impl<T: IdempotencyKey + ?Sized> IdempotencyKey for Box<T> {
-    fn write_key(&self, out: &mut String) {
-        (**self).write_key(out);
-    }
+            fn write_key_into(&self, out: &mut [u8]) -> Option<usize> {
+                (**self).write_key_into(out)
+            }
+        }
+    )*};
 }
-
-impl<T: IdempotencyKey + ?Sized> IdempotencyKey for std::sync::Arc<T> {
-    fn write_key(&self, out: &mut String) {
-        (**self).write_key(out);
-    }
-}
+pointer_keys!(&T, Box<T>, std::sync::Arc<T>);
 
 /// Why a key or scope was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -163,6 +196,9 @@ impl Key {
     /// ```
     pub fn new(scope: &str, key: &(impl IdempotencyKey + ?Sized)) -> Result<Self, KeyError> {
         validate_scope(scope)?;
+        if let Some(key) = Self::inline(scope, key) {
+            return Ok(key);
+        }
         // Taken out while the key writes itself (a key type whose `write_key` makes a key finds an
         // empty buffer and allocates its own).
         let mut full = BUFFER.try_with(std::cell::Cell::take).unwrap_or_default();
@@ -175,6 +211,23 @@ impl Key {
             let _ = BUFFER.try_with(|buffer| buffer.set(full));
         }
         made
+    }
+
+    /// The key written straight into inline bytes, when its type can ([`IdempotencyKey::write_key_into`]),
+    /// it fits and it is non-empty printable ASCII; `None` sends every other case (errors
+    /// included) through the general path.
+    fn inline(scope: &str, key: &(impl IdempotencyKey + ?Sized)) -> Option<Self> {
+        let mut bytes = [0; INLINE];
+        bytes.get_mut(..scope.len())?.copy_from_slice(scope.as_bytes());
+        *bytes.get_mut(scope.len())? = b':';
+        let written = key.write_key_into(bytes.get_mut(scope.len() + 1..)?)?;
+        let len = scope.len() + 1 + written;
+        let user = &bytes[scope.len() + 1..len];
+        if user.is_empty() || !user.iter().all(|b| (0x20..0x7f).contains(b)) {
+            return None;
+        }
+        let scope_len = u8::try_from(scope.len()).ok()?;
+        Some(Key { repr: Repr::Inline { scope_len, len: u8::try_from(len).ok()?, bytes } })
     }
 
     /// `full` (`scope:key`, the scope `scope_len` bytes long and valid) as a key, if the key is.
@@ -313,6 +366,42 @@ mod tests {
         let id = uuid::Uuid::nil();
         assert_eq!(Key::new("s", &id).unwrap().key(), "00000000-0000-0000-0000-000000000000");
         assert_eq!(Key::new("s", &"ключ:1").unwrap().as_str(), "s:ключ:1");
+    }
+
+    #[test]
+    fn memory_keys_written_inline_equal_keys_written_to_a_string() {
+        /// Writes its key only through `write_key` (the general path).
+        struct General<T>(T);
+        impl<T: IdempotencyKey> IdempotencyKey for General<T> {
+            fn write_key(&self, out: &mut String) {
+                self.0.write_key(out);
+            }
+        }
+        fn same<T: IdempotencyKey>(scope: &str, key: T) {
+            let fast = Key::new(scope, &key);
+            let general = Key::new(scope, &General(key));
+            assert_eq!(fast, general);
+            if let Ok(key) = fast {
+                assert_eq!((key.as_str(), key.scope_len()), (general.unwrap().as_str(), scope.len()));
+            }
+        }
+        for scope in ["s", "payments", &"p".repeat(59), &"p".repeat(60), &"p".repeat(200)] {
+            same(scope, 0u64);
+            same(scope, u128::MAX);
+            same(scope, i128::MIN);
+            same(scope, -1i8);
+            same(scope, "req-1");
+            same(scope, "");
+            same(scope, "a\0b");
+            same(scope, "ключ");
+            same(scope, "k".repeat(55));
+            same(scope, "k".repeat(256));
+            same(scope, String::from("owned"));
+            same(scope, std::borrow::Cow::Borrowed("cow"));
+            same(scope, Box::new(7u32));
+            same(scope, std::sync::Arc::new("arc"));
+            same(scope, uuid::Uuid::from_u128(0x0123_4567_89ab_cdef_0123_4567_89ab_cdef));
+        }
     }
 
     #[test]

@@ -212,18 +212,11 @@ impl Call {
             if let Some((site, self_type)) = site {
                 site.check(key.scope(), self_type).map_err(|e| observer.error(e))?;
             }
-            check_durations(&key, lease, retention, wait).map_err(|e| observer.error(e))?;
+            check_durations(key, lease, retention, wait).map_err(|e| observer.error(e))?;
             let token = Token::new();
-            let request = ClaimRequest::new(&key, &token, fingerprint, lease);
-            let mut guard = Guard {
-                store,
-                key: &key,
-                token: &token,
-                fingerprint: fingerprint,
-                on_cancel: on_cancel,
-                phase: Phase::Idle,
-                body_polling: false,
-            };
+            let request = ClaimRequest::new(key, &token, fingerprint, lease);
+            let mut guard =
+                Guard { store, key, token: &token, fingerprint, on_cancel, phase: Phase::Idle, body_polling: false };
             let deadline = wait.map(|wait| Instant::now() + wait);
             let mut backoff = FIRST_BACKOFF;
             let mut late_replies = 0;
@@ -233,7 +226,7 @@ impl Call {
                 guard.phase = Phase::Claiming;
                 let claim = timed(store.name(), "claim", store.claim(&request))
                     .await
-                    .map_err(|source| observer.error(store_error(&key, "claim", source)))?;
+                    .map_err(|source| observer.error(store_error(key, "claim", source)))?;
                 guard.phase = Phase::Idle;
                 match claim {
                     // A reply that took longer than the lease: the claim may have ended already and
@@ -246,18 +239,18 @@ impl Call {
                                 store.name(),
                                 "every claim was answered after its lease had ended; the body was not started",
                             );
-                            return Err(observer.error(store_error(&key, "claim", source)).into());
+                            return Err(observer.error(store_error(key, "claim", source)).into());
                         }
                         tracing::warn!(target: "idempotent", "a claim was answered after its lease ended; claiming again");
                     }
                     Claim::Claimed => break sent + lease,
                     Claim::Completed(record) => {
-                        check_fingerprint(&key, fingerprint, record.fingerprint.as_ref())
+                        check_fingerprint(key, fingerprint, record.fingerprint.as_ref())
                             .map_err(|e| observer.error(e))?;
-                        return replay(&key, &record.outcome, &policy, observer);
+                        return replay(key, &record.outcome, &policy, observer);
                     }
                     Claim::InProgress { fingerprint: running, lease_remaining } => {
-                        check_fingerprint(&key, fingerprint, running.as_ref()).map_err(|e| observer.error(e))?;
+                        check_fingerprint(key, fingerprint, running.as_ref()).map_err(|e| observer.error(e))?;
                         let now = Instant::now();
                         match deadline {
                             Some(deadline) if now < deadline => {
@@ -278,15 +271,15 @@ impl Call {
             let lease_end = Mutex::new(lease_end);
             // The body runs with its call's identity (derived outbound keys, steps); its steps are
             // served here, with the store.
-            let context = CallContext::root(&key);
+            let context = CallContext::root(key);
             let body = context::scoped(Arc::clone(&context), body);
             let steps = Steps {
                 store,
-                call: &key,
+                call: key,
                 token: &token,
-                fingerprint: fingerprint,
-                lease: lease,
-                retention: retention,
+                fingerprint,
+                lease,
+                retention,
                 lease_end: &lease_end,
                 observer,
             };
@@ -294,7 +287,7 @@ impl Call {
                 // Pinned here once (`with_heartbeat` polls them where they are), and dropped when
                 // the body has ended.
                 let body = pin!(body);
-                let beat = pin!(heartbeat(store, &key, &token, lease, &lease_end));
+                let beat = pin!(heartbeat(store, key, &token, lease, &lease_end));
                 let serve = pin!(step::serve(&steps, context.queue()));
                 with_heartbeat(&mut guard.body_polling, body, beat, serve).await
             };

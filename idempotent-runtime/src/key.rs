@@ -406,6 +406,13 @@ mod tests {
 
     #[test]
     fn memory_keys_inline_and_boxed_read_the_same() {
+        // A key type that makes a key while it writes itself (checked at the end).
+        struct Nested;
+        impl IdempotencyKey for Nested {
+            fn write_key(&self, out: &mut String) {
+                out.push_str(Key::new("inner", &"1").unwrap().key());
+            }
+        }
         for len in [1, 50, 54, 55, 56, 60, 200, MAX_KEY_BYTES] {
             let text = "k".repeat(len);
             let key = Key::new("scope", &text).unwrap();
@@ -414,13 +421,6 @@ mod tests {
             assert_eq!(key.as_bytes(), key.as_str().as_bytes());
             assert_eq!(key.clone(), key);
             assert_ne!(Key::new("scope", &format!("{}x", &text[1..])).unwrap(), key);
-        }
-        // A key type that makes a key while it writes itself.
-        struct Nested;
-        impl IdempotencyKey for Nested {
-            fn write_key(&self, out: &mut String) {
-                out.push_str(Key::new("inner", &"1").unwrap().key());
-            }
         }
         assert_eq!(Key::new("outer", &Nested).unwrap().as_str(), "outer:1");
         let long = "ü".repeat(100);

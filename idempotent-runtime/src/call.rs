@@ -215,8 +215,16 @@ impl Call {
             check_durations(key, lease, retention, wait).map_err(|e| observer.error(e))?;
             let token = Token::new();
             let request = ClaimRequest::new(key, &token, fingerprint, lease);
-            let mut guard =
-                Guard { store, key, token: &token, fingerprint, on_cancel, phase: Phase::Idle, body_polling: false };
+            let mut guard = Guard {
+                store,
+                key,
+                token: &token,
+                fingerprint,
+                on_cancel,
+                phase: Phase::Idle,
+                body_polling: false,
+                span: observer.span(),
+            };
             let deadline = wait.map(|wait| Instant::now() + wait);
             let mut backoff = FIRST_BACKOFF;
             let mut late_replies = 0;
@@ -602,13 +610,21 @@ struct Guard<'a, S: Store + ?Sized> {
     phase: Phase,
     /// Set while the body is polled: still set in the destructor means the body panicked.
     body_polling: bool,
+    /// The call's span, entered while the destructor reports and detaches (the protocol's
+    /// future is dropped outside it: see `in_span`).
+    span: &'a tracing::Span,
 }
 
 impl<S: Store + ?Sized> Drop for Guard<'_, S> {
     fn drop(&mut self) {
         // The key and token are copied only for a step that is left to do.
         let release = |guard: &Self| Detached::Release { key: guard.key.clone(), token: guard.token.clone() };
-        let step = match std::mem::replace(&mut self.phase, Phase::Done) {
+        let phase = std::mem::replace(&mut self.phase, Phase::Done);
+        if matches!(phase, Phase::Idle | Phase::Done) {
+            return;
+        }
+        let _entered = self.span.enter();
+        let step = match phase {
             Phase::Idle | Phase::Done => return,
             Phase::Claiming | Phase::Releasing => release(self),
             Phase::Running if self.body_polling || std::thread::panicking() => {
@@ -641,5 +657,58 @@ impl<S: Store + ?Sized> Drop for Guard<'_, S> {
             }
         };
         self.store.detach(step);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use tracing_subscriber::layer::{Context, SubscriberExt as _};
+    use tracing_subscriber::registry::LookupSpan;
+
+    use crate::{Call, Error, MemoryStore};
+
+    /// An event's message and the name of the span it was emitted in.
+    type Seen = (String, Option<String>);
+
+    /// The events seen.
+    #[derive(Clone, Default)]
+    struct Events(Arc<Mutex<Vec<Seen>>>);
+
+    struct Message<'a>(&'a mut String);
+
+    impl tracing::field::Visit for Message<'_> {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            if field.name() == "message" {
+                *self.0 = format!("{value:?}");
+            }
+        }
+    }
+
+    impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> tracing_subscriber::Layer<S> for Events {
+        fn on_event(&self, event: &tracing::Event<'_>, ctx: Context<'_, S>) {
+            let mut message = String::new();
+            event.record(&mut Message(&mut message));
+            let span = ctx.event_span(event).map(|span| span.name().to_owned());
+            self.0.lock().unwrap().push((message, span));
+        }
+    }
+
+    #[test]
+    fn memory_a_cancelled_call_reports_inside_its_span() {
+        let events = Events::default();
+        let subscriber = tracing_subscriber::registry().with(events.clone());
+        tracing::subscriber::with_default(subscriber, || {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+            runtime.block_on(async {
+                let store = MemoryStore::new();
+                let call = Call::new("spans", "k").run(&store, std::future::pending::<Result<(), Error>>());
+                assert!(tokio::time::timeout(std::time::Duration::from_millis(5), call).await.is_err());
+            });
+        });
+        let events = events.0.lock().unwrap().clone();
+        let cancelled = events.iter().find(|(message, _)| message.contains("cancelled while the body ran"));
+        assert_eq!(cancelled.and_then(|(_, span)| span.as_deref()), Some("idempotent"), "{events:?}");
     }
 }

@@ -2,14 +2,13 @@
 //! hand-written calls.
 
 use std::future::{Future, poll_fn};
-use std::pin::pin;
+use std::pin::{Pin, pin};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::time::Instant;
-use tracing::Instrument as _;
 
 use crate::context::{self, CallContext};
 use crate::observe::{CallObserver, Outcome, timed};
@@ -197,27 +196,36 @@ impl Call {
         P: ErrorPolicy<E>,
         F: Future<Output = Result<T, E>>,
     {
-        let observer = CallObserver::start(self.prepared.as_ref().ok().map(|(key, _)| key), self.trace_key);
-        let span = observer.span().clone();
+        let Call { prepared, lease, retention, wait, on_cancel, site, trace_key } = self;
+        let observer = CallObserver::start(prepared.as_ref().ok().map(|(key, _)| key), trace_key);
+        let (key, fingerprint) = match prepared {
+            Ok(prepared) => prepared,
+            Err(e) => return Err(observer.error(e).into()),
+        };
+        // Borrowed by the protocol's future (not moved into it, beside the rest of the call).
+        let (key, fingerprint) = (&key, fingerprint.as_ref());
         let observer = &observer;
-        async move {
-            let (key, fingerprint) = self.prepared.map_err(|e| observer.error(e))?;
-            if let Some((site, self_type)) = self.site {
+        // The protocol is pinned where it is and polled inside the call's span (what
+        // `Instrument` does, without moving the whole protocol's future into a wrapper and the
+        // wrapper into this one: it is about 2 KB).
+        let protocol = pin!(async move {
+            if let Some((site, self_type)) = site {
                 site.check(key.scope(), self_type).map_err(|e| observer.error(e))?;
             }
-            check_durations(&key, self.lease, self.retention, self.wait).map_err(|e| observer.error(e))?;
+            check_durations(key, lease, retention, wait).map_err(|e| observer.error(e))?;
             let token = Token::new();
-            let request = ClaimRequest::new(&key, &token, fingerprint.as_ref(), self.lease);
+            let request = ClaimRequest::new(key, &token, fingerprint, lease);
             let mut guard = Guard {
                 store,
-                key: &key,
+                key,
                 token: &token,
-                fingerprint: fingerprint.as_ref(),
-                on_cancel: self.on_cancel,
+                fingerprint,
+                on_cancel,
                 phase: Phase::Idle,
                 body_polling: false,
+                span: observer.span(),
             };
-            let deadline = self.wait.map(|wait| Instant::now() + wait);
+            let deadline = wait.map(|wait| Instant::now() + wait);
             let mut backoff = FIRST_BACKOFF;
             let mut late_replies = 0;
             let lease_end = loop {
@@ -226,31 +234,31 @@ impl Call {
                 guard.phase = Phase::Claiming;
                 let claim = timed(store.name(), "claim", store.claim(&request))
                     .await
-                    .map_err(|source| observer.error(store_error(&key, "claim", source)))?;
+                    .map_err(|source| observer.error(store_error(key, "claim", source)))?;
                 guard.phase = Phase::Idle;
                 match claim {
                     // A reply that took longer than the lease: the claim may have ended already and
                     // another caller may be running the body. Asked again with the same token, the
                     // store renews the claim if it is still ours, or says who holds the key now.
-                    Claim::Claimed if Instant::now() >= sent + self.lease => {
+                    Claim::Claimed if Instant::now() >= sent + lease => {
                         late_replies += 1;
                         if late_replies == MAX_LATE_CLAIM_REPLIES {
                             let source = StoreError::backend(
                                 store.name(),
                                 "every claim was answered after its lease had ended; the body was not started",
                             );
-                            return Err(observer.error(store_error(&key, "claim", source)).into());
+                            return Err(observer.error(store_error(key, "claim", source)).into());
                         }
                         tracing::warn!(target: "idempotent", "a claim was answered after its lease ended; claiming again");
                     }
-                    Claim::Claimed => break sent + self.lease,
+                    Claim::Claimed => break sent + lease,
                     Claim::Completed(record) => {
-                        check_fingerprint(&key, fingerprint.as_ref(), record.fingerprint.as_ref())
+                        check_fingerprint(key, fingerprint, record.fingerprint.as_ref())
                             .map_err(|e| observer.error(e))?;
-                        return replay(&key, &record.outcome, &policy, observer);
+                        return replay(key, &record.outcome, &policy, observer);
                     }
                     Claim::InProgress { fingerprint: running, lease_remaining } => {
-                        check_fingerprint(&key, fingerprint.as_ref(), running.as_ref()).map_err(|e| observer.error(e))?;
+                        check_fingerprint(key, fingerprint, running.as_ref()).map_err(|e| observer.error(e))?;
                         let now = Instant::now();
                         match deadline {
                             Some(deadline) if now < deadline => {
@@ -271,28 +279,44 @@ impl Call {
             let lease_end = Mutex::new(lease_end);
             // The body runs with its call's identity (derived outbound keys, steps); its steps are
             // served here, with the store.
-            let context = CallContext::root(&key);
+            let context = CallContext::root(key);
             let body = context::scoped(Arc::clone(&context), body);
             let steps = Steps {
                 store,
-                call: &key,
+                call: key,
                 token: &token,
-                fingerprint: fingerprint.as_ref(),
-                lease: self.lease,
-                retention: self.retention,
+                fingerprint,
+                lease,
+                retention,
                 lease_end: &lease_end,
                 observer,
             };
-            let beat = heartbeat(store, &key, &token, self.lease, &lease_end);
-            let serve = step::serve(&steps, context.queue());
-            let result = with_heartbeat(&mut guard.body_polling, body, beat, serve).await;
-            step::drain(&steps, context.queue()).await;
+            let result = {
+                // Pinned here once (`with_heartbeat` polls them where they are), and dropped when
+                // the body has ended.
+                let body = pin!(body);
+                let beat = pin!(heartbeat(store, key, &token, lease, &lease_end));
+                let serve = pin!(step::serve(&steps, context.queue()));
+                with_heartbeat(&mut guard.body_polling, body, beat, serve).await
+            };
+            if context.had_steps() {
+                step::drain(&steps, context.queue()).await;
+            }
+            CallContext::recycle(context);
             let lease_end = lease_end.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
-            record(&mut guard, self.retention, lease_end, &policy, result, observer).await
-        }
-        .instrument(span)
-        .await
+            record(&mut guard, retention, lease_end, &policy, result, observer).await
+        });
+        in_span(observer.span(), protocol).await
     }
+}
+
+/// Polls `future` to its end, inside `span` on every poll.
+async fn in_span<F: Future>(span: &tracing::Span, mut future: Pin<&mut F>) -> F::Output {
+    poll_fn(|cx| {
+        let _entered = span.enter();
+        future.as_mut().poll(cx)
+    })
+    .await
 }
 
 fn store_error(key: &Key, operation: &'static str, source: StoreError) -> Error {
@@ -300,6 +324,10 @@ fn store_error(key: &Key, operation: &'static str, source: StoreError) -> Error 
 }
 
 fn check_durations(key: &Key, lease: Duration, retention: Duration, wait: Option<Duration>) -> Result<(), Error> {
+    // The defaults are valid.
+    if lease == DEFAULT_LEASE && retention == DEFAULT_RETENTION && wait.is_none() {
+        return Ok(());
+    }
     let invalid = |option, reason| Err(Error::InvalidOption { key: key.to_string(), option, reason });
     if lease < MIN_LEASE {
         return invalid(
@@ -378,16 +406,13 @@ fn replay<T: DeserializeOwned, E: From<Error>>(
 
 /// Polls `body` to its end while `beat` renews the lease and `serve` serves the body's steps;
 /// `polling` is `true` only while the body is being polled, so a panic that unwinds out of it
-/// leaves it set.
+/// leaves it set. The futures are borrowed, not moved in: they stay where the caller pinned them.
 async fn with_heartbeat<F: Future>(
     polling: &mut bool,
-    body: F,
-    beat: impl Future<Output = ()>,
-    serve: impl Future<Output = ()>,
+    mut body: Pin<&mut F>,
+    mut beat: Pin<&mut impl Future<Output = ()>>,
+    mut serve: Pin<&mut impl Future<Output = ()>>,
 ) -> F::Output {
-    let mut body = pin!(body);
-    let mut beat = pin!(beat);
-    let mut serve = pin!(serve);
     let mut beating = true;
     poll_fn(|cx| {
         *polling = true;
@@ -457,7 +482,7 @@ where
 {
     let (store, key, token, fingerprint) = (guard.store, guard.key, guard.token, guard.fingerprint);
     let encoded = match &result {
-        Ok(value) => Some(outcome::encode_ok(value)),
+        Ok(value) => Some(outcome::encode_ok_reusing(value)),
         Err(error) => policy.encode(error),
     };
     let outcome = match encoded {
@@ -485,7 +510,9 @@ where
     let Phase::Recording { outcome, .. } = &guard.phase else { unreachable!("set above") };
     let completion = Completion::new(key, token, fingerprint, outcome, retention);
     let completed = complete_within_lease(store, &completion, lease_end).await;
-    guard.phase = Phase::Done;
+    if let Phase::Recording { outcome, .. } = std::mem::replace(&mut guard.phase, Phase::Done) {
+        outcome::recycle(outcome);
+    }
     match completed {
         Completed::Recorded { attempts } => {
             observer.outcome(Outcome::Executed);
@@ -583,13 +610,21 @@ struct Guard<'a, S: Store + ?Sized> {
     phase: Phase,
     /// Set while the body is polled: still set in the destructor means the body panicked.
     body_polling: bool,
+    /// The call's span, entered while the destructor reports and detaches (the protocol's
+    /// future is dropped outside it: see `in_span`).
+    span: &'a tracing::Span,
 }
 
 impl<S: Store + ?Sized> Drop for Guard<'_, S> {
     fn drop(&mut self) {
         // The key and token are copied only for a step that is left to do.
         let release = |guard: &Self| Detached::Release { key: guard.key.clone(), token: guard.token.clone() };
-        let step = match std::mem::replace(&mut self.phase, Phase::Done) {
+        let phase = std::mem::replace(&mut self.phase, Phase::Done);
+        if matches!(phase, Phase::Idle | Phase::Done) {
+            return;
+        }
+        let _entered = self.span.enter();
+        let step = match phase {
             Phase::Idle | Phase::Done => return,
             Phase::Claiming | Phase::Releasing => release(self),
             Phase::Running if self.body_polling || std::thread::panicking() => {
@@ -622,5 +657,58 @@ impl<S: Store + ?Sized> Drop for Guard<'_, S> {
             }
         };
         self.store.detach(step);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use tracing_subscriber::layer::{Context, SubscriberExt as _};
+    use tracing_subscriber::registry::LookupSpan;
+
+    use crate::{Call, Error, MemoryStore};
+
+    /// An event's message and the name of the span it was emitted in.
+    type Seen = (String, Option<String>);
+
+    /// The events seen.
+    #[derive(Clone, Default)]
+    struct Events(Arc<Mutex<Vec<Seen>>>);
+
+    struct Message<'a>(&'a mut String);
+
+    impl tracing::field::Visit for Message<'_> {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            if field.name() == "message" {
+                *self.0 = format!("{value:?}");
+            }
+        }
+    }
+
+    impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> tracing_subscriber::Layer<S> for Events {
+        fn on_event(&self, event: &tracing::Event<'_>, ctx: Context<'_, S>) {
+            let mut message = String::new();
+            event.record(&mut Message(&mut message));
+            let span = ctx.event_span(event).map(|span| span.name().to_owned());
+            self.0.lock().unwrap().push((message, span));
+        }
+    }
+
+    #[test]
+    fn memory_a_cancelled_call_reports_inside_its_span() {
+        let events = Events::default();
+        let subscriber = tracing_subscriber::registry().with(events.clone());
+        tracing::subscriber::with_default(subscriber, || {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+            runtime.block_on(async {
+                let store = MemoryStore::new();
+                let call = Call::new("spans", "k").run(&store, std::future::pending::<Result<(), Error>>());
+                assert!(tokio::time::timeout(std::time::Duration::from_millis(5), call).await.is_err());
+            });
+        });
+        let events = events.0.lock().unwrap().clone();
+        let cancelled = events.iter().find(|(message, _)| message.contains("cancelled while the body ran"));
+        assert_eq!(cancelled.and_then(|(_, span)| span.as_deref()), Some("idempotent"), "{events:?}");
     }
 }

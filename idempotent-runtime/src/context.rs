@@ -35,9 +35,25 @@ pub(crate) struct CallContext {
     queue: JobQueue,
 }
 
+thread_local! {
+    /// A finished call's context, kept for the next call on this thread: its allocation is
+    /// reused ([`CallContext::recycle`]).
+    static SPARE: std::cell::Cell<Option<Arc<CallContext>>> = const { std::cell::Cell::new(None) };
+}
+
 impl CallContext {
-    /// The context of a run of the body of the call on `key`.
+    /// The context of a run of the body of the call on `key`: this thread's spare one, made
+    /// new, or a new one.
     pub(crate) fn root(key: &Key) -> Arc<Self> {
+        if let Some(mut spare) = SPARE.try_with(std::cell::Cell::take).ok().flatten()
+            && let Some(context) = Arc::get_mut(&mut spare)
+        {
+            // `recycle` kept it only as a root with an empty queue.
+            context.key.clone_from(key);
+            *context.outbound.get_mut() = 0;
+            *context.steps.get_mut() = 0;
+            return spare;
+        }
         Arc::new(CallContext {
             key: key.clone(),
             outbound: AtomicU64::new(0),
@@ -63,9 +79,26 @@ impl CallContext {
         }))
     }
 
+    /// Keeps a finished call's context as this thread's spare, if nothing else holds it (the
+    /// body's task-local and steps are gone, nothing leaked it) and its queue is empty.
+    pub(crate) fn recycle(mut context: Arc<Self>) {
+        if let Some(inner) = Arc::get_mut(&mut context)
+            && inner.root.is_none()
+            && inner.queue.reset()
+        {
+            let _ = SPARE.try_with(|spare| spare.set(Some(context)));
+        }
+    }
+
     /// The call's key, or the step's.
     pub(crate) fn key(&self) -> &Key {
         &self.key
+    }
+
+    /// Whether this run has started a step: until it has, no step job was queued (a nested
+    /// step's job needs an outer step first).
+    pub(crate) fn had_steps(&self) -> bool {
+        self.steps.load(Ordering::Relaxed) > 0
     }
 
     /// The queue the call serves.
@@ -128,4 +161,34 @@ pub fn derived_key(method: &str, path: &str) -> Option<String> {
 /// started inside it has its own context again.
 pub fn without_derived_keys<F: Future>(future: F) -> impl Future<Output = F::Output> {
     CURRENT.scope(None, future)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{Call, Error, MemoryStore, derived_key};
+
+    /// The derived keys of one run of a body on `key` that then fails (so its key is released).
+    async fn derived_keys_of_a_run(store: &MemoryStore, key: &str) -> Vec<String> {
+        let mut keys = Vec::new();
+        let _ = Call::new("context-test", key)
+            .run(store, async {
+                keys.push(derived_key("POST", "/a").expect("inside a body"));
+                keys.push(derived_key("POST", "/a").expect("inside a body"));
+                Err::<(), Error>(Error::Fingerprint("fail so that the key is released".into()))
+            })
+            .await;
+        keys
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn memory_a_reused_context_starts_like_a_new_one() {
+        let store = MemoryStore::new();
+        let first = derived_keys_of_a_run(&store, "x").await;
+        assert_ne!(first[0], first[1]);
+        let other = derived_keys_of_a_run(&store, "y").await;
+        assert!(other.iter().all(|key| !first.contains(key)), "another call's keys: {other:?} {first:?}");
+        // The thread's spare context, made new for the same key, derives the same keys.
+        assert_eq!(derived_keys_of_a_run(&store, "x").await, first);
+        assert!(derived_key("POST", "/a").is_none(), "outside any body");
+    }
 }

@@ -31,11 +31,30 @@ pub const MAX_KEY_BYTES: usize = 255;
 pub trait IdempotencyKey {
     /// Appends this key's text to `out`.
     fn write_key(&self, out: &mut String);
+
+    /// Writes the same text as [`write_key`](IdempotencyKey::write_key) into the start of `out`
+    /// and returns its length, or returns `None` (then `write_key` is used): the library's key
+    /// types write short keys straight into a [`Key`]'s inline bytes. Not for other types.
+    #[doc(hidden)]
+    fn write_key_into(&self, out: &mut [u8]) -> Option<usize> {
+        let _ = out;
+        None
+    }
+}
+
+/// Copies `text` into the start of `out`, if it fits.
+fn copy_into(text: &str, out: &mut [u8]) -> Option<usize> {
+    out.get_mut(..text.len())?.copy_from_slice(text.as_bytes());
+    Some(text.len())
 }
 
 impl IdempotencyKey for str {
     fn write_key(&self, out: &mut String) {
         out.push_str(self);
+    }
+
+    fn write_key_into(&self, out: &mut [u8]) -> Option<usize> {
+        copy_into(self, out)
     }
 }
 
@@ -43,17 +62,29 @@ impl IdempotencyKey for String {
     fn write_key(&self, out: &mut String) {
         out.push_str(self);
     }
+
+    fn write_key_into(&self, out: &mut [u8]) -> Option<usize> {
+        copy_into(self, out)
+    }
 }
 
 impl IdempotencyKey for std::borrow::Cow<'_, str> {
     fn write_key(&self, out: &mut String) {
         out.push_str(self);
     }
+
+    fn write_key_into(&self, out: &mut [u8]) -> Option<usize> {
+        copy_into(self, out)
+    }
 }
 
 impl IdempotencyKey for uuid::Uuid {
     fn write_key(&self, out: &mut String) {
         let _ = write!(out, "{}", self.hyphenated());
+    }
+
+    fn write_key_into(&self, out: &mut [u8]) -> Option<usize> {
+        copy_into(self.hyphenated().encode_lower(&mut uuid::Uuid::encode_buffer()), out)
     }
 }
 
@@ -65,28 +96,30 @@ macro_rules! integer_keys {
             fn write_key(&self, out: &mut String) {
                 out.push_str(itoa::Buffer::new().format(*self));
             }
+
+            fn write_key_into(&self, out: &mut [u8]) -> Option<usize> {
+                copy_into(itoa::Buffer::new().format(*self), out)
+            }
         }
     )*};
 }
 integer_keys!(u8, u16, u32, u64, u128, usize, i8, i16, i32, i64, i128, isize);
 
-impl<T: IdempotencyKey + ?Sized> IdempotencyKey for &T {
-    fn write_key(&self, out: &mut String) {
-        (**self).write_key(out);
-    }
-}
+/// Forwards both methods to the pointee.
+macro_rules! pointer_keys {
+    ($($pointer:ty),*) => {$(
+        impl<T: IdempotencyKey + ?Sized> IdempotencyKey for $pointer {
+            fn write_key(&self, out: &mut String) {
+                (**self).write_key(out);
+            }
 
-impl<T: IdempotencyKey + ?Sized> IdempotencyKey for Box<T> {
-    fn write_key(&self, out: &mut String) {
-        (**self).write_key(out);
-    }
+            fn write_key_into(&self, out: &mut [u8]) -> Option<usize> {
+                (**self).write_key_into(out)
+            }
+        }
+    )*};
 }
-
-impl<T: IdempotencyKey + ?Sized> IdempotencyKey for std::sync::Arc<T> {
-    fn write_key(&self, out: &mut String) {
-        (**self).write_key(out);
-    }
-}
+pointer_keys!(&T, Box<T>, std::sync::Arc<T>);
 
 /// Why a key or scope was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -121,11 +154,33 @@ pub enum KeyError {
 ///
 /// The scope holds no `:`, so the first `:` always separates the two parts and no user key can
 /// reach into another scope.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+///
+/// A key of up to 61 bytes (`scope:key` together: a UUID in a scope of up to 24 bytes) is held
+/// inline, so making, copying and storing one allocates nothing; longer keys are boxed.
+#[derive(Clone)]
 pub struct Key {
-    full: String,
-    scope_len: usize,
+    repr: Repr,
 }
+
+/// The longest `scope:key` held inline.
+const INLINE: usize = 61;
+
+#[derive(Clone)]
+enum Repr {
+    /// `scope:key` in the first `len` bytes; the scope is the first `scope_len`.
+    Inline { scope_len: u8, len: u8, bytes: [u8; INLINE] },
+    /// A longer `scope:key`.
+    Boxed { scope_len: u8, text: Box<str> },
+}
+
+thread_local! {
+    /// Where keys are written before they are stored (`IdempotencyKey` writes into a `String`):
+    /// reused, so a key costs no allocation.
+    static BUFFER: std::cell::Cell<String> = const { std::cell::Cell::new(String::new()) };
+}
+
+/// The largest buffer kept for the next key (a key that failed validation may be huge).
+const KEPT_BUFFER: usize = 1024;
 
 impl Key {
     /// Validates `key` and places it in `scope`.
@@ -141,11 +196,43 @@ impl Key {
     /// ```
     pub fn new(scope: &str, key: &(impl IdempotencyKey + ?Sized)) -> Result<Self, KeyError> {
         validate_scope(scope)?;
-        let mut full = String::with_capacity(scope.len() + 1 + 40);
+        if let Some(key) = Self::inline(scope, key) {
+            return Ok(key);
+        }
+        // Taken out while the key writes itself (a key type whose `write_key` makes a key finds an
+        // empty buffer and allocates its own).
+        let mut full = BUFFER.try_with(std::cell::Cell::take).unwrap_or_default();
+        full.clear();
         full.push_str(scope);
         full.push(':');
         key.write_key(&mut full);
-        let user = &full[scope.len() + 1..];
+        let made = Self::checked(&full, scope.len());
+        if full.capacity() <= KEPT_BUFFER {
+            let _ = BUFFER.try_with(|buffer| buffer.set(full));
+        }
+        made
+    }
+
+    /// The key written straight into inline bytes, when its type can ([`IdempotencyKey::write_key_into`]),
+    /// it fits and it is non-empty printable ASCII; `None` sends every other case (errors
+    /// included) through the general path.
+    fn inline(scope: &str, key: &(impl IdempotencyKey + ?Sized)) -> Option<Self> {
+        let mut bytes = [0; INLINE];
+        bytes.get_mut(..scope.len())?.copy_from_slice(scope.as_bytes());
+        *bytes.get_mut(scope.len())? = b':';
+        let written = key.write_key_into(bytes.get_mut(scope.len() + 1..)?)?;
+        let len = scope.len() + 1 + written;
+        let user = &bytes[scope.len() + 1..len];
+        if user.is_empty() || !user.iter().all(|b| (0x20..0x7f).contains(b)) {
+            return None;
+        }
+        let scope_len = u8::try_from(scope.len()).ok()?;
+        Some(Key { repr: Repr::Inline { scope_len, len: u8::try_from(len).ok()?, bytes } })
+    }
+
+    /// `full` (`scope:key`, the scope `scope_len` bytes long and valid) as a key, if the key is.
+    fn checked(full: &str, scope_len: usize) -> Result<Self, KeyError> {
+        let user = &full[scope_len + 1..];
         if user.is_empty() {
             return Err(KeyError::Empty);
         }
@@ -158,31 +245,81 @@ impl Key {
         {
             return Err(KeyError::ControlCharacter { ch, at });
         }
-        Ok(Key { scope_len: scope.len(), full })
+        // The scope is at most MAX_KEY_BYTES (255) long: `validate_scope`.
+        let scope_len = u8::try_from(scope_len).unwrap_or(u8::MAX);
+        let repr = match u8::try_from(full.len()) {
+            Ok(len) if full.len() <= INLINE => {
+                let mut bytes = [0; INLINE];
+                bytes[..full.len()].copy_from_slice(full.as_bytes());
+                Repr::Inline { scope_len, len, bytes }
+            }
+            _ => Repr::Boxed { scope_len, text: full.into() },
+        };
+        Ok(Key { repr })
     }
 
     /// `scope:key`, the text stores index by.
     #[must_use]
     pub fn as_str(&self) -> &str {
-        &self.full
+        match &self.repr {
+            // Copied from a `str` whole: always UTF-8.
+            Repr::Inline { len, bytes, .. } => std::str::from_utf8(&bytes[..usize::from(*len)]).unwrap_or_default(),
+            Repr::Boxed { text, .. } => text,
+        }
+    }
+
+    /// `scope:key` as bytes, without the UTF-8 check `as_str` makes of an inline key (for
+    /// hashing and comparing).
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        match &self.repr {
+            Repr::Inline { len, bytes, .. } => &bytes[..usize::from(*len)],
+            Repr::Boxed { text, .. } => text.as_bytes(),
+        }
+    }
+
+    fn scope_len(&self) -> usize {
+        match &self.repr {
+            Repr::Inline { scope_len, .. } | Repr::Boxed { scope_len, .. } => usize::from(*scope_len),
+        }
     }
 
     /// The scope part.
     #[must_use]
     pub fn scope(&self) -> &str {
-        &self.full[..self.scope_len]
+        &self.as_str()[..self.scope_len()]
     }
 
     /// The caller's key part.
     #[must_use]
     pub fn key(&self) -> &str {
-        &self.full[self.scope_len + 1..]
+        &self.as_str()[self.scope_len() + 1..]
+    }
+}
+
+impl PartialEq for Key {
+    fn eq(&self, other: &Self) -> bool {
+        // The scope holds no `:`, so equal text means equal scopes.
+        self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl Eq for Key {}
+
+impl std::hash::Hash for Key {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.as_bytes().hash(state);
+    }
+}
+
+impl std::fmt::Debug for Key {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Key").field("full", &self.as_str()).field("scope_len", &self.scope_len()).finish()
     }
 }
 
 impl std::fmt::Display for Key {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.full)
+        f.write_str(self.as_str())
     }
 }
 
@@ -229,5 +366,64 @@ mod tests {
         let id = uuid::Uuid::nil();
         assert_eq!(Key::new("s", &id).unwrap().key(), "00000000-0000-0000-0000-000000000000");
         assert_eq!(Key::new("s", &"ключ:1").unwrap().as_str(), "s:ключ:1");
+    }
+
+    #[test]
+    fn memory_keys_written_inline_equal_keys_written_to_a_string() {
+        /// Writes its key only through `write_key` (the general path).
+        struct General<T>(T);
+        impl<T: IdempotencyKey> IdempotencyKey for General<T> {
+            fn write_key(&self, out: &mut String) {
+                self.0.write_key(out);
+            }
+        }
+        fn same<T: IdempotencyKey>(scope: &str, key: T) {
+            let fast = Key::new(scope, &key);
+            let general = Key::new(scope, &General(key));
+            assert_eq!(fast, general);
+            if let Ok(key) = fast {
+                assert_eq!((key.as_str(), key.scope_len()), (general.unwrap().as_str(), scope.len()));
+            }
+        }
+        for scope in ["s", "payments", &"p".repeat(59), &"p".repeat(60), &"p".repeat(200)] {
+            same(scope, 0u64);
+            same(scope, u128::MAX);
+            same(scope, i128::MIN);
+            same(scope, -1i8);
+            same(scope, "req-1");
+            same(scope, "");
+            same(scope, "a\0b");
+            same(scope, "ключ");
+            same(scope, "k".repeat(55));
+            same(scope, "k".repeat(256));
+            same(scope, String::from("owned"));
+            same(scope, std::borrow::Cow::Borrowed("cow"));
+            same(scope, Box::new(7u32));
+            same(scope, std::sync::Arc::new("arc"));
+            same(scope, uuid::Uuid::from_u128(0x0123_4567_89ab_cdef_0123_4567_89ab_cdef));
+        }
+    }
+
+    #[test]
+    fn memory_keys_inline_and_boxed_read_the_same() {
+        // A key type that makes a key while it writes itself (checked at the end).
+        struct Nested;
+        impl IdempotencyKey for Nested {
+            fn write_key(&self, out: &mut String) {
+                out.push_str(Key::new("inner", &"1").unwrap().key());
+            }
+        }
+        for len in [1, 50, 54, 55, 56, 60, 200, MAX_KEY_BYTES] {
+            let text = "k".repeat(len);
+            let key = Key::new("scope", &text).unwrap();
+            assert_eq!(key.as_str(), format!("scope:{text}"));
+            assert_eq!((key.scope(), key.key()), ("scope", text.as_str()));
+            assert_eq!(key.as_bytes(), key.as_str().as_bytes());
+            assert_eq!(key.clone(), key);
+            assert_ne!(Key::new("scope", &format!("{}x", &text[1..])).unwrap(), key);
+        }
+        assert_eq!(Key::new("outer", &Nested).unwrap().as_str(), "outer:1");
+        let long = "ü".repeat(100);
+        assert_eq!(Key::new(&"s".repeat(MAX_KEY_BYTES), &long).unwrap().key(), long);
     }
 }

@@ -168,8 +168,9 @@ pub(crate) struct CallObserver {
 impl CallObserver {
     /// Starts watching a call in `scope` (`None` when the key was invalid before a scope was known).
     pub(crate) fn start(key: Option<&Key>, trace_key: bool) -> Self {
-        let scope = key.map(Key::scope);
-        let span = tracing::info_span!(target: "idempotent", "idempotent", scope, key = Empty, outcome = Empty, elapsed_us = Empty, steps_executed = Empty, steps_replayed = Empty);
+        // The scope is read only when the span is enabled (field values are evaluated then) or
+        // metrics are recorded.
+        let span = tracing::info_span!(target: "idempotent", "idempotent", scope = key.map(Key::scope), key = Empty, outcome = Empty, elapsed_us = Empty, steps_executed = Empty, steps_replayed = Empty);
         if trace_key && let Some(key) = key {
             span.record("key", key.key());
         }
@@ -177,7 +178,7 @@ impl CallObserver {
         let listening = !span.is_disabled() || cfg!(feature = "metrics");
         CallObserver {
             span,
-            scope: scope.filter(|_| cfg!(feature = "metrics")).map(Scope::of),
+            scope: key.filter(|_| cfg!(feature = "metrics")).map(|key| Scope::of(key.scope())),
             started: listening.then(tokio::time::Instant::now),
             outcome: AtomicU8::new(UNSET),
             steps_executed: AtomicU32::new(0),
@@ -191,10 +192,16 @@ impl CallObserver {
     }
 
     /// Notes how the call ended; the first note wins.
+    ///
+    /// Only the call's own future notes outcomes (its protocol and the steps it serves), one
+    /// poll at a time, so a load and a store do what a compare-and-swap would, without its
+    /// locked instruction.
     pub(crate) fn outcome(&self, outcome: Outcome) {
         let index = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
-        #[allow(clippy::cast_possible_truncation)] // ten outcomes
-        let _ = self.outcome.compare_exchange(UNSET, index as u8, Ordering::Relaxed, Ordering::Relaxed);
+        if self.outcome.load(Ordering::Relaxed) == UNSET {
+            #[allow(clippy::cast_possible_truncation)] // ten outcomes
+            self.outcome.store(index as u8, Ordering::Relaxed);
+        }
     }
 
     /// Notes a step of the body: run and recorded, or replayed from an earlier run's record.
@@ -401,23 +408,20 @@ fn describe() {
 }
 
 /// Times `step` of the store named `store` into `idempotent_store_step_seconds` (feature
-/// `metrics`; otherwise it is `step` itself). The protocol sends every step through it.
-#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+/// `metrics`). The protocol sends every step through it.
+#[cfg(feature = "metrics")]
 pub(crate) async fn timed<F: Future>(store: &'static str, step: &'static str, future: F) -> F::Output {
-    #[cfg(feature = "metrics")]
-    {
-        let started = std::time::Instant::now();
-        let output = future.await;
-        let key = metrics::Key::from_static_parts(
-            "idempotent_store_step_seconds",
-            labels([("store", store), ("step", step)]),
-        );
-        metrics::with_recorder(|recorder| recorder.register_histogram(&key, metadata()))
-            .record(started.elapsed().as_secs_f64());
-        output
-    }
-    #[cfg(not(feature = "metrics"))]
-    {
-        future.await
-    }
+    let started = std::time::Instant::now();
+    let output = future.await;
+    let key =
+        metrics::Key::from_static_parts("idempotent_store_step_seconds", labels([("store", store), ("step", step)]));
+    metrics::with_recorder(|recorder| recorder.register_histogram(&key, metadata()))
+        .record(started.elapsed().as_secs_f64());
+    output
+}
+
+/// Without the feature `metrics`, `step` itself (no wrapper future around it).
+#[cfg(not(feature = "metrics"))]
+pub(crate) fn timed<F: Future>(_store: &'static str, _step: &'static str, future: F) -> F {
+    future
 }

@@ -91,6 +91,37 @@ pub(crate) fn encode_ok<T: Serialize>(value: &T) -> Result<Vec<u8>, serde_json::
     serde_json::to_vec(&Outcome::<&T, ()>::Ok(value))
 }
 
+/// How an `Ok` outcome starts: `{"Ok":`, then the value and `}`.
+const OK_PREFIX: &[u8] = br#"{"Ok":"#;
+
+thread_local! {
+    /// A buffer for the next call's outcome: a call encodes into it and gives it back once the
+    /// store has copied the outcome ([`recycle`]), so a small outcome costs no allocation.
+    static BUFFER: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// The largest buffer kept for the next outcome.
+const KEPT_BUFFER: usize = 4096;
+
+/// Like [`encode_ok`], into this thread's spare buffer (see [`recycle`]).
+pub(crate) fn encode_ok_reusing<T: Serialize>(value: &T) -> Result<Vec<u8>, serde_json::Error> {
+    let mut buffer = BUFFER.try_with(std::cell::Cell::take).unwrap_or_default();
+    buffer.clear();
+    // What serde_json writes for `Outcome::Ok(value)`, with the variant's name written as it is
+    // (not through the string escaper).
+    buffer.extend_from_slice(OK_PREFIX);
+    serde_json::to_writer(&mut buffer, value)?;
+    buffer.push(b'}');
+    Ok(buffer)
+}
+
+/// Keeps `buffer` (an outcome the store has copied) for the next call's outcome, unless it is large.
+pub(crate) fn recycle(buffer: Vec<u8>) {
+    if buffer.capacity() <= KEPT_BUFFER {
+        let _ = BUFFER.try_with(|spare| spare.set(buffer));
+    }
+}
+
 pub(crate) fn encode_unrecordable(reason: &str) -> Vec<u8> {
     serde_json::to_vec(&Outcome::<(), ()>::Unrecordable(reason.to_owned())).unwrap_or_default()
 }
@@ -102,7 +133,7 @@ pub(crate) fn decode<T: DeserializeOwned, E>(
 ) -> Result<Replayed<T, E>, String> {
     // What `encode_ok` writes, `{"Ok":<value>}`, read as the value alone (the common replay);
     // anything else takes the general path below.
-    if let Some(value) = outcome.strip_prefix(br#"{"Ok":"#).and_then(|rest| rest.strip_suffix(b"}"))
+    if let Some(value) = outcome.strip_prefix(OK_PREFIX).and_then(|rest| rest.strip_suffix(b"}"))
         && let Ok(value) = serde_json::from_slice::<T>(value)
     {
         return Ok(Replayed::Value(Ok(value)));
@@ -116,5 +147,29 @@ pub(crate) fn decode<T: DeserializeOwned, E>(
             Err(e) => Err(e.to_string()),
         },
         Err(e) => Err(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_ok_outcomes_are_encoded_as_serde_writes_them() {
+        #[derive(Serialize)]
+        struct Receipt<'a> {
+            id: u64,
+            note: &'a str,
+            tags: Vec<&'a str>,
+        }
+        let receipt = Receipt { id: 7, note: "a \"quoted\" note\n", tags: vec!["x", "ü"] };
+        for _ in 0..2 {
+            let reused = encode_ok_reusing(&receipt).unwrap();
+            assert_eq!(reused, encode_ok(&receipt).unwrap());
+            recycle(reused);
+        }
+        assert_eq!(encode_ok_reusing(&42u64).unwrap(), br#"{"Ok":42}"#);
+        assert_eq!(encode_ok_reusing(&"s").unwrap(), encode_ok(&"s").unwrap());
+        assert_eq!(encode_ok_reusing(&()).unwrap(), encode_ok(&()).unwrap());
     }
 }

@@ -45,6 +45,17 @@ impl JobQueue {
     fn pop(&self) -> Option<Job> {
         self.jobs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop_front()
     }
+
+    /// Makes the queue as new, if it holds no job (through `&mut`: no locking); `false` if it
+    /// holds one.
+    pub(crate) fn reset(&mut self) -> bool {
+        let jobs = self.jobs.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !jobs.is_empty() {
+            return false;
+        }
+        *self.waker.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        true
+    }
 }
 
 /// What a step asks of the call's store.

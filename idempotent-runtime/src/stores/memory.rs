@@ -1,6 +1,6 @@
 //! The in-memory store: sharded, lease- and TTL-expiring, purged as it goes, bounded.
 
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -173,45 +173,54 @@ enum State {
 /// A key and its hash, computed once per store step: the shard and the map both use it.
 #[derive(Clone, Copy)]
 struct Hashed<'a> {
-    key: &'a str,
+    key: &'a Key,
     hash: u64,
+}
+
+impl Hashed<'_> {
+    fn len(&self) -> usize {
+        self.key.as_bytes().len()
+    }
 }
 
 /// One shard's entries, looked up by a [`Hashed`] key: a step hashes its key once (`SipHash`,
 /// seeded per store: keys come from clients, so collisions must not be cheap to make), however
-/// many lookups it makes.
+/// many lookups it makes. Each slot keeps its key's hash, so growing the table hashes nothing,
+/// and the key itself (held inline up to 61 bytes: see [`Key`]).
 #[derive(Default)]
-struct Entries(hashbrown::HashTable<(Box<str>, Entry)>);
+struct Entries(hashbrown::HashTable<Slot>);
+
+struct Slot {
+    hash: u64,
+    key: Key,
+    entry: Entry,
+}
 
 impl Entries {
     fn get(&self, key: Hashed<'_>) -> Option<&Entry> {
-        self.0.find(key.hash, |(stored, _)| **stored == *key.key).map(|(_, entry)| entry)
+        self.0.find(key.hash, |slot| slot.key.as_bytes() == key.key.as_bytes()).map(|slot| &slot.entry)
     }
 
     fn get_mut(&mut self, key: Hashed<'_>) -> Option<&mut Entry> {
-        self.0.find_mut(key.hash, |(stored, _)| **stored == *key.key).map(|(_, entry)| entry)
-    }
-
-    fn contains(&self, key: Hashed<'_>) -> bool {
-        self.get(key).is_some()
+        self.0.find_mut(key.hash, |slot| slot.key.as_bytes() == key.key.as_bytes()).map(|slot| &mut slot.entry)
     }
 
     /// Inserts an entry for a key it does not hold.
-    fn insert_new(&mut self, key: Hashed<'_>, entry: Entry, hasher: &std::hash::RandomState) {
-        self.0.insert_unique(key.hash, (key.key.into(), entry), |(stored, _)| hasher.hash_one(&**stored));
+    fn insert_new(&mut self, key: Hashed<'_>, entry: Entry) {
+        self.0.insert_unique(key.hash, Slot { hash: key.hash, key: key.key.clone(), entry }, |slot| slot.hash);
     }
 
     fn remove(&mut self, key: Hashed<'_>) -> Option<Entry> {
-        let found = self.0.find_entry(key.hash, |(stored, _)| **stored == *key.key).ok()?;
-        Some(found.remove().0.1)
+        let found = self.0.find_entry(key.hash, |slot| slot.key.as_bytes() == key.key.as_bytes()).ok()?;
+        Some(found.remove().0.entry)
     }
 
-    fn retain(&mut self, mut keep: impl FnMut(&str, &Entry) -> bool) {
-        self.0.retain(|(key, entry)| keep(key, entry));
+    fn retain(&mut self, mut keep: impl FnMut(&Key, &Entry) -> bool) {
+        self.0.retain(|slot| keep(&slot.key, &slot.entry));
     }
 
-    fn iter(&self) -> impl Iterator<Item = (&str, &Entry)> {
-        self.0.iter().map(|(key, entry)| (&**key, entry))
+    fn iter(&self) -> impl Iterator<Item = (&Key, &Entry)> {
+        self.0.iter().map(|slot| (&slot.key, &slot.entry))
     }
 
     fn len(&self) -> usize {
@@ -272,7 +281,7 @@ impl MemoryStore {
 
     /// `key` hashed, and the index of its shard.
     fn hashed<'a>(&self, key: &'a Key) -> (Hashed<'a>, usize) {
-        let hashed = self.inner.hashed(key.as_str());
+        let hashed = self.inner.hashed(key);
         // Bits of the hash that the table does not use for its buckets or tags pick the shard
         // (64 of them, a power of two).
         #[allow(clippy::cast_possible_truncation)]
@@ -295,26 +304,40 @@ impl MemoryStore {
 
     fn complete_now(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
         let now = Instant::now();
-        // Computed before anything changes: an entry is never left half-written.
+        // Computed before anything changes: an entry is never left half-written. The outcome is
+        // copied before the lock is taken.
         let expires = expiry(now, completion.retention)?;
+        let outcome = Bytes::copy_from_slice(completion.outcome);
         let (key, index) = self.hashed(completion.key);
-        let mut shard = lock(&self.inner.shards[index]);
-        let entry = match shard.entries.get(key) {
+        let mut guard = lock(&self.inner.shards[index]);
+        let shard = &mut *guard;
+        let inserted = match shard.entries.get_mut(key) {
             // Another caller holds the key (its claim or its record is live): refused.
             Some(entry) if entry.expires > now && entry.token() != completion.token => {
                 return Err(StoreError::NotOwner);
             }
             // This token completed it already (an earlier attempt whose reply was lost).
             Some(Entry { state: State::Completed(..), expires: until, .. }) if *until > now => return Ok(()),
-            // Ours, live or lapsed: record, keeping the fingerprint it was claimed with.
-            Some(entry) if entry.token() == completion.token => {
-                Entry { fingerprint: entry.fingerprint.clone(), ..Entry::completed(completion, expires) }
+            Some(entry) => {
+                // Ours, live or lapsed: record, keeping the fingerprint it was claimed with.
+                // Expired and another token's: nobody holds the key, record with ours.
+                let before = weight(key.len(), entry);
+                if entry.token() != completion.token {
+                    entry.fingerprint = completion.fingerprint.cloned();
+                }
+                entry.expires = expires;
+                entry.state = State::Completed(completion.token.clone(), outcome);
+                self.inner.recharge(before, weight(key.len(), entry));
+                false
             }
-            // Expired and another token's, or gone (swept after its lease ended): nobody holds
-            // the key, record. A completion is never refused for room (see "Bounded").
-            _ => Entry::completed(completion, expires),
+            // Gone (swept after its lease ended): nobody holds the key, record. A completion is
+            // never refused for room (see "Bounded").
+            None => {
+                shard.insert(key, Entry::completed(completion, expires, outcome), &self.inner);
+                true
+            }
         };
-        let inserted = shard.put(key, entry, &self.inner);
+        shard.note_expiry(expires);
         if self.inner.over(0) && self.inner.limits.when_full == WhenFull::EvictOldestCompleted {
             shard.evict_completed(0, &self.inner, Some(key.key));
         }
@@ -333,8 +356,20 @@ fn expiry(now: Instant, duration: Duration) -> Result<Instant, StoreError> {
 }
 
 impl Inner {
-    fn hashed<'a>(&self, key: &'a str) -> Hashed<'a> {
-        Hashed { key, hash: self.hasher.hash_one(key) }
+    fn hashed<'a>(&self, key: &'a Key) -> Hashed<'a> {
+        // One write of the bytes (no length prefix: the hash covers nothing else).
+        let mut hasher = self.hasher.build_hasher();
+        hasher.write(key.as_bytes());
+        Hashed { key, hash: hasher.finish() }
+    }
+
+    /// Charges an entry that was charged `before` bytes `after` bytes instead.
+    fn recharge(&self, before: usize, after: usize) {
+        if after >= before {
+            self.bytes.fetch_add(after - before, Ordering::Relaxed);
+        } else {
+            self.bytes.fetch_sub(before - after, Ordering::Relaxed);
+        }
     }
 
     /// Makes room for one more entry charged `weight`, or fails with [`StoreError::Full`]: sweeps
@@ -401,38 +436,34 @@ fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
     shard.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// What an entry is charged against `max_bytes`.
-fn weight(key: &str, entry: &Entry) -> usize {
+/// What an entry with a key of `key_len` bytes is charged against `max_bytes`.
+fn weight(key_len: usize, entry: &Entry) -> usize {
     let outcome = match &entry.state {
         State::InProgress(_) => 0,
         State::Completed(_, outcome) => outcome.len(),
     };
-    key.len() + outcome + ENTRY_OVERHEAD
+    key_len + outcome + ENTRY_OVERHEAD
 }
 
 impl Shard {
-    /// Inserts or replaces `key`'s entry, keeping the counters right; `true` if it was new.
-    fn put(&mut self, key: Hashed<'_>, entry: Entry, inner: &Inner) -> bool {
-        let added = weight(key.key, &entry);
-        self.earliest_expiry = Some(self.earliest_expiry.map_or(entry.expires, |e| e.min(entry.expires)));
-        if let Some(old) = self.entries.get_mut(key) {
-            let removed = weight(key.key, old);
-            *old = entry;
-            inner.bytes.fetch_add(added, Ordering::Relaxed);
-            inner.bytes.fetch_sub(removed, Ordering::Relaxed);
-            false
-        } else {
-            self.entries.insert_new(key, entry, &inner.hasher);
-            inner.entries.fetch_add(1, Ordering::Relaxed);
-            inner.bytes.fetch_add(added, Ordering::Relaxed);
-            true
-        }
+    /// Inserts an entry for a key the shard does not hold, keeping the counters right (the
+    /// caller notes its expiry).
+    fn insert(&mut self, key: Hashed<'_>, entry: Entry, inner: &Inner) {
+        let added = weight(key.len(), &entry);
+        self.entries.insert_new(key, entry);
+        inner.entries.fetch_add(1, Ordering::Relaxed);
+        inner.bytes.fetch_add(added, Ordering::Relaxed);
+    }
+
+    /// Notes that an entry of the shard expires at `expires`.
+    fn note_expiry(&mut self, expires: Instant) {
+        self.earliest_expiry = Some(self.earliest_expiry.map_or(expires, |e| e.min(expires)));
     }
 
     fn remove(&mut self, key: Hashed<'_>, inner: &Inner) {
         if let Some(old) = self.entries.remove(key) {
             inner.entries.fetch_sub(1, Ordering::Relaxed);
-            inner.bytes.fetch_sub(weight(key.key, &old), Ordering::Relaxed);
+            inner.bytes.fetch_sub(weight(key.len(), &old), Ordering::Relaxed);
         }
     }
 
@@ -449,7 +480,7 @@ impl Shard {
                 true
             } else {
                 removed += 1;
-                freed += weight(key, entry);
+                freed += weight(key.as_bytes().len(), entry);
                 false
             }
         });
@@ -469,14 +500,14 @@ impl Shard {
     /// Drops this shard's completed records, those that expire first first, until one more entry
     /// charged `weight` fits, plus a sixteenth of the rest so that the next keys find room
     /// without another pass.
-    fn evict_completed(&mut self, weight: usize, inner: &Inner, keep: Option<&str>) {
-        let mut completed: Vec<(Instant, Box<str>)> = self
+    fn evict_completed(&mut self, weight: usize, inner: &Inner, keep: Option<&Key>) {
+        let mut completed: Vec<(Instant, Key)> = self
             .entries
             .iter()
             .filter(|(key, entry)| matches!(entry.state, State::Completed(..)) && Some(*key) != keep)
-            .map(|(key, entry)| (entry.expires, Box::<str>::from(key)))
+            .map(|(key, entry)| (entry.expires, key.clone()))
             .collect();
-        completed.sort_unstable();
+        completed.sort_unstable_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.as_bytes().cmp(b.1.as_bytes())));
         let spare = completed.len() / 16;
         let mut extra = 0;
         for (_, key) in completed {
@@ -499,40 +530,45 @@ impl Store for MemoryStore {
         let (key, index) = self.hashed(request.key);
         let mut made_room = false;
         loop {
-            let mut shard = lock(&self.inner.shards[index]);
-            if let Some(entry) = shard.entries.get(key)
-                && entry.expires > now
-            {
-                return Ok(match &entry.state {
-                    State::Completed(_, outcome) => {
-                        Claim::Completed(Record::new(entry.fingerprint.clone(), outcome.clone()))
-                    }
-                    // Our own claim, asked for again: it is ours.
-                    State::InProgress(owner) if owner == request.token => Claim::Claimed,
-                    State::InProgress(_) => Claim::InProgress {
-                        fingerprint: entry.fingerprint.clone(),
-                        lease_remaining: Some(entry.expires - now),
-                    },
-                });
+            let mut guard = lock(&self.inner.shards[index]);
+            let shard = &mut *guard;
+            if let Some(entry) = shard.entries.get_mut(key) {
+                if entry.expires > now {
+                    return Ok(match &entry.state {
+                        State::Completed(_, outcome) => {
+                            Claim::Completed(Record::new(entry.fingerprint.clone(), outcome.clone()))
+                        }
+                        // Our own claim, asked for again: it is ours.
+                        State::InProgress(owner) if owner == request.token => Claim::Claimed,
+                        State::InProgress(_) => Claim::InProgress {
+                            fingerprint: entry.fingerprint.clone(),
+                            lease_remaining: Some(entry.expires - now),
+                        },
+                    });
+                }
+                // Expired: taken over in place (it was admitted when it was made).
+                let before = weight(key.len(), entry);
+                *entry = Entry::claimed(request, expires);
+                self.inner.recharge(before, weight(key.len(), entry));
+                shard.note_expiry(expires);
+                return Ok(Claim::Claimed);
             }
-            let claimed = Entry::claimed(request, expires);
-            let inserted = !shard.entries.contains(key);
-            // A new key is admitted only if it fits (an expired entry is taken over in place).
-            // Making room locks every shard, so it runs with this one unlocked, and the claim
-            // then starts over: the key may have been claimed meanwhile.
-            if inserted && self.inner.over(weight(key.key, &claimed)) {
+            // A new key is admitted only if it fits. Making room locks every shard, so it runs
+            // with this one unlocked, and the claim then starts over: the key may have been
+            // claimed meanwhile.
+            let weight = key.len() + ENTRY_OVERHEAD;
+            if self.inner.over(weight) {
                 if made_room {
                     return Err(self.inner.full());
                 }
-                drop(shard);
-                self.inner.make_room(now, weight(key.key, &claimed), index)?;
+                drop(guard);
+                self.inner.make_room(now, weight, index)?;
                 made_room = true;
                 continue;
             }
-            shard.put(key, claimed, &self.inner);
-            if inserted {
-                shard.note_insert(now, &self.inner);
-            }
+            shard.insert(key, Entry::claimed(request, expires), &self.inner);
+            shard.note_expiry(expires);
+            shard.note_insert(now, &self.inner);
             return Ok(Claim::Claimed);
         }
     }
@@ -601,18 +637,18 @@ impl Entry {
         Entry { fingerprint: request.fingerprint.cloned(), expires, state: State::InProgress(request.token.clone()) }
     }
 
-    fn completed(completion: &Completion<'_>, expires: Instant) -> Self {
+    fn completed(completion: &Completion<'_>, expires: Instant, outcome: Bytes) -> Self {
         Entry {
             fingerprint: completion.fingerprint.cloned(),
             expires,
-            state: State::Completed(completion.token.clone(), Bytes::copy_from_slice(completion.outcome)),
+            state: State::Completed(completion.token.clone(), outcome),
         }
     }
 }
 
 impl Entry {
     /// This entry as an operator sees it at `now`.
-    fn to_admin(&self, key: &str, now: Instant, with_outcome: bool) -> crate::admin::Entry {
+    fn to_admin(&self, key: &Key, now: Instant, with_outcome: bool) -> crate::admin::Entry {
         use crate::admin::State as Seen;
         let live = self.expires > now;
         let (state, outcome) = match &self.state {
@@ -621,7 +657,7 @@ impl Entry {
             State::Completed(_, outcome) => (Seen::Done, with_outcome.then(|| outcome.clone())),
         };
         crate::admin::Entry {
-            key: key.to_owned(),
+            key: key.as_str().to_owned(),
             state,
             token: self.token().as_str().to_owned(),
             fingerprint: self.fingerprint.as_ref().map(|fp| fp.as_str().to_owned()),
@@ -637,7 +673,7 @@ impl crate::admin::Admin for MemoryStore {
         let now = Instant::now();
         let (hashed, index) = self.hashed(key);
         let shard = lock(&self.inner.shards[index]);
-        Ok(shard.entries.get(hashed).map(|entry| entry.to_admin(key.as_str(), now, true)))
+        Ok(shard.entries.get(hashed).map(|entry| entry.to_admin(key, now, true)))
     }
 
     async fn list(&self, query: &crate::admin::ListQuery) -> Result<crate::admin::Page, StoreError> {
@@ -650,7 +686,7 @@ impl crate::admin::Admin for MemoryStore {
                 shard
                     .entries
                     .iter()
-                    .filter(|(key, _)| query.cursor.as_deref().is_none_or(|after| *key > after))
+                    .filter(|(key, _)| query.cursor.as_deref().is_none_or(|after| key.as_str() > after))
                     .map(|(key, entry)| entry.to_admin(key, now, false))
                     .filter(|entry| query.matches(entry)),
             );
@@ -667,7 +703,7 @@ impl crate::admin::Admin for MemoryStore {
         let (hashed, index) = self.hashed(key);
         let mut shard = lock(&self.inner.shards[index]);
         let same = shard.entries.get(hashed).is_some_and(|entry| {
-            let now_seen = entry.to_admin(key.as_str(), now, false);
+            let now_seen = entry.to_admin(key, now, false);
             now_seen.token == seen.token && now_seen.state == seen.state
         });
         if !same {

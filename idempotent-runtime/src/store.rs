@@ -254,6 +254,13 @@ impl Token {
         }
     }
 
+    /// Whether the token is 32 lowercase hex digits, as [`Token::new`] makes them: known from its
+    /// form, without reading the digits.
+    #[cfg(feature = "redis")]
+    pub(crate) fn is_hex32(&self) -> bool {
+        matches!(self.0, Repr::Hex(_))
+    }
+
     /// The text stores keep.
     #[must_use]
     pub fn as_str(&self) -> &str {

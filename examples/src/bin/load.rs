@@ -47,6 +47,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idempotent_runtime::stores::cache::CachedStore;
+use idempotent_runtime::stores::memory::MemoryLimits;
 use idempotent_runtime::stores::redis::RedisClusterStore;
 use idempotent_runtime::stores::redis::redis::{self, aio::ConnectionManager};
 use idempotent_runtime::stores::sql::{MySqlStore, PostgresStore, SqliteStore, sqlx};
@@ -1021,7 +1022,9 @@ async fn memory_rss(keys: u64) {
         let (rss, hwm) = rss_mib();
         println!("| {what} | {} | {rss:.1} | {hwm:.1} |", store.len());
     };
-    let store = MemoryStore::new();
+    // Room for every key (the default bounds would refuse keys long before a million).
+    let limits = MemoryLimits::default().max_entries(usize::MAX).max_bytes(usize::MAX);
+    let store = MemoryStore::with_limits(limits);
     println!("| moment | entries | VmRSS MiB | VmHWM (peak) MiB |\n|---|---:|---:|---:|");
     report("start", &store);
     let fill = |round: u64| {
@@ -1031,6 +1034,7 @@ async fn memory_rss(keys: u64) {
             for i in 0..keys {
                 let key = format!("rss-{round}-{i}");
                 Call::new("load", &key)
+                    .lease(RETENTION)
                     .retention(RETENTION)
                     .run(&store, async { Ok::<_, Error>(i) })
                     .await

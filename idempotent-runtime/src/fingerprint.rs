@@ -105,7 +105,17 @@ impl Fingerprint {
     }
 
     fn from_digest(hasher: Sha256) -> Self {
-        Fingerprint(crate::hex::encode(&hasher.finalize().into()))
+        Self::from_digest_bytes(&hasher.finalize().into())
+    }
+
+    /// The fingerprint whose 32 bytes are `digest` (what [`digest`](Self::digest) gives back).
+    pub(crate) fn from_digest_bytes(digest: &[u8; 32]) -> Self {
+        Fingerprint(crate::hex::encode(digest))
+    }
+
+    /// The 32 bytes the hex text spells: half its size, for stores that keep many.
+    pub(crate) fn digest(&self) -> [u8; 32] {
+        crate::hex::decode(&self.0)
     }
 }
 
@@ -130,6 +140,7 @@ mod tests {
     fn parse_accepts_exactly_what_the_library_writes() {
         for made in [Fingerprint::of_bytes(b""), Fingerprint::of(&("a", 1)).unwrap()] {
             assert_eq!(Fingerprint::parse(made.as_str()).unwrap(), made);
+            assert_eq!(Fingerprint::from_digest_bytes(&made.digest()), made, "kept as bytes and read back");
             for bad in [
                 String::new(),
                 format!("{}\t", made.as_str()),

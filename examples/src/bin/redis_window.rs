@@ -32,8 +32,10 @@ use idempotent_runtime::{Error, RedisStore, idempotent};
 
 const USAGE: &str = "usage: redis_window [--runs 3] [--seconds 2] [--in-flight 16,64]";
 
-/// A completion script of the store's shape: read the value, compare its start with the running
-/// header of this token, write the record with its retention.
+/// The store's completion script, copied from `COMPLETE_LUA` in
+/// `idempotent-runtime/src/stores/redis/mod.rs` (private there) so that `pairs` and `window` send
+/// the very command the store sends: read the value, compare its start with the running header of
+/// this token, write the record with its retention. Change both together.
 const COMPLETE: &str = r"
 local v = redis.pcall('GET', KEYS[1])
 if v == false then

@@ -18,8 +18,10 @@
 //! ```
 //!
 //! Redis from `REDIS_URL` (default `redis://127.0.0.1:6379`); keys under `redis-window:`, which
-//! expire a minute after they are written. Beside each rate it prints the CPU time this process
-//! spent per key (from `/proc/self/stat`), which tells the client's work from waiting.
+//! expire 10 s after they are written (so the server's key count stays bounded). Beside each
+//! rate it prints the CPU time per key of this process (from `/proc/self/stat`) and of Redis (its
+//! own count, `used_cpu_user + used_cpu_sys` of `INFO cpu`): CPU per key tells the work a mode
+//! costs apart from waiting, and moves far less than the rates when the machine is noisy.
 
 #![allow(clippy::cast_precision_loss, reason = "key counts far below 2^52")]
 
@@ -55,14 +57,14 @@ const TOKEN: &str = "0123456789abcdef0123456789abcdef";
 const PREFIX: &str = "redis-window:";
 const MODES: [&str; 4] = ["raw", "store", "pairs", "window"];
 
-#[idempotent(key = id, store = store, scope = "redis-window", lease = "1m", retention = "1m")]
+#[idempotent(key = id, store = store, scope = "redis-window", lease = "10s", retention = "10s")]
 async fn op(store: &RedisStore, id: &str) -> Result<usize, Error> {
     Ok(id.len())
 }
 
 fn claim(key: &str) -> redis::Cmd {
     let mut cmd = redis::cmd("SET");
-    cmd.arg(key).arg(format!("idempotent/1 running {TOKEN} -\n")).arg("NX").arg("PX").arg(60_000).arg("GET");
+    cmd.arg(key).arg(format!("idempotent/1 running {TOKEN} -\n")).arg("NX").arg("PX").arg(10_000).arg("GET");
     cmd
 }
 
@@ -70,7 +72,7 @@ fn complete(sha: &str, key: &str) -> redis::Cmd {
     let mut cmd = redis::cmd("EVALSHA");
     cmd.arg(sha).arg(1).arg(key);
     cmd.arg(format!("idempotent/1 running {TOKEN} ")).arg(format!("idempotent/1 done {TOKEN} "));
-    cmd.arg("{\"Ok\":12}").arg(60_000).arg(format!("idempotent/1 done {TOKEN} -\n"));
+    cmd.arg("{\"Ok\":12}").arg(10_000).arg(format!("idempotent/1 done {TOKEN} -\n"));
     cmd
 }
 
@@ -83,8 +85,26 @@ fn cpu_ticks() -> u64 {
     after.split_whitespace().skip(11).take(2).filter_map(|field| field.parse::<u64>().ok()).sum()
 }
 
-/// Keys per second of `mode` with `in_flight` keys in flight for `seconds`, and the CPU time
-/// this process spent per key, in µs.
+/// Redis's CPU time so far by its own count (`used_cpu_user + used_cpu_sys` of `INFO cpu`), in µs.
+async fn redis_cpu(connection: &ConnectionManager) -> f64 {
+    let info: String = redis::cmd("INFO").arg("cpu").query_async(&mut connection.clone()).await.unwrap_or_default();
+    let seconds: f64 = info
+        .lines()
+        .filter_map(|line| line.strip_prefix("used_cpu_user:").or_else(|| line.strip_prefix("used_cpu_sys:")))
+        .filter_map(|value| value.trim().parse::<f64>().ok())
+        .sum();
+    seconds * 1e6
+}
+
+/// What one mode measured: keys per second, and the CPU µs per key of this process and of Redis.
+#[derive(Clone, Copy)]
+struct Measured {
+    rate: f64,
+    client: f64,
+    server: f64,
+}
+
+/// Runs `mode` with `in_flight` keys in flight for `seconds`.
 async fn rate(
     mode: &'static str,
     in_flight: usize,
@@ -93,9 +113,9 @@ async fn rate(
     store: &RedisStore,
     sha: &Arc<str>,
     tag: &str,
-) -> (f64, f64) {
+) -> Measured {
     let done = Arc::new(AtomicU64::new(0));
-    let ticks = cpu_ticks();
+    let (ticks, server) = (cpu_ticks(), redis_cpu(connection).await);
     let stop = Instant::now() + Duration::from_secs_f64(seconds);
     // `window` sends all keys in flight from one task; the other modes run one task per key.
     let (tasks, batch) = if mode == "window" { (1, in_flight) } else { (in_flight, 1) };
@@ -112,7 +132,7 @@ async fn rate(
                 match mode {
                     "raw" => {
                         let mut cmd = redis::cmd("SET");
-                        cmd.arg(&keys[0]).arg("1").arg("NX").arg("PX").arg(60_000);
+                        cmd.arg(&keys[0]).arg("1").arg("NX").arg("PX").arg(10_000);
                         let _: redis::Value = cmd.query_async(&mut connection).await.expect("SET");
                     }
                     "store" => {
@@ -144,7 +164,8 @@ async fn rate(
         handle.await.expect("a load task");
     }
     let keys = done.load(Ordering::Relaxed) as f64;
-    (keys / seconds, (cpu_ticks() - ticks) as f64 * 10_000.0 / keys)
+    let client = (cpu_ticks() - ticks) as f64 * 10_000.0 / keys;
+    Measured { rate: keys / seconds, client, server: (redis_cpu(connection).await - server) / keys }
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -172,7 +193,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let _: String = redis::cmd("SCRIPT").arg("LOAD").arg(COMPLETE).query_async(&mut connection.clone()).await?;
     println!("load average at start: {}", std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim());
     let mut ratios: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); MODES.len()]; in_flights.len()];
-    let (mut rates, mut cpu) = (ratios.clone(), ratios.clone());
+    let (mut rates, mut client, mut server) = (ratios.clone(), ratios.clone(), ratios.clone());
     for run in 1..=runs {
         for (f, &in_flight) in in_flights.iter().enumerate() {
             let mut row = Vec::new();
@@ -181,33 +202,36 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     rate(mode, in_flight, seconds, &connection, &store, &sha, &format!("{run}:{in_flight}")).await,
                 );
             }
-            let raw = row[0].0;
+            let raw = row[0].rate;
             let line: Vec<String> = MODES
                 .iter()
                 .zip(&row)
-                .map(|(m, (r, c))| format!("{m} {r:.0}/s ({:.2}, {c:.1} µs CPU)", r / raw))
+                .map(|(m, x)| {
+                    format!("{m} {:.0}/s ({:.2}; {:.1} + {:.1} µs)", x.rate, x.rate / raw, x.client, x.server)
+                })
                 .collect();
             println!("run {run}, {in_flight} in flight: {}", line.join(", "));
-            for (m, (r, c)) in row.iter().enumerate() {
-                rates[f][m].push(*r);
-                ratios[f][m].push(r / raw);
-                cpu[f][m].push(*c);
+            for (m, x) in row.iter().enumerate() {
+                rates[f][m].push(x.rate);
+                ratios[f][m].push(x.rate / raw);
+                client[f][m].push(x.client);
+                server[f][m].push(x.server);
             }
         }
     }
     println!("load average at end: {}", std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim());
     println!(
-        "\nkeys/s, median of {runs} runs of {seconds} s (÷ raw: within each run, then the median; this \
-         process's CPU µs per key)\n"
+        "\nkeys/s, median of {runs} runs of {seconds} s (÷ raw: within each run, then the median; \
+         CPU µs per key of this process + of Redis)\n"
     );
     println!("| in flight | {} |", MODES.join(" | "));
     println!("|---:|{}", "---:|".repeat(MODES.len()));
     for (f, in_flight) in in_flights.iter().enumerate() {
         let cells: Vec<String> = (0..MODES.len())
             .map(|m| {
-                let (rate, ratio, cpu) =
-                    (median(rates[f][m].clone()), median(ratios[f][m].clone()), median(cpu[f][m].clone()));
-                format!("{rate:.0} ({ratio:.2}; {cpu:.1} µs)")
+                let (rate, ratio) = (median(rates[f][m].clone()), median(ratios[f][m].clone()));
+                let (ours, redis) = (median(client[f][m].clone()), median(server[f][m].clone()));
+                format!("{rate:.0} ({ratio:.2}; {ours:.1} + {redis:.1} µs)")
             })
             .collect();
         println!("| {in_flight} | {} |", cells.join(" | "));

@@ -66,6 +66,17 @@ pub fn redis_port() -> u16 {
     std::env::var("REDIS_URL").ok().and_then(|url| host_port(&url)).map_or(6379, |(_, port)| port)
 }
 
+/// Whether the Redis server on `port` answers `PING` with `PONG`: it is up and has loaded its
+/// snapshot (a server still loading one answers `LOADING`). Through `redis-cli`, which the restart
+/// tests use to stop and start it.
+#[must_use]
+pub fn redis_answers_pong(port: u16) -> bool {
+    std::process::Command::new("redis-cli")
+        .args(["-p", &port.to_string(), "ping"])
+        .output()
+        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).trim() == "PONG")
+}
+
 /// [`REDIS_START_ARGS`] with `--port` set to [`redis_port`].
 #[must_use]
 pub fn redis_start_args() -> Vec<String> {

@@ -16,16 +16,13 @@ use std::time::{Duration, Instant};
 
 use idempotent_runtime::stores::redis::{RedisStore, redis};
 use idempotent_runtime::{Error, idempotent};
-use idempotent_tests::services::{redis_port, redis_start_args};
+use idempotent_tests::services::{redis_answers_pong, redis_port, redis_start_args};
 
 /// Where the test server keeps its snapshot (`--dir` below, default `dbfilename`).
 const SNAPSHOT: &str = "/var/lib/redis/dump.rdb";
 
 fn redis_answers() -> bool {
-    Command::new("redis-cli")
-        .args(["-p", &redis_port().to_string(), "ping"])
-        .output()
-        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).trim() == "PONG")
+    redis_answers_pong(redis_port())
 }
 
 fn wait_until(up: bool, within: Duration) -> bool {

@@ -15,6 +15,7 @@ use std::net::TcpStream;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use idempotent_tests::services::redis_answers_pong;
 use idempotent_tests::stress::{self, StressConfig, StressReport};
 
 /// Restart tests run one at a time.
@@ -42,11 +43,7 @@ fn wait_for_port(port: u16, open: bool, within: Duration) -> bool {
 fn redis_loaded(port: u16, within: Duration) -> bool {
     let deadline = Instant::now() + within;
     while Instant::now() < deadline {
-        let pong = Command::new("redis-cli")
-            .args(["-p", &port.to_string(), "ping"])
-            .output()
-            .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).trim() == "PONG");
-        if pong {
+        if redis_answers_pong(port) {
             return true;
         }
         std::thread::sleep(Duration::from_millis(20));

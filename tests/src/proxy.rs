@@ -52,6 +52,8 @@ pub struct ProxyStats {
     pub held_chunks: AtomicU64,
     /// Bytes forwarded, both directions.
     pub bytes: AtomicU64,
+    /// Bytes read from clients, forwarded or held.
+    pub request_bytes_read: AtomicU64,
     /// Connections cut in [`Mode::LoseResponses`] as their answer came back.
     pub lost_responses: AtomicU64,
 }
@@ -197,6 +199,9 @@ enum End {
 }
 
 /// Copies one direction, chunk by chunk, applying the mode to each chunk.
+///
+/// It reads on while it holds chunks (they queue in the proxy, not in the socket), so
+/// [`ProxyStats::request_bytes_read`] counts what the client wrote even while the proxy stalls.
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
@@ -204,38 +209,58 @@ async fn pump(
     mut mode: watch::Receiver<Mode>,
     stats: Arc<ProxyStats>,
 ) -> End {
-    let mut buffer = vec![0u8; 64 * 1024];
-    loop {
-        let n = match from.read(&mut buffer).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
-        };
+    let (chunks, mut spooled) = tokio::sync::mpsc::unbounded_channel::<Vec<u8>>();
+    let read = async {
+        let mut buffer = vec![0u8; 64 * 1024];
         loop {
-            let current = *mode.borrow_and_update();
-            match current {
-                Mode::LoseResponses if direction == Direction::Response => {
-                    stats.lost_responses.fetch_add(1, Ordering::Relaxed);
-                    return End::Lost;
-                }
-                Mode::Pass | Mode::Refuse | Mode::LoseResponses => break,
-                Mode::Delay(delay) => {
-                    stats.held_chunks.fetch_add(1, Ordering::Relaxed);
-                    tokio::time::sleep(delay).await;
-                    break;
-                }
-                Mode::Stall => {
-                    stats.held_chunks.fetch_add(1, Ordering::Relaxed);
-                    if mode.changed().await.is_err() {
-                        return End::Closed;
+            let n = match from.read(&mut buffer).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            if direction == Direction::Request {
+                stats.request_bytes_read.fetch_add(n as u64, Ordering::SeqCst);
+            }
+            if chunks.send(buffer[..n].to_vec()).is_err() {
+                break;
+            }
+        }
+        // The writer ends once it has forwarded what was read.
+        drop(chunks);
+        std::future::pending::<End>().await
+    };
+    let write = async {
+        while let Some(chunk) = spooled.recv().await {
+            loop {
+                let current = *mode.borrow_and_update();
+                match current {
+                    Mode::LoseResponses if direction == Direction::Response => {
+                        stats.lost_responses.fetch_add(1, Ordering::Relaxed);
+                        return End::Lost;
+                    }
+                    Mode::Pass | Mode::Refuse | Mode::LoseResponses => break,
+                    Mode::Delay(delay) => {
+                        stats.held_chunks.fetch_add(1, Ordering::Relaxed);
+                        tokio::time::sleep(delay).await;
+                        break;
+                    }
+                    Mode::Stall => {
+                        stats.held_chunks.fetch_add(1, Ordering::Relaxed);
+                        if mode.changed().await.is_err() {
+                            return End::Closed;
+                        }
                     }
                 }
             }
+            if to.write_all(&chunk).await.is_err() {
+                break;
+            }
+            stats.bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
         }
-        if to.write_all(&buffer[..n]).await.is_err() {
-            break;
-        }
-        stats.bytes.fetch_add(n as u64, Ordering::Relaxed);
+        let _ = to.shutdown().await;
+        End::Closed
+    };
+    tokio::select! {
+        end = write => end,
+        end = read => end,
     }
-    let _ = to.shutdown().await;
-    End::Closed
 }

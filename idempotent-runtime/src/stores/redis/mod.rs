@@ -55,6 +55,12 @@
 //! know a script yet (after a restart, a failover or `SCRIPT FLUSH`), the step is sent once more
 //! as `EVAL` with the script's text, which also caches it.
 //!
+//! [`RedisStore::with_batching`] sends the steps of concurrent calls together: while four
+//! pipelines are in flight, the steps that arrive wait and go as the next pipeline (at most 16
+//! steps each). The commands and their atomicity are the same; what changes is how many reads and
+//! writes carry them, which is most of a step's cost when few calls are in flight (a message
+//! consumer's window).
+//!
 //! # Redis Cluster
 //!
 //! With the `redis-cluster` feature, [`RedisClusterStore`] is the same store over the redis
@@ -131,6 +137,7 @@
 //! pass it to [`RedisStore::new`] to choose otherwise.
 
 mod admin;
+mod batch;
 #[cfg(feature = "redis-cluster")]
 mod cluster;
 mod connection;
@@ -281,6 +288,8 @@ pub struct RedisStore<C = ConnectionManager> {
     max_record_bytes: usize,
     replica_acks: Option<ReplicaAcks>,
     timeout: Duration,
+    /// Set by [`with_batching`](RedisStore::with_batching): the steps go through its pipelines.
+    batcher: Option<Arc<batch::Batcher>>,
 }
 
 /// How many replicas must acknowledge each completion, and for how long to wait for them.
@@ -337,6 +346,26 @@ impl RedisStore<ConnectionManager> {
         server::check(&mut manager, &redacted(url)).await?;
         Ok(Self::new(manager))
     }
+
+    /// Sends the store's steps in pipelines: while one pipeline is in flight, the steps that
+    /// arrive wait and go together in the next (group commit).
+    ///
+    /// Each step is still one atomic command with its own reply; what the steps share is the
+    /// trip, and Redis's and this process's cost of each read and write. That cost is most of a
+    /// step when few steps are in flight on the connection, as in a consumer handling its
+    /// prefetch window: there batching raises the rate and lowers the CPU per step on both sides
+    /// (see BENCHMARKS.md). A step that arrives while the connection is idle goes at once, in a
+    /// pipeline of one; a step that arrives while one is in flight waits for that pipeline's reply.
+    ///
+    /// The pipelines are sent by a task on the Tokio runtime of the first step that needs one
+    /// (started again on a later step's runtime if that one has shut down); it ends with the
+    /// store's last clone. Completions that wait for replicas
+    /// ([`with_replica_acks`](Self::with_replica_acks)) are not batched.
+    #[must_use]
+    pub fn with_batching(mut self) -> Self {
+        self.batcher = Some(batch::Batcher::new(self.connection.clone()));
+        self
+    }
 }
 
 impl<C: RedisConnection> RedisStore<C> {
@@ -356,6 +385,7 @@ impl<C: RedisConnection> RedisStore<C> {
             max_record_bytes: DEFAULT_MAX_RECORD_BYTES,
             replica_acks: None,
             timeout: DEFAULT_STEP_TIMEOUT,
+            batcher: None,
         }
     }
 
@@ -457,6 +487,9 @@ impl<C: RedisConnection> RedisStore<C> {
     /// server, and the retry makes the connection reconnect (after a restart, the first call would
     /// otherwise fail on the manager's last, failed, reconnection attempt).
     async fn query(&self, cmd: &Cmd) -> RedisResult<Value> {
+        if let Some(batcher) = &self.batcher {
+            return batcher.query(cmd.clone()).await;
+        }
         let mut connection = self.connection.get();
         match cmd.query_async(&mut connection).await {
             Err(e) if e.is_connection_refusal() => cmd.query_async(&mut connection).await,
@@ -536,6 +569,7 @@ impl<C> std::fmt::Debug for RedisStore<C> {
             .field("max_record_bytes", &self.max_record_bytes)
             .field("replica_acks", &self.replica_acks)
             .field("timeout", &self.timeout)
+            .field("batching", &self.batcher.is_some())
             .finish_non_exhaustive()
     }
 }

@@ -7,10 +7,16 @@
 //!
 //! - `plain`: the consumer helper with a handler that does not touch a store (a counter);
 //! - `redis`, `postgres`: the same handler run through `#[idempotent]` keyed by the message id, on
-//!   the Redis store and on the PostgreSQL store (a claim and a record per message: two round trips).
+//!   the Redis store and on the PostgreSQL store (a claim and a record per message: two round trips);
+//! - `redis batched`: the same on the Redis store `with_batching` (the steps of the deliveries in
+//!   flight go to Redis together, in pipelines).
 //!
 //! The modes alternate within each run, so the ratios compare measurements taken a few seconds
-//! apart. It prints a Markdown table of medians over the runs.
+//! apart. It prints a Markdown table of medians over the runs, with the CPU time per message that
+//! each process spent while the consumer drained the queue (from `/proc/PID/stat`): this consumer,
+//! the broker (RabbitMQ's `beam.smp`, `nats-server`), `redis-server` and PostgreSQL, and all five
+//! together (the other broker's idle share included). On a machine whose cores are busy, that
+//! total, not the round trips, is what bounds the rate.
 //!
 //! ```text
 //! cargo run --release -p idempotent-examples --bin consume_load -- --runs 5 --messages 20000 --concurrency 16
@@ -58,6 +64,7 @@ enum Broker {
 enum Mode {
     Plain,
     Redis,
+    RedisBatched,
     Postgres,
 }
 
@@ -70,7 +77,8 @@ type Observer = Box<dyn Fn(&idempotent_runtime::consume::Settled) + Send + Sync>
 struct Setup {
     amqp: String,
     nats: String,
-    redis: Arc<RedisStore>,
+    /// The Redis store, and the same store `with_batching`.
+    redis: Arc<[RedisStore; 2]>,
     postgres: Arc<PostgresStore>,
     messages: usize,
     concurrency: usize,
@@ -105,7 +113,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let setup = Setup {
         amqp: env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f"),
         nats: env("NATS_URL", "nats://127.0.0.1:4222"),
-        redis: Arc::new(redis),
+        redis: Arc::new([redis.clone(), redis.with_batching()]),
         postgres: Arc::new(postgres),
         messages,
         concurrency,
@@ -113,14 +121,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let mut rates: BTreeMap<(Broker, Mode), Vec<f64>> = BTreeMap::new();
     let mut ratios: BTreeMap<(Broker, Mode), Vec<f64>> = BTreeMap::new();
+    let mut cpu: BTreeMap<(Broker, Mode, usize), Vec<f64>> = BTreeMap::new();
     for run in 1..=runs {
         sqlx::query("DROP TABLE IF EXISTS idempotent_bench_consume").execute(&pool).await?;
         setup.postgres.create_table().await?;
         for broker in [Broker::Amqp, Broker::JetStream] {
             let mut plain = f64::NAN;
-            for mode in [Mode::Plain, Mode::Redis, Mode::Postgres] {
-                let rate = setup.measure(broker, mode, run).await?;
-                eprintln!("run {run}: {broker:?} {mode:?}: {rate:.0} messages/s");
+            for mode in [Mode::Plain, Mode::Redis, Mode::RedisBatched, Mode::Postgres] {
+                let Measured { rate, cpu: used } = setup.measure(broker, mode, run).await?;
+                eprintln!("run {run}: {broker:?} {mode:?}: {rate:.0} messages/s, CPU µs per message {used:.1?}");
+                for (i, used) in used.iter().enumerate() {
+                    cpu.entry((broker, mode, i)).or_default().push(*used);
+                }
                 if mode == Mode::Plain {
                     plain = rate;
                 } else {
@@ -136,10 +148,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "\n{messages} messages per measurement, {concurrency} in flight, median of {runs} runs \
          (ratio: measured against `plain` within each run, then the median)\n"
     );
-    println!("| broker | consumer | messages/s | vs plain |");
-    println!("|---|---|---:|---:|");
+    println!(
+        "| broker | consumer | messages/s | vs plain | CPU µs per message: consumer | broker | Redis | PostgreSQL | all five |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
     for ((broker, mode), values) in &rates {
         let ratio = ratios.get(&(*broker, *mode)).map_or("1".to_owned(), |r| format!("{:.2}", median(r.clone())));
+        let used = |i: usize| median(cpu.get(&(*broker, *mode, i)).cloned().unwrap_or_default());
+        let own_broker = if *broker == Broker::Amqp { used(1) } else { used(2) };
+        let all: f64 = (0..PROCESSES.len()).map(used).sum();
+        let cpu = format!("{:.1} | {own_broker:.1} | {:.1} | {:.1} | {all:.1}", used(0), used(3), used(4));
         let broker = match broker {
             Broker::Amqp => "RabbitMQ",
             Broker::JetStream => "JetStream",
@@ -147,9 +165,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mode = match mode {
             Mode::Plain => "plain (no idempotency step)",
             Mode::Redis => "idempotent, Redis store",
+            Mode::RedisBatched => "idempotent, Redis store `with_batching`",
             Mode::Postgres => "idempotent, PostgreSQL store",
         };
-        println!("| {broker} | {mode} | {:.0} | {ratio} |", median(values.clone()));
+        println!("| {broker} | {mode} | {:.0} | {ratio} | {cpu} |", median(values.clone()));
     }
     println!("\nuptime at end: {}", uptime());
     Ok(())
@@ -172,7 +191,7 @@ fn median(mut values: Vec<f64>) -> f64 {
 
 impl Setup {
     /// Fills a fresh queue, drains it in the given mode, returns messages per second.
-    async fn measure(&self, broker: Broker, mode: Mode, run: usize) -> Result<f64, Box<dyn std::error::Error>> {
+    async fn measure(&self, broker: Broker, mode: Mode, run: usize) -> Result<Measured, Box<dyn std::error::Error>> {
         let name = format!("idempotent-consume-load-{}-{run}-{mode:?}", std::process::id());
         match broker {
             Broker::Amqp => self.amqp(&name, mode).await,
@@ -184,7 +203,7 @@ impl Setup {
         (0..self.messages).map(move |i| format!("{name}-{i}"))
     }
 
-    async fn amqp(&self, queue: &str, mode: Mode) -> Result<f64, Box<dyn std::error::Error>> {
+    async fn amqp(&self, queue: &str, mode: Mode) -> Result<Measured, Box<dyn std::error::Error>> {
         let connection = lapin::Connection::connect(&self.amqp, lapin::ConnectionProperties::default()).await?;
         let channel = connection.create_channel().await?;
         channel.confirm_select(ConfirmSelectOptions::default()).await?;
@@ -209,7 +228,7 @@ impl Setup {
         Ok(rate)
     }
 
-    async fn jetstream(&self, name: &str, mode: Mode) -> Result<f64, Box<dyn std::error::Error>> {
+    async fn jetstream(&self, name: &str, mode: Mode) -> Result<Measured, Box<dyn std::error::Error>> {
         let js = jetstream::new(async_nats::connect(&self.nats).await?);
         let subject = format!("bench.{name}");
         let config =
@@ -240,8 +259,8 @@ impl Setup {
     }
 
     /// Runs `consume` (a consumer's `on_settled(..).run_until(..)`) with the mode's handler until
-    /// every message is acked; returns messages per second.
-    async fn drain<M, C, Fut, E>(&self, mode: Mode, consume: C) -> Result<f64, Box<dyn std::error::Error>>
+    /// every message is acked; returns messages per second and the CPU each process spent.
+    async fn drain<M, C, Fut, E>(&self, mode: Mode, consume: C) -> Result<Measured, Box<dyn std::error::Error>>
     where
         M: IdOf,
         C: FnOnce(Handler<M>, Observer, Pin<Box<dyn Future<Output = ()> + Send>>) -> Fut,
@@ -270,8 +289,12 @@ impl Setup {
                 match mode {
                     Mode::Plain => Box::pin(async move { Ok(handled.fetch_add(1, Ordering::Relaxed)) }),
                     Mode::Redis => {
-                        let store = Arc::clone(&redis);
-                        Box::pin(async move { handle(&*store, &id, &handled).await })
+                        let store = redis[0].clone();
+                        Box::pin(async move { handle(&store, &id, &handled).await })
+                    }
+                    Mode::RedisBatched => {
+                        let store = redis[1].clone();
+                        Box::pin(async move { handle(&store, &id, &handled).await })
                     }
                     Mode::Postgres => {
                         let store = Arc::clone(&postgres);
@@ -280,7 +303,7 @@ impl Setup {
                 }
             })
         };
-        let started = Instant::now();
+        let (started, cpu_before) = (Instant::now(), cpu_by_process());
         let stopped = Box::pin(async move {
             let _ = stopped.await;
         });
@@ -288,9 +311,46 @@ impl Setup {
             .await?
             .map_err(|e| e.to_string())?;
         let elapsed = started.elapsed();
+        let cpu_after = cpu_by_process();
         assert_eq!(handled.load(Ordering::SeqCst), total, "every message handled once");
-        Ok(total as f64 / elapsed.as_secs_f64())
+        let per_message = |i: usize| (cpu_after[i] - cpu_before[i]) as f64 * 10_000.0 / total as f64;
+        Ok(Measured { rate: total as f64 / elapsed.as_secs_f64(), cpu: std::array::from_fn(per_message) })
     }
+}
+
+/// What one drain measured: messages per second, and the CPU µs per message of each process of
+/// [`PROCESSES`].
+struct Measured {
+    rate: f64,
+    cpu: [f64; PROCESSES.len()],
+}
+
+/// The processes whose CPU time is counted: this consumer, then, by the command name `/proc`
+/// gives them, the two brokers, Redis and PostgreSQL (all of its processes).
+const PROCESSES: [&str; 5] = ["this consumer", "beam.smp", "nats-server", "redis-server", "postgres"];
+
+/// The CPU time (user and system, in clock ticks of 10 ms) so far of this process and of every
+/// process whose command name is in [`PROCESSES`], summed per name.
+fn cpu_by_process() -> [u64; PROCESSES.len()] {
+    let mut ticks = [0; PROCESSES.len()];
+    ticks[0] = std::fs::read_to_string("/proc/self/stat").map_or(0, |stat| stat_ticks(&stat).1);
+    let Ok(entries) = std::fs::read_dir("/proc") else { return ticks };
+    for entry in entries.flatten() {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        let (name, used) = stat_ticks(&stat);
+        if let Some(index) = PROCESSES.iter().skip(1).position(|process| *process == name) {
+            ticks[index + 1] += used;
+        }
+    }
+    ticks
+}
+
+/// The command name and the CPU ticks of a `/proc/PID/stat` line (`pid (comm) state ...`: utime
+/// and stime are the 12th and 13th fields after the name).
+fn stat_ticks(stat: &str) -> (&str, u64) {
+    let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { return ("", 0) };
+    let fields = stat[close + 1..].split_whitespace().skip(11).take(2);
+    (&stat[open + 1..close], fields.filter_map(|field| field.parse::<u64>().ok()).sum())
 }
 
 /// The id of a consumer's message type.

@@ -8,6 +8,8 @@
 //! - `raw`: `SET key value NX PX`, one command per key (the reference of the `load` program);
 //! - `store`: an `#[idempotent]` fn on the `RedisStore`, one task per key in flight (what a
 //!   consumer's handlers do today: a claim and a record per message);
+//! - `batched`: the same calls on the store `with_batching` (its steps go in pipelines: while one
+//!   is in flight, the steps that arrive wait and go together in the next);
 //! - `pairs`: the store's two commands per key sent by hand (the claiming `SET ... NX PX ... GET`
 //!   and an `EVALSHA` of a completion script of the store's shape), without the protocol around them;
 //! - `window`: the same two commands, but the keys in flight go as one pipeline of claims and then
@@ -55,7 +57,7 @@ return 0
 ";
 const TOKEN: &str = "0123456789abcdef0123456789abcdef";
 const PREFIX: &str = "redis-window:";
-const MODES: [&str; 4] = ["raw", "store", "pairs", "window"];
+const MODES: [&str; 5] = ["raw", "store", "batched", "pairs", "window"];
 
 #[idempotent(key = id, store = store, scope = "redis-window", lease = "10s", retention = "10s")]
 async fn op(store: &RedisStore, id: &str) -> Result<usize, Error> {
@@ -110,7 +112,7 @@ async fn rate(
     in_flight: usize,
     seconds: f64,
     connection: &ConnectionManager,
-    store: &RedisStore,
+    stores: &[RedisStore; 2],
     sha: &Arc<str>,
     tag: &str,
 ) -> Measured {
@@ -121,8 +123,8 @@ async fn rate(
     let (tasks, batch) = if mode == "window" { (1, in_flight) } else { (in_flight, 1) };
     let mut handles = Vec::new();
     for task in 0..tasks {
-        let (mut connection, store, sha, done) =
-            (connection.clone(), store.clone(), Arc::clone(sha), Arc::clone(&done));
+        let store = stores[usize::from(mode == "batched")].clone();
+        let (mut connection, sha, done) = (connection.clone(), Arc::clone(sha), Arc::clone(&done));
         let tag = format!("{PREFIX}{tag}:{mode}:{task}");
         handles.push(tokio::spawn(async move {
             let mut round = 0u64;
@@ -135,7 +137,7 @@ async fn rate(
                         cmd.arg(&keys[0]).arg("1").arg("NX").arg("PX").arg(10_000);
                         let _: redis::Value = cmd.query_async(&mut connection).await.expect("SET");
                     }
-                    "store" => {
+                    "store" | "batched" => {
                         op(&store, &keys[0]).await.expect("a call on the Redis store");
                     }
                     "pairs" => {
@@ -189,6 +191,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
     let connection = ConnectionManager::new(redis::Client::open(url.as_str())?).await?;
     let store = RedisStore::new(connection.clone()).with_prefix(PREFIX)?;
+    let stores = [store.clone(), store.with_batching()];
     let sha: Arc<str> = redis::Script::new(COMPLETE).get_hash().into();
     let _: String = redis::cmd("SCRIPT").arg("LOAD").arg(COMPLETE).query_async(&mut connection.clone()).await?;
     println!("load average at start: {}", std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim());
@@ -199,7 +202,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mut row = Vec::new();
             for mode in MODES {
                 row.push(
-                    rate(mode, in_flight, seconds, &connection, &store, &sha, &format!("{run}:{in_flight}")).await,
+                    rate(mode, in_flight, seconds, &connection, &stores, &sha, &format!("{run}:{in_flight}")).await,
                 );
             }
             let raw = row[0].rate;

@@ -621,8 +621,14 @@ async fn redis_batching_holds_steps_while_four_pipelines_are_in_flight() {
     let Some((store, cleanup, proxy)) = idempotent_tests::fresh::redis_behind_proxy(test).await else { return };
     let store = Arc::new(store.with_batching());
     let ledger = Arc::new(Ledger::default());
-    // The script is loaded and the connection made before the proxy holds anything.
+    // The connection is made before the proxy holds anything.
     assert_eq!(batched_charge(&store, &ledger, 1000).await.unwrap(), 10_000);
+    // A server that forgot the scripts: a batched completion gets `NOSCRIPT` as its own reply
+    // and is sent again with the script's text.
+    let url = idempotent_tests::services::redis_url(test).expect("a server, as above");
+    let mut raw = redis::Client::open(url).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut raw).await.unwrap();
+    assert_eq!(batched_charge(&store, &ledger, 1001).await.unwrap(), 10_010);
     let sent = || proxy.stats().request_bytes_read.load(SeqCst);
     let before = sent();
     proxy.set_mode(idempotent_tests::proxy::Mode::Stall);
@@ -667,7 +673,7 @@ async fn redis_batching_holds_steps_while_four_pipelines_are_in_flight() {
         assert_eq!(result.unwrap(), order * 10, "order {order}");
     }
     let counts = ledger.0.lock().unwrap().clone();
-    assert_eq!(counts.len(), 21);
+    assert_eq!(counts.len(), 22);
     assert!(counts.values().all(|&n| n == 1), "a body ran more than once: {counts:?}");
     // Every call replays now, batched as well.
     let replays: Vec<_> = (10..30u32).map(|order| batched_charge(&store, &ledger, order)).collect();

@@ -1,6 +1,6 @@
 //! Group commit for the Redis store ([`RedisStore::with_batching`](super::RedisStore::with_batching)):
-//! while a pipeline of steps is in flight, the steps that arrive wait, and go together as the
-//! next pipeline.
+//! while [`PIPELINES`] pipelines of steps are in flight, the steps that arrive wait, and go
+//! together as the next pipeline.
 //!
 //! With few commands in flight, Redis reads, runs and answers each on its own, and the fixed cost
 //! of every read and write (an event-loop turn and two system calls on each side) is most of the
@@ -14,8 +14,13 @@
 //! in flight, and otherwise waits for the first of them to come back. The drivers run on the Tokio
 //! runtime of the first step that needed them, and are started again on the runtime of a later
 //! step if that runtime has shut down. They end when the store's last clone is dropped.
+//!
+//! A pipeline whose replies do not come within the store's step timeout fails all its steps with
+//! the timeout, as each step alone would have, and its driver takes the next: a connection that
+//! stopped answering cannot hold the drivers for ever.
 
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use redis::aio::ConnectionManager;
 use redis::{Cmd, RedisError, RedisResult, Value};
@@ -42,12 +47,19 @@ struct Job {
 /// The store's side of the drivers: the queue of steps, and how to start the drivers.
 pub(super) struct Batcher {
     connection: Shared<ConnectionManager>,
+    /// The store's step timeout, which also bounds each pipeline.
+    timeout: Duration,
     queue: Mutex<Option<mpsc::UnboundedSender<Job>>>,
 }
 
 impl Batcher {
-    pub(super) fn new(connection: Shared<ConnectionManager>) -> Arc<Self> {
-        Arc::new(Batcher { connection, queue: Mutex::new(None) })
+    pub(super) fn new(connection: Shared<ConnectionManager>, timeout: Duration) -> Arc<Self> {
+        Arc::new(Batcher { connection, timeout, queue: Mutex::new(None) })
+    }
+
+    /// The same batching on the same connection, with pipelines bounded by `timeout`.
+    pub(super) fn with_timeout(&self, timeout: Duration) -> Arc<Self> {
+        Batcher::new(self.connection.clone(), timeout)
     }
 
     /// Sends `cmd` in the next pipeline and returns its reply.
@@ -74,7 +86,7 @@ impl Batcher {
         let (sender, receiver) = mpsc::unbounded_channel();
         let receiver = Arc::new(tokio::sync::Mutex::new(receiver));
         for _ in 0..PIPELINES {
-            runtime.spawn(drive(self.connection.clone(), Arc::clone(&receiver)));
+            runtime.spawn(drive(self.connection.clone(), self.timeout, Arc::clone(&receiver)));
         }
         sender.send(job).map_err(|_| stopped())?;
         *queue = Some(sender);
@@ -87,7 +99,7 @@ type Queue = Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<Job>>>;
 
 /// A driver: sends what is queued as one pipeline, hands out the replies, and waits for more;
 /// ends when the store's last clone is dropped (the queue's sender with it).
-async fn drive(connection: Shared<ConnectionManager>, queue: Queue) {
+async fn drive(connection: Shared<ConnectionManager>, timeout: Duration, queue: Queue) {
     let mut jobs = Vec::with_capacity(MAX_BATCH);
     let mut waiting = Vec::with_capacity(MAX_BATCH);
     while queue.lock().await.recv_many(&mut jobs, MAX_BATCH).await > 0 {
@@ -104,12 +116,16 @@ async fn drive(connection: Shared<ConnectionManager>, queue: Queue) {
             continue;
         }
         let mut link = connection.get();
-        let replies: RedisResult<Vec<RedisResult<Value>>> = match pipeline.query_async(&mut link).await {
-            // As the store's own `query`: a refused connection never reached a server; once more
-            // makes the manager reconnect.
-            Err(e) if e.is_connection_refusal() => pipeline.query_async(&mut link).await,
-            replies => replies,
+        let send = async {
+            match pipeline.query_async(&mut link).await {
+                // As the store's own `query`: a refused connection never reached a server; once
+                // more makes the manager reconnect.
+                Err(e) if e.is_connection_refusal() => pipeline.query_async(&mut link).await,
+                replies => replies,
+            }
         };
+        let replies: RedisResult<Vec<RedisResult<Value>>> =
+            tokio::time::timeout(timeout, send).await.unwrap_or_else(|_| Err(timed_out(timeout)));
         let replies = match replies {
             Ok(replies) if replies.len() == waiting.len() => replies,
             Ok(replies) => {
@@ -128,6 +144,14 @@ async fn drive(connection: Shared<ConnectionManager>, queue: Queue) {
             let _ = reply.send(value);
         }
     }
+}
+
+/// The error of the steps of a pipeline whose replies did not come within `after`.
+fn timed_out(after: Duration) -> RedisError {
+    RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("a pipeline of the Redis store's batched steps got no reply within {after:?}"),
+    ))
 }
 
 /// The error of a step whose driver stopped before it replied, or that found no runtime.

@@ -363,7 +363,7 @@ impl RedisStore<ConnectionManager> {
     /// ([`with_replica_acks`](Self::with_replica_acks)) are not batched.
     #[must_use]
     pub fn with_batching(mut self) -> Self {
-        self.batcher = Some(batch::Batcher::new(self.connection.clone()));
+        self.batcher = Some(batch::Batcher::new(self.connection.clone(), self.timeout));
         self
     }
 }
@@ -396,6 +396,9 @@ impl<C: RedisConnection> RedisStore<C> {
     #[must_use]
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        if let Some(batcher) = &mut self.batcher {
+            *batcher = batcher.with_timeout(timeout);
+        }
         self
     }
 

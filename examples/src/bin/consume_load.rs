@@ -34,6 +34,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use idempotent_examples::measure::{process_ticks, ticks_of_processes_named};
 use idempotent_runtime::consume::amqp::lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
@@ -313,7 +314,7 @@ impl Setup {
         let elapsed = started.elapsed();
         let cpu_after = cpu_by_process();
         assert_eq!(handled.load(Ordering::SeqCst), total, "every message handled once");
-        let per_message = |i: usize| (cpu_after[i] - cpu_before[i]) as f64 * 10_000.0 / total as f64;
+        let per_message = |i: usize| (cpu_after[i] - cpu_before[i]) * 10_000.0 / total as f64;
         Ok(Measured { rate: total as f64 / elapsed.as_secs_f64(), cpu: std::array::from_fn(per_message) })
     }
 }
@@ -331,26 +332,11 @@ const PROCESSES: [&str; 5] = ["this consumer", "beam.smp", "nats-server", "redis
 
 /// The CPU time (user and system, in clock ticks of 10 ms) so far of this process and of every
 /// process whose command name is in [`PROCESSES`], summed per name.
-fn cpu_by_process() -> [u64; PROCESSES.len()] {
-    let mut ticks = [0; PROCESSES.len()];
-    ticks[0] = std::fs::read_to_string("/proc/self/stat").map_or(0, |stat| stat_ticks(&stat).1);
-    let Ok(entries) = std::fs::read_dir("/proc") else { return ticks };
-    for entry in entries.flatten() {
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
-        let (name, used) = stat_ticks(&stat);
-        if let Some(index) = PROCESSES.iter().skip(1).position(|process| *process == name) {
-            ticks[index + 1] += used;
-        }
-    }
-    ticks
-}
-
-/// The command name and the CPU ticks of a `/proc/PID/stat` line (`pid (comm) state ...`: utime
-/// and stime are the 12th and 13th fields after the name).
-fn stat_ticks(stat: &str) -> (&str, u64) {
-    let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { return ("", 0) };
-    let fields = stat[close + 1..].split_whitespace().skip(11).take(2);
-    (&stat[open + 1..close], fields.filter_map(|field| field.parse::<u64>().ok()).sum())
+fn cpu_by_process() -> [f64; PROCESSES.len()] {
+    std::array::from_fn(|i| match i {
+        0 => process_ticks("/proc/self/stat").map_or(f64::NAN, |(_, ticks)| ticks),
+        _ => ticks_of_processes_named(PROCESSES[i]),
+    })
 }
 
 /// The id of a consumer's message type.

@@ -46,6 +46,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use idempotent_examples::measure::{info_cpu_usec, process_ticks, ticks_of_processes_named};
 use idempotent_runtime::stores::cache::CachedStore;
 use idempotent_runtime::stores::memory::MemoryLimits;
 use idempotent_runtime::stores::redis::RedisClusterStore;
@@ -709,15 +710,6 @@ async fn redis_raw(connection: &mut impl redis::aio::ConnectionLike, key: &str) 
     }
 }
 
-/// `used_cpu_user + used_cpu_sys` of `INFO cpu` (the main process), in microseconds.
-fn info_cpu_usec(info: &str) -> f64 {
-    info.lines()
-        .filter_map(|line| line.strip_prefix("used_cpu_user:").or_else(|| line.strip_prefix("used_cpu_sys:")))
-        .filter_map(|seconds| seconds.trim().parse::<f64>().ok())
-        .sum::<f64>()
-        * 1e6
-}
-
 /// Redis Cluster, from `REDIS_CLUSTER_URLS` (comma-separated node URLs); raw `SET NX PX` through
 /// the same cluster connection. With `replicas > 0` (`redis-cluster-wait`) each completion waits
 /// for that many replicas (`WAIT`). The `/proc` server column counts every `redis-server` process
@@ -972,33 +964,13 @@ impl Cpu {
 
     fn now(server: Option<&str>) -> Self {
         let client = process_ticks("/proc/self/stat").map_or(f64::NAN, |(_, ticks)| ticks);
-        let server = server.map_or(f64::NAN, |name| {
-            std::fs::read_dir("/proc")
-                .into_iter()
-                .flatten()
-                .flatten()
-                .filter_map(|entry| process_ticks(&entry.path().join("stat").to_string_lossy()))
-                .filter(|(comm, _)| comm == name)
-                .map(|(_, ticks)| ticks)
-                .sum()
-        });
+        let server = server.map_or(f64::NAN, ticks_of_processes_named);
         Cpu { client: client / Self::TICKS_PER_SECOND, server: server / Self::TICKS_PER_SECOND }
     }
 
     fn since(self, before: Cpu) -> Cpu {
         Cpu { client: self.client - before.client, server: self.server - before.server }
     }
-}
-
-/// A process's name and user + system CPU ticks, from its `/proc/<pid>/stat`.
-fn process_ticks(path: &str) -> Option<(String, f64)> {
-    let stat = std::fs::read_to_string(path).ok()?;
-    let (head, tail) = stat.rsplit_once(") ")?;
-    let comm = head.split_once(" (")?.1.to_owned();
-    // After the name: state is field 3 of the man page; utime and stime are fields 14 and 15.
-    let fields: Vec<&str> = tail.split_whitespace().collect();
-    let ticks = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
-    Some((comm, ticks))
 }
 
 /// Resident memory of this process, from `/proc/self/status`: (`VmRSS`, `VmHWM`) in MiB.

@@ -58,8 +58,7 @@
 //! [`RedisStore::with_batching`] sends the steps of concurrent calls together: while four
 //! pipelines are in flight, the steps that arrive wait and go as the next pipeline (at most 16
 //! steps each). The commands and their atomicity are the same; what changes is how many reads and
-//! writes carry them, which is most of a step's cost when few calls are in flight (a message
-//! consumer's window).
+//! writes carry them, which is most of a step's cost when calls run in lockstep on one connection.
 //!
 //! # Redis Cluster
 //!
@@ -347,19 +346,20 @@ impl RedisStore<ConnectionManager> {
         Ok(Self::new(manager))
     }
 
-    /// Sends the store's steps in pipelines: while one pipeline is in flight, the steps that
-    /// arrive wait and go together in the next (group commit).
+    /// Sends the store's steps in pipelines: while four pipelines are in flight, the steps that
+    /// arrive wait and go together in the next, at most 16 a pipeline (group commit).
     ///
     /// Each step is still one atomic command with its own reply; what the steps share is the
     /// trip, and Redis's and this process's cost of each read and write. That cost is most of a
-    /// step when few steps are in flight on the connection, as in a consumer handling its
-    /// prefetch window: there batching raises the rate and lowers the CPU per step on both sides
-    /// (see BENCHMARKS.md). A step that arrives while the connection is idle goes at once, in a
-    /// pipeline of one; a step that arrives while one is in flight waits for that pipeline's reply.
+    /// step when calls run in lockstep on one connection: there batching raised the rate and
+    /// lowered the CPU per step on both sides. It did not speed up the message consumers, whose
+    /// deliveries arrive one at a time (see BENCHMARKS.md). A step that arrives while fewer than
+    /// four pipelines are in flight goes at once.
     ///
-    /// The pipelines are sent by a task on the Tokio runtime of the first step that needs one
-    /// (started again on a later step's runtime if that one has shut down); it ends with the
-    /// store's last clone. Completions that wait for replicas
+    /// The pipelines are sent by four tasks on the Tokio runtime of the first step that needs
+    /// them (started again on a later step's runtime if that one has shut down); they end with
+    /// the store's last clone. Each pipeline is bounded by the step timeout
+    /// ([`with_timeout`](RedisStore::with_timeout)). Completions that wait for replicas
     /// ([`with_replica_acks`](Self::with_replica_acks)) are not batched.
     #[must_use]
     pub fn with_batching(mut self) -> Self {
@@ -489,9 +489,11 @@ impl<C: RedisConnection> RedisStore<C> {
     /// Sends `cmd`, once more if the connection was refused: then the command never reached a
     /// server, and the retry makes the connection reconnect (after a restart, the first call would
     /// otherwise fail on the manager's last, failed, reconnection attempt).
-    async fn query(&self, cmd: &Cmd) -> RedisResult<Value> {
+    ///
+    /// Takes the command by value: a batched step moves it into its pipeline.
+    async fn query(&self, cmd: Cmd) -> RedisResult<Value> {
         if let Some(batcher) = &self.batcher {
-            return batcher.query(cmd.clone()).await;
+            return batcher.query(cmd).await;
         }
         let mut connection = self.connection.get();
         match cmd.query_async(&mut connection).await {
@@ -502,8 +504,8 @@ impl<C: RedisConnection> RedisStore<C> {
 
     /// Runs a script on one key by `EVALSHA`, or by `EVAL` if the server does not know it yet.
     async fn eval(&self, script: &Lua, key: &KeyArg<'_>, args: impl Fn(&mut Cmd)) -> RedisResult<Value> {
-        match self.query(&script_cmd(script, false, key, &args)).await {
-            Err(e) if is_noscript(&e) => self.query(&script_cmd(script, true, key, &args)).await,
+        match self.query(script_cmd(script, false, key, &args)).await {
+            Err(e) if is_noscript(&e) => self.query(script_cmd(script, true, key, &args)).await,
             result => result,
         }
     }
@@ -730,9 +732,12 @@ impl<C: RedisConnection> RedisStore<C> {
             token: request.token.as_str(),
             fingerprint: request.fingerprint.map(crate::Fingerprint::as_str),
         };
-        let mut cmd = Cmd::with_capacity(7, COMMAND_BYTES);
-        cmd.arg("SET").arg(&key).arg(&running).arg("NX").arg("PX").arg(expiry_millis(request.lease)).arg("GET");
-        let mut claim = parse_claim(self.query(&cmd).await, &key, request.token)?;
+        let claim_cmd = || {
+            let mut cmd = Cmd::with_capacity(7, COMMAND_BYTES);
+            cmd.arg("SET").arg(&key).arg(&running).arg("NX").arg("PX").arg(expiry_millis(request.lease)).arg("GET");
+            cmd
+        };
+        let mut claim = parse_claim(self.query(claim_cmd()).await, &key, request.token)?;
         // Rare path: another call runs. Read its remaining lease (and the value again, in the same
         // instant, since it may have finished meanwhile); if the key is gone by now, claim again.
         for _ in 0..3 {
@@ -740,7 +745,7 @@ impl<C: RedisConnection> RedisStore<C> {
             let probe = self.eval(&PROBE, &key, |_| {}).await.map_err(backend)?;
             match parse_probe(probe, &key, request.token)? {
                 Some(found) => return Ok(found),
-                None => claim = parse_claim(self.query(&cmd).await, &key, request.token)?,
+                None => claim = parse_claim(self.query(claim_cmd()).await, &key, request.token)?,
             }
         }
         Ok(claim)

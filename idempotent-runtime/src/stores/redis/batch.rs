@@ -2,11 +2,12 @@
 //! while [`PIPELINES`] pipelines of steps are in flight, the steps that arrive wait, and go
 //! together as the next pipeline.
 //!
-//! With few commands in flight, Redis reads, runs and answers each on its own, and the fixed cost
-//! of every read and write (an event-loop turn and two system calls on each side) is most of the
-//! step. Holding the steps back while the connection is busy makes them arrive as one write, and
-//! Redis answers them with one. Each command of a pipeline is still atomic on its own, and each
-//! step gets its own reply: a pipeline only shares the trip.
+//! The aim: with few commands in flight, Redis reads, runs and answers each on its own, and every
+//! read and write has a fixed cost (an event-loop turn and system calls on each side). Holding
+//! the steps back while the connection is busy makes them arrive as one write, and Redis answers
+//! them with one. Each command of a pipeline is still atomic on its own, and each step gets its
+//! own reply: a pipeline only shares the trip. What it gained, measured, is small (see
+//! `RedisStore::with_batching`).
 //!
 //! [`PIPELINES`] tasks (the *drivers*) send the pipelines. Each takes the first step waiting and
 //! every other one queued behind it (up to [`MAX_BATCH`]), sends them, hands each reply to its
@@ -30,13 +31,13 @@ use super::connection::Shared;
 
 /// The most pipelines in flight at once: while fewer are, a step goes at once.
 ///
-/// With one, every pipeline waited for the one before it, and at 64 steps in flight the rate fell
-/// to two thirds of the unbatched store's (`redis_window`): the client and Redis took turns idling.
+/// With one, every pipeline waits for the one before it, and the client and Redis take turns
+/// idling. (`redis_window` put one pipeline at two thirds of the unbatched rate at 64 in flight,
+/// and four level with it, but those runs let keys expire mid-run: BENCHMARKS.md.)
 pub(super) const PIPELINES: usize = 4;
 
-/// The most steps in one pipeline. Small enough that many steps in flight make several
-/// pipelines, which overlap (`redis_window`: 4 × 16 kept the rate level at 64 in flight, where
-/// 1 × 128 and 8 × 8 fell behind).
+/// The most steps in one pipeline: small enough that many steps in flight make several
+/// pipelines, which overlap.
 pub(super) const MAX_BATCH: usize = 16;
 
 /// One step waiting to be sent, and where its reply goes.

@@ -741,6 +741,73 @@ macro_rules! network_tests {
             fresh.cleanup().await;
         }
 
+        /// A pool that hands out idle connections without pinging them (`test_before_acquire(false)`,
+        /// a round trip less per step) keeps a connection the server has closed until a step
+        /// uses it. The step sends again on a fresh connection: a claim, a replay and a
+        /// completion each succeed at once, and no body runs twice.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn steps_on_a_connection_the_server_closed_send_again() {
+            let Some(fresh) = fresh("closed").await else { return };
+            let admin = admin(&fresh).await;
+            let ids = Arc::new(std::sync::Mutex::new(Vec::new()));
+            let pool = sqlx::pool::PoolOptions::<Db>::new()
+                .max_connections(1)
+                .test_before_acquire(false)
+                .after_connect({
+                    let ids = Arc::clone(&ids);
+                    move |conn, _| {
+                        let ids = Arc::clone(&ids);
+                        Box::pin(async move {
+                            let id = sqlx::query_scalar(CONNECTION_ID).fetch_one(&mut *conn).await?;
+                            ids.lock().unwrap().push(id);
+                            Ok(())
+                        })
+                    }
+                })
+                .connect(&url("closed").unwrap())
+                .await
+                .unwrap();
+            let store = Sql::with_table(pool, fresh.store.table()).unwrap();
+            let ran = AtomicU32::new(0);
+            // Kills the pool's one connection while it sits idle, then waits until the server
+            // has closed it.
+            let close_idle = async || {
+                let id = *ids.lock().unwrap().last().unwrap();
+                kill(&admin, id).await;
+                let alive = CONNECTION_ALIVE.replace("{id}", &id.to_string());
+                while sqlx::query_scalar::<_, i64>(AssertSqlSafe(alive.clone())).fetch_one(&admin).await.unwrap() > 0 {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            };
+            #[idempotent(key = k, store = store, scope = "closed")]
+            async fn counted(store: &Sql, ran: &AtomicU32, k: u32) -> Result<u32, Error> {
+                ran.fetch_add(1, Ordering::SeqCst);
+                Ok(k)
+            }
+
+            assert_eq!(counted(&store, &ran, 1).await.unwrap(), 1);
+            close_idle().await;
+            let started = std::time::Instant::now();
+            assert_eq!(counted(&store, &ran, 2).await.expect("the claim sends again on a new connection"), 2);
+            assert!(started.elapsed() < Duration::from_secs(2), "no back-off: {:?}", started.elapsed());
+            close_idle().await;
+            assert_eq!(counted(&store, &ran, 2).await.expect("the replay sends again"), 2);
+            assert_eq!(ran.load(Ordering::SeqCst), 2, "each key ran once");
+
+            // The completion's connection closed while the body ran.
+            let key = Key::new("closed", &"step").unwrap();
+            let token = Token::new();
+            assert_eq!(store.claim(&request(&key, &token, None, 60_000)).await.unwrap(), Claim::Claimed);
+            close_idle().await;
+            store.complete_as(&key, &token, br#"{"Ok":3}"#, Duration::from_secs(60)).await.expect("sent again");
+            close_idle().await;
+            let stranger = store.extend(&key, &Token::new(), Duration::from_secs(60)).await;
+            assert!(matches!(stranger, Err(StoreError::NotOwner)), "fenced as before: {stranger:?}");
+            assert_eq!(ids.lock().unwrap().len(), 5, "a new connection after each close, and only then");
+            store.pool().close().await;
+            fresh.cleanup().await;
+        }
+
         #[idempotent(key = k, store = store, scope = "slow")]
         async fn slow_once(store: &Sql, ran: &AtomicU32, k: u32) -> Result<u32, PayError> {
             ran.fetch_add(1, Ordering::SeqCst);
@@ -847,6 +914,7 @@ mod postgres {
         FROM generate_series(1, {n}) AS i";
     const CONNECTION_ID: &str = "SELECT CAST(pg_backend_pid() AS BIGINT)";
     const KILL: &str = "SELECT pg_terminate_backend({id})";
+    const CONNECTION_ALIVE: &str = "SELECT COUNT(*) FROM pg_stat_activity WHERE pid = {id}";
     const LIST_TABLES: &str =
         "SELECT tablename::text FROM pg_tables WHERE schemaname = current_schema() AND tablename LIKE 'idem\\_t\\_%'";
     const SERVER: &str = "127.0.0.1:5432";
@@ -955,6 +1023,8 @@ mod mysql {
         FROM seq_1_to_{n}";
     const CONNECTION_ID: &str = "SELECT CAST(CONNECTION_ID() AS SIGNED)";
     const KILL: &str = "KILL {id}";
+    const CONNECTION_ALIVE: &str =
+        "SELECT CAST(COUNT(*) AS SIGNED) FROM information_schema.processlist WHERE id = {id}";
     const LIST_TABLES: &str = "SELECT CAST(table_name AS CHAR) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name LIKE 'idem\\_t\\_%'";
     const SERVER: &str = "127.0.0.1:3306";
 

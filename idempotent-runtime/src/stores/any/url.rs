@@ -223,7 +223,12 @@ async fn open_redis_cluster(nodes: &[String], shown: &str) -> Result<AnyStore, S
 
 #[cfg(feature = "postgres")]
 async fn open_postgres(url: &str, shown: &str) -> Result<AnyStore, StoreUrlError> {
-    let pool = sqlx::PgPool::connect(url).await.map_err(|e| connect_error(shown, "postgres", e))?;
+    // No ping before each step: the store sends a step again on a connection found closed.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .test_before_acquire(false)
+        .connect(url)
+        .await
+        .map_err(|e| connect_error(shown, "postgres", e))?;
     let store = crate::stores::sql::PostgresStore::new(pool);
     store.create_table().await.map_err(|e| connect_error(shown, "postgres", e))?;
     Ok(AnyStore::with_admin(store))
@@ -231,7 +236,11 @@ async fn open_postgres(url: &str, shown: &str) -> Result<AnyStore, StoreUrlError
 
 #[cfg(feature = "mysql")]
 async fn open_mysql(url: &str, shown: &str) -> Result<AnyStore, StoreUrlError> {
-    let pool = sqlx::MySqlPool::connect(url).await.map_err(|e| connect_error(shown, "mysql", e))?;
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .test_before_acquire(false)
+        .connect(url)
+        .await
+        .map_err(|e| connect_error(shown, "mysql", e))?;
     let store = crate::stores::sql::MySqlStore::new(pool);
     store.create_table().await.map_err(|e| connect_error(shown, "mysql", e))?;
     Ok(AnyStore::with_admin(store))

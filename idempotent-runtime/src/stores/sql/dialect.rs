@@ -75,6 +75,21 @@ pub trait Backend: Debug + Send + Sync + Sized + 'static {
             _ => false,
         }
     }
+
+    /// `true` for an error that says the connection itself is gone: an I/O error on its socket,
+    /// a connection exception (SQLSTATE class 08), or the server shutting the session down
+    /// (57P01 to 57P03: terminated by an administrator, a crash, a restart). The statement may
+    /// or may not have run; the pooled store sends it again on a fresh connection when the step
+    /// is safe to send twice (see `SqlStore::step`).
+    fn connection_lost(error: &sqlx::Error) -> bool {
+        match error {
+            sqlx::Error::Io(_) => true,
+            sqlx::Error::Database(e) => {
+                e.code().is_some_and(|code| code.starts_with("08") || ["57P01", "57P02", "57P03"].contains(&&*code))
+            }
+            _ => false,
+        }
+    }
 }
 
 /// How a backend's claim statement tells the caller that it won the key.

@@ -1,5 +1,6 @@
 //! The SQL store: one implementation over a pool of any of the three dialects.
 
+use std::future::Future;
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,6 +43,37 @@ pub const DEFAULT_PURGE_BATCH: u32 = 1000;
 /// would wait. On a stalled network a call thus fails within `acquire_timeout` + the timeout. A
 /// busy pool (more concurrent calls than connections) only ever waits there, never in
 /// [`TimedOut`].
+///
+/// # The pool
+///
+/// Each step takes a connection from the pool for one statement (two, rarely) and gives it
+/// back. sqlx pings a connection it hands out (`test_before_acquire`, on by default) and one it
+/// gets back, so on a default pool a step costs three round trips to the server. The store does
+/// not need the first ping: build its pool with `test_before_acquire(false)` and a step costs
+/// two. A step whose connection the server has closed meanwhile (killed, timed out, a restart)
+/// fails with the connection error, and the store sends it once more on a fresh connection,
+/// with a timeout of its own: a claim, a completion, a renewal and a purge, which the same token
+/// may send twice to the effect of once. A release is not sent again (it would report
+/// [`StoreError::NotOwner`] for the claim its first send deleted); it fails as a transient
+/// error, and the claim frees when its lease ends.
+///
+/// Measured (`consume_load`, 16 messages in flight, PostgreSQL 15 on the same 2-core machine):
+/// without the first ping a PostgreSQL-backed consumer handled 15 % (RabbitMQ) and 28 %
+/// (JetStream) more messages per second. The stores that [`AnyStore::from_url`](crate::AnyStore::from_url)
+/// makes from a URL build their pools this way.
+///
+/// ```no_run
+/// use idempotent_runtime::stores::sql::{PostgresStore, sqlx};
+///
+/// # async fn setup() -> Result<(), sqlx::Error> {
+/// let pool = sqlx::postgres::PgPoolOptions::new()
+///     .test_before_acquire(false)
+///     .connect("postgres://postgres@127.0.0.1:5432/app")
+///     .await?;
+/// let store = PostgresStore::new(pool);
+/// # Ok(())
+/// # }
+/// ```
 pub struct SqlStore<D: Dialect> {
     pool: Pool<D::Db>,
     sql: Arc<Statements>,
@@ -177,22 +209,51 @@ impl<D: Dialect> SqlStore<D> {
     ) -> Result<T, StoreError> {
         let mut conn = self.pool.acquire().await.map_err(steps::backend::<D>)?;
         let result = tokio::time::timeout(self.timeout, step(&mut Session { conn: &mut conn, autocommit: true })).await;
-        result.unwrap_or_else(|_| {
+        let Ok(result) = result else {
             // Its statement may still be under way: drop the connection (closing its socket)
             // and let the pool open a fresh one.
             drop(conn.detach());
-            Err(StoreError::backend(D::NAME, TimedOut { backend: D::NAME, operation, after: self.timeout }))
-        })
+            return Err(StoreError::backend(D::NAME, TimedOut { backend: D::NAME, operation, after: self.timeout }));
+        };
+        if result.as_ref().is_err_and(connection_lost::<D>) {
+            // Not back to the pool, which would ping it first: it is gone.
+            drop(conn.detach());
+        }
+        result
     }
+
+    /// Runs a step that its token may send twice to the same effect as once (a claim, a
+    /// completion, a renewal, a purge), and sends it once more, on a fresh connection, if the
+    /// first send found its connection gone ([`connection_lost`]): the server closed it while it
+    /// sat idle in the pool, say. The second send has a timeout of its own.
+    ///
+    /// So a pool that does not ping each connection before handing it out
+    /// (`test_before_acquire(false)`, a round trip less per step) loses no call to a connection
+    /// the server closed. A release is not sent twice: the second send would report `NotOwner`
+    /// for the claim the first one deleted.
+    async fn resending<T, F>(&self, send: impl Fn() -> F) -> Result<T, StoreError>
+    where
+        F: Future<Output = Result<T, StoreError>>,
+    {
+        match send().await {
+            Err(error) if connection_lost::<D>(&error) => send().await,
+            result => result,
+        }
+    }
+}
+
+/// A step's error that says its connection is gone ([`Backend::connection_lost`](super::dialect::Backend::connection_lost)).
+fn connection_lost<D: Dialect>(error: &StoreError) -> bool {
+    matches!(error, StoreError::Backend { source, .. } if source.downcast_ref::<sqlx::Error>().is_some_and(D::connection_lost))
 }
 
 impl<D: Dialect> Store for SqlStore<D> {
     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        self.step("claim", async |s| steps::claim(s, &self.sql, request).await).await
+        self.resending(|| self.step("claim", async |s| steps::claim(s, &self.sql, request).await)).await
     }
 
     async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
-        self.step("complete", async |s| steps::complete(s, &self.sql, completion).await).await
+        self.resending(|| self.step("complete", async |s| steps::complete(s, &self.sql, completion).await)).await
     }
 
     async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
@@ -200,7 +261,7 @@ impl<D: Dialect> Store for SqlStore<D> {
     }
 
     async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
-        self.step("extend", async |s| steps::extend(s, &self.sql, key, token, lease).await).await
+        self.resending(|| self.step("extend", async |s| steps::extend(s, &self.sql, key, token, lease).await)).await
     }
 
     fn detach(&self, step: Detached) {
@@ -211,7 +272,8 @@ impl<D: Dialect> Store for SqlStore<D> {
         let mut purged = 0;
         loop {
             let batch = self.purge_batch;
-            let deleted = self.step("purge", async |s| steps::purge_batch(s, &self.sql, batch).await).await?;
+            let deleted =
+                self.resending(|| self.step("purge", async |s| steps::purge_batch(s, &self.sql, batch).await)).await?;
             purged += deleted;
             if deleted < u64::from(batch) {
                 return Ok(purged);

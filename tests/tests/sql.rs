@@ -743,8 +743,8 @@ macro_rules! network_tests {
 
         /// A pool that hands out idle connections without pinging them (`test_before_acquire(false)`,
         /// a round trip less per step) keeps a connection the server has closed until a step
-        /// uses it. The step sends again on a fresh connection: a claim, a replay and a
-        /// completion each succeed at once, and no body runs twice.
+        /// uses it. The step sends again on a fresh connection: a claim, a replay, a completion
+        /// and a release each succeed at once, and no body runs twice.
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn steps_on_a_connection_the_server_closed_send_again() {
             let Some(fresh) = fresh("closed").await else { return };
@@ -803,7 +803,17 @@ macro_rules! network_tests {
             close_idle().await;
             let stranger = store.extend(&key, &Token::new(), Duration::from_secs(60)).await;
             assert!(matches!(stranger, Err(StoreError::NotOwner)), "fenced as before: {stranger:?}");
-            assert_eq!(ids.lock().unwrap().len(), 5, "a new connection after each close, and only then");
+
+            // A release: the key is free at once, not when its lease ends.
+            let held = Key::new("closed", &"release").unwrap();
+            assert_eq!(store.claim(&request(&held, &token, None, 60_000)).await.unwrap(), Claim::Claimed);
+            close_idle().await;
+            store.release(&held, &token).await.expect("the release is sent again");
+            let next = store.claim(&request(&held, &Token::new(), None, 60_000)).await.unwrap();
+            assert_eq!(next, Claim::Claimed, "released, not held until the lease ends");
+            let lost = store.release(&held, &token).await;
+            assert!(matches!(lost, Err(StoreError::NotOwner)), "a release on a live connection is fenced: {lost:?}");
+            assert_eq!(ids.lock().unwrap().len(), 6, "a new connection after each close, and only then");
             store.pool().close().await;
             fresh.cleanup().await;
         }

@@ -9,7 +9,10 @@
 //! - `redis`, `postgres`: the same handler run through `#[idempotent]` keyed by the message id, on
 //!   the Redis store and on the PostgreSQL store (a claim and a record per message: two round trips);
 //! - `redis batched`: the same on the Redis store `with_batching` (the steps of the deliveries in
-//!   flight go to Redis together, in pipelines).
+//!   flight go to Redis together, in pipelines);
+//! - `postgres untested`: the PostgreSQL store on a pool built with `test_before_acquire(false)`,
+//!   which does not ping a connection before handing it out (a round trip less per step; the
+//!   `postgres` mode's pool keeps sqlx's default).
 //!
 //! The modes alternate within each run, so the ratios compare measurements taken a few seconds
 //! apart. It prints a Markdown table of medians over the runs, with the CPU time per message that
@@ -67,6 +70,7 @@ enum Mode {
     Redis,
     RedisBatched,
     Postgres,
+    PostgresUntested,
 }
 
 /// A mode's handler, as the consumers take it.
@@ -80,7 +84,9 @@ struct Setup {
     nats: String,
     /// The Redis store, and the same store `with_batching`.
     redis: Arc<[RedisStore; 2]>,
-    postgres: Arc<PostgresStore>,
+    /// The PostgreSQL store on a pool that pings each connection before handing it out (sqlx's
+    /// default), and on one that does not (`test_before_acquire(false)`).
+    postgres: Arc<[PostgresStore; 2]>,
     messages: usize,
     concurrency: usize,
 }
@@ -110,7 +116,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .max_connections(u32::try_from(concurrency).unwrap_or(16))
         .connect(&env("POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test"))
         .await?;
-    let postgres = PostgresStore::with_table(pool.clone(), "idempotent_bench_consume")?;
+    let untested = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(u32::try_from(concurrency).unwrap_or(16))
+        .test_before_acquire(false)
+        .connect(&env("POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test"))
+        .await?;
+    let postgres = [
+        PostgresStore::with_table(pool.clone(), "idempotent_bench_consume")?,
+        PostgresStore::with_table(untested, "idempotent_bench_consume")?,
+    ];
     let setup = Setup {
         amqp: env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f"),
         nats: env("NATS_URL", "nats://127.0.0.1:4222"),
@@ -125,10 +139,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut cpu: BTreeMap<(Broker, Mode, usize), Vec<f64>> = BTreeMap::new();
     for run in 1..=runs {
         sqlx::query("DROP TABLE IF EXISTS idempotent_bench_consume").execute(&pool).await?;
-        setup.postgres.create_table().await?;
+        setup.postgres[0].create_table().await?;
         for broker in [Broker::Amqp, Broker::JetStream] {
             let mut plain = f64::NAN;
-            for mode in [Mode::Plain, Mode::Redis, Mode::RedisBatched, Mode::Postgres] {
+            for mode in [Mode::Plain, Mode::Redis, Mode::RedisBatched, Mode::Postgres, Mode::PostgresUntested] {
                 let Measured { rate, cpu: used } = setup.measure(broker, mode, run).await?;
                 eprintln!("run {run}: {broker:?} {mode:?}: {rate:.0} messages/s, CPU µs per message {used:.1?}");
                 for (i, used) in used.iter().enumerate() {
@@ -168,6 +182,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             Mode::Redis => "idempotent, Redis store",
             Mode::RedisBatched => "idempotent, Redis store `with_batching`",
             Mode::Postgres => "idempotent, PostgreSQL store",
+            Mode::PostgresUntested => "idempotent, PostgreSQL store, pool `test_before_acquire(false)`",
         };
         println!("| {broker} | {mode} | {:.0} | {ratio} | {cpu} |", median(values.clone()));
     }
@@ -297,9 +312,10 @@ impl Setup {
                         let store = redis[1].clone();
                         Box::pin(async move { handle(&store, &id, &handled).await })
                     }
-                    Mode::Postgres => {
+                    Mode::Postgres | Mode::PostgresUntested => {
                         let store = Arc::clone(&postgres);
-                        Box::pin(async move { handle(&*store, &id, &handled).await })
+                        let which = usize::from(mode == Mode::PostgresUntested);
+                        Box::pin(async move { handle(&store[which], &id, &handled).await })
                     }
                 }
             })

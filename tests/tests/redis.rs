@@ -26,18 +26,6 @@ idempotent_tests::conformance_suite!(
     self_expiring
 );
 
-// The same cases on the store whose steps go in pipelines.
-idempotent_tests::conformance_suite!(
-    conformance_redis_batched,
-    async {
-        let url = idempotent_tests::services::redis_url("conformance_redis_batched")?;
-        let prefix = format!("idempotent-test:{}:", uuid::Uuid::new_v4().simple());
-        let store = RedisStore::connect(&url).await.expect("connect to Redis");
-        Some(store.with_prefix(prefix).expect("valid prefix").with_batching())
-    },
-    self_expiring
-);
-
 /// A store under a fresh prefix, and a plain connection to look at what it wrote.
 async fn setup(url: &str) -> (RedisStore, redis::aio::MultiplexedConnection) {
     let prefix = format!("idempotent-test:{}:", uuid::Uuid::new_v4().simple());
@@ -603,83 +591,4 @@ async fn redis_connect_warns_when_the_server_may_evict_records() {
         warnings.iter().any(|w| w.contains("allkeys-lru") && w.contains("noeviction")),
         "no eviction warning: {warnings:?}"
     );
-}
-
-#[idempotent(key = order, store = store, scope = "batched")]
-async fn batched_charge(store: &RedisStore, ledger: &Ledger, order: u32) -> Result<u32, PayError> {
-    ledger.hit(order);
-    Ok(order * 10)
-}
-
-/// `with_batching`: while four pipelines are in flight, the steps that arrive wait in the store
-/// instead of going to Redis, and run once each when the pipelines come back. The proxy holds
-/// what reaches it and counts the bytes the store wrote, so what it read is what the store sent.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_batching_holds_steps_while_four_pipelines_are_in_flight() {
-    use std::sync::atomic::Ordering::SeqCst;
-    let test = "redis_batching_holds_steps_while_four_pipelines_are_in_flight";
-    let Some((store, cleanup, proxy)) = idempotent_tests::fresh::redis_behind_proxy(test).await else { return };
-    let store = Arc::new(store.with_batching());
-    let ledger = Arc::new(Ledger::default());
-    // The connection is made before the proxy holds anything.
-    assert_eq!(batched_charge(&store, &ledger, 1000).await.unwrap(), 10_000);
-    // A server that forgot the scripts: a batched completion gets `NOSCRIPT` as its own reply
-    // and is sent again with the script's text.
-    let url = idempotent_tests::services::redis_url(test).expect("a server, as above");
-    let mut raw = redis::Client::open(url).unwrap().get_multiplexed_async_connection().await.unwrap();
-    let () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut raw).await.unwrap();
-    assert_eq!(batched_charge(&store, &ledger, 1001).await.unwrap(), 10_010);
-    let sent = || proxy.stats().request_bytes_read.load(SeqCst);
-    let before = sent();
-    proxy.set_mode(idempotent_tests::proxy::Mode::Stall);
-    let mut calls = tokio::task::JoinSet::new();
-    let call = |order: u32| {
-        let (store, ledger) = (Arc::clone(&store), Arc::clone(&ledger));
-        async move { (order, batched_charge(&store, &ledger, order).await) }
-    };
-    // One call at a time while pipelines are free: each claim goes at once, alone. Every claim
-    // has the same length (keys 10 to 29, tokens of 32 digits).
-    calls.spawn(call(10));
-    proxy
-        .wait_until("the first claim reached the proxy", Duration::from_secs(5), |s| {
-            s.request_bytes_read.load(SeqCst) > before
-        })
-        .await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let claim = sent() - before;
-    for order in 11..14u32 {
-        calls.spawn(call(order));
-        let expected = before + u64::from(order - 9) * claim;
-        proxy
-            .wait_until("the claim reached the proxy", Duration::from_secs(5), |s| {
-                s.request_bytes_read.load(SeqCst) >= expected
-            })
-            .await;
-    }
-    // Four pipelines in flight: these sixteen wait in the store.
-    for order in 14..30u32 {
-        calls.spawn(call(order));
-    }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(
-        (sent() - before) / claim,
-        4,
-        "only the four pipelines in flight reached the server's socket ({} bytes of {claim}-byte claims)",
-        sent() - before
-    );
-    proxy.set_mode(idempotent_tests::proxy::Mode::Pass);
-    while let Some(joined) = calls.join_next().await {
-        let (order, result) = joined.unwrap();
-        assert_eq!(result.unwrap(), order * 10, "order {order}");
-    }
-    let counts = ledger.0.lock().unwrap().clone();
-    assert_eq!(counts.len(), 22);
-    assert!(counts.values().all(|&n| n == 1), "a body ran more than once: {counts:?}");
-    // Every call replays now, batched as well.
-    let replays: Vec<_> = (10..30u32).map(|order| batched_charge(&store, &ledger, order)).collect();
-    for (order, replay) in (10..30u32).zip(futures_util::future::join_all(replays).await) {
-        assert_eq!(replay.unwrap(), order * 10);
-    }
-    assert!(ledger.0.lock().unwrap().values().all(|&n| n == 1));
-    cleanup.run().await;
 }

@@ -8,8 +8,6 @@
 //! - `plain`: the consumer helper with a handler that does not touch a store (a counter);
 //! - `redis`, `postgres`: the same handler run through `#[idempotent]` keyed by the message id, on
 //!   the Redis store and on the PostgreSQL store (a claim and a record per message: two round trips);
-//! - `redis batched`: the same on the Redis store `with_batching` (the steps of the deliveries in
-//!   flight go to Redis together, in pipelines);
 //! - `postgres untested`: the PostgreSQL store on a pool built with `test_before_acquire(false)`,
 //!   which does not ping a connection before handing it out (a round trip less per step; the
 //!   `postgres` mode's pool keeps sqlx's default).
@@ -68,7 +66,6 @@ enum Broker {
 enum Mode {
     Plain,
     Redis,
-    RedisBatched,
     Postgres,
     PostgresUntested,
 }
@@ -82,8 +79,8 @@ type Observer = Box<dyn Fn(&idempotent_runtime::consume::Settled) + Send + Sync>
 struct Setup {
     amqp: String,
     nats: String,
-    /// The Redis store, and the same store `with_batching`.
-    redis: Arc<[RedisStore; 2]>,
+    /// The Redis store.
+    redis: RedisStore,
     /// The PostgreSQL store on a pool that pings each connection before handing it out (sqlx's
     /// default), and on one that does not (`test_before_acquire(false)`).
     postgres: Arc<[PostgresStore; 2]>,
@@ -128,7 +125,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let setup = Setup {
         amqp: env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f"),
         nats: env("NATS_URL", "nats://127.0.0.1:4222"),
-        redis: Arc::new([redis.clone(), redis.with_batching()]),
+        redis,
         postgres: Arc::new(postgres),
         messages,
         concurrency,
@@ -142,7 +139,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         setup.postgres[0].create_table().await?;
         for broker in [Broker::Amqp, Broker::JetStream] {
             let mut plain = f64::NAN;
-            for mode in [Mode::Plain, Mode::Redis, Mode::RedisBatched, Mode::Postgres, Mode::PostgresUntested] {
+            for mode in [Mode::Plain, Mode::Redis, Mode::Postgres, Mode::PostgresUntested] {
                 let Measured { rate, cpu: used } = setup.measure(broker, mode, run).await?;
                 eprintln!("run {run}: {broker:?} {mode:?}: {rate:.0} messages/s, CPU µs per message {used:.1?}");
                 for (i, used) in used.iter().enumerate() {
@@ -180,7 +177,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mode = match mode {
             Mode::Plain => "plain (no idempotency step)",
             Mode::Redis => "idempotent, Redis store",
-            Mode::RedisBatched => "idempotent, Redis store `with_batching`",
             Mode::Postgres => "idempotent, PostgreSQL store",
             Mode::PostgresUntested => "idempotent, PostgreSQL store, pool `test_before_acquire(false)`",
         };
@@ -298,18 +294,13 @@ impl Setup {
             })
         };
         let handler: Handler<M> = {
-            let (handled, redis, postgres) =
-                (Arc::clone(&handled), Arc::clone(&self.redis), Arc::clone(&self.postgres));
+            let (handled, redis, postgres) = (Arc::clone(&handled), self.redis.clone(), Arc::clone(&self.postgres));
             Box::new(move |message: M| {
                 let (handled, id) = (Arc::clone(&handled), message.id_of());
                 match mode {
                     Mode::Plain => Box::pin(async move { Ok(handled.fetch_add(1, Ordering::Relaxed)) }),
                     Mode::Redis => {
-                        let store = redis[0].clone();
-                        Box::pin(async move { handle(&store, &id, &handled).await })
-                    }
-                    Mode::RedisBatched => {
-                        let store = redis[1].clone();
+                        let store = redis.clone();
                         Box::pin(async move { handle(&store, &id, &handled).await })
                     }
                     Mode::Postgres | Mode::PostgresUntested => {

@@ -6,7 +6,6 @@
 //! - `POST /memory`: behind the layer on a `MemoryStore`.
 //! - `POST /redis`: behind the layer on the Redis store at `REDIS_URL` (if it answers).
 //! - `POST /redis-cached`: the same Redis store behind a `CachedStore` (local replay cache).
-//! - `POST /redis-batched`: the same Redis store `with_batching` (its steps go in pipelines).
 //!
 //! ```text
 //! cargo run --release -p idempotent-examples --bin http_bench    # 127.0.0.1:3100 (or $ADDR)
@@ -45,15 +44,10 @@ async fn main() {
         Ok(store) => {
             let store = store.with_prefix("idempotent-http-bench:").expect("a valid prefix");
             let cached = CachedStore::new(store.clone()).with_max_entries(4_000_000).with_max_bytes(1 << 30);
-            let batched = store.clone().with_batching();
             app = app
                 .route(
                     "/redis",
                     post(echo).layer(IdempotencyLayer::new(store).keys_shared_by_all_callers().retention(RETENTION)),
-                )
-                .route(
-                    "/redis-batched",
-                    post(echo).layer(IdempotencyLayer::new(batched).keys_shared_by_all_callers().retention(RETENTION)),
                 )
                 .route(
                     "/redis-cached",

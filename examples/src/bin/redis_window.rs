@@ -1,19 +1,17 @@
-//! What sending the Redis store's steps in pipelines (`RedisStore::with_batching`) gains, beside a
-//! raw write and the unbatched store.
+//! What the Redis store costs per key beside a raw write, with a fixed number of calls in flight
+//! on one connection.
 //!
 //! Each mode keeps `--in-flight` keys in flight (default 16, the consumers' default concurrency,
-//! and 64) on one multiplexed connection, with fresh keys, for `--seconds` per mode; the modes
-//! alternate within each run (`store` and `batched` take turns going first):
+//! and 64) on one multiplexed connection, with fresh keys, for `--seconds` per mode; within each
+//! run, `raw` goes first, then `store`:
 //!
 //! - `raw`: `SET key value NX PX`, one command per key (the reference of the `load` program);
 //! - `store`: an `#[idempotent]` fn on the `RedisStore`, one task per key in flight (a claim and a
-//!   record per call);
-//! - `batched`: the same calls on the store `with_batching` (while four pipelines are in flight,
-//!   the steps that arrive wait and go together in the next).
+//!   record per call).
 //!
-//! Until `3cd4809` it also had `pairs` and `window`: the store's two commands sent by hand, one
-//! key at a time and as one pipeline per window, which measured what batching would gain before
-//! it was built (BENCHMARKS.md has their figures).
+//! Until `3cd4809` it also had `pairs` and `window` (the store's two commands sent by hand, one
+//! key at a time and as one pipeline per window), and later `batched`, on the store sending its
+//! steps in pipelines, an option since removed; BENCHMARKS.md has their figures.
 //!
 //! ```text
 //! cargo run --release -p idempotent-examples --bin redis_window -- --runs 5 --seconds 2
@@ -22,9 +20,8 @@
 //! Redis from `REDIS_URL` (default `redis://127.0.0.1:6379/15`). **It empties that database
 //! (`FLUSHDB`) before every mode**, so point it at a database nothing else uses: keys left by one
 //! mode would otherwise expire while a later one runs, and Redis's expiry work would be counted
-//! against that mode (a first version, with keys expiring 10 s after each mode, gave the batched
-//! store 1.6 to 1.8 × the unbatched one at 16 in flight in one ordering of the modes and 0.6 to
-//! 0.9 × in another). Keys are under `redis-window:` and expire after 10 s. Beside each
+//! against that mode (a version without it measured differences between modes that changed with
+//! their order). Keys are under `redis-window:` and expire after 10 s. Beside each
 //! rate it prints the CPU time per key of this process (from `/proc/self/stat`) and of Redis (its
 //! own count, `used_cpu_user + used_cpu_sys` of `INFO cpu`): CPU per key tells the work a mode
 //! costs apart from waiting, and moves far less than the rates when the machine is noisy.
@@ -42,7 +39,7 @@ use idempotent_runtime::{Error, RedisStore, idempotent};
 const USAGE: &str = "usage: redis_window [--runs 3] [--seconds 2] [--in-flight 16,64]";
 
 const PREFIX: &str = "redis-window:";
-const MODES: [&str; 3] = ["raw", "store", "batched"];
+const MODES: [&str; 2] = ["raw", "store"];
 
 #[idempotent(key = id, store = store, scope = "redis-window", lease = "10s", retention = "10s")]
 async fn op(store: &RedisStore, id: &str) -> Result<usize, Error> {
@@ -70,7 +67,7 @@ async fn rate(
     in_flight: usize,
     seconds: f64,
     connection: &ConnectionManager,
-    stores: &[RedisStore; 2],
+    store: &RedisStore,
     tag: &str,
 ) -> Measured {
     let done = Arc::new(AtomicU64::new(0));
@@ -78,7 +75,7 @@ async fn rate(
     let stop = Instant::now() + Duration::from_secs_f64(seconds);
     let mut handles = Vec::new();
     for task in 0..in_flight {
-        let store = stores[usize::from(mode == "batched")].clone();
+        let store = store.clone();
         let (mut connection, done) = (connection.clone(), Arc::clone(&done));
         let tag = format!("{PREFIX}{tag}:{mode}:{task}");
         handles.push(tokio::spawn(async move {
@@ -130,23 +127,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/15".into());
     let connection = ConnectionManager::new(redis::Client::open(url.as_str())?).await?;
     let store = RedisStore::new(connection.clone()).with_prefix(PREFIX)?;
-    let stores = [store.clone(), store.with_batching()];
     println!("load average at start: {}", std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim());
     let mut ratios: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); MODES.len()]; in_flights.len()];
     let (mut rates, mut client, mut server) = (ratios.clone(), ratios.clone(), ratios.clone());
     for run in 1..=runs {
         for (f, &in_flight) in in_flights.iter().enumerate() {
-            // `store` and `batched` take turns going first, so neither always follows the other.
-            let order: [usize; 3] = if run % 2 == 1 { [0, 1, 2] } else { [0, 2, 1] };
-            let mut row = [None; MODES.len()];
-            for m in order {
+            let mut row = Vec::with_capacity(MODES.len());
+            for mode in MODES {
                 // Every mode starts on an empty database: no keys of an earlier mode expire (and
                 // cost Redis CPU) while it runs.
                 let () = redis::cmd("FLUSHDB").arg("SYNC").query_async(&mut connection.clone()).await?;
                 let tag = format!("{run}:{in_flight}");
-                row[m] = Some(rate(MODES[m], in_flight, seconds, &connection, &stores, &tag).await);
+                row.push(rate(mode, in_flight, seconds, &connection, &store, &tag).await);
             }
-            let row = row.map(|measured| measured.expect("every mode ran"));
             let raw = row[0].rate;
             let line: Vec<String> = MODES
                 .iter()

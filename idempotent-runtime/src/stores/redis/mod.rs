@@ -55,11 +55,6 @@
 //! know a script yet (after a restart, a failover or `SCRIPT FLUSH`), the step is sent once more
 //! as `EVAL` with the script's text, which also caches it.
 //!
-//! [`RedisStore::with_batching`] sends the steps of concurrent calls together: while four
-//! pipelines are in flight, the steps that arrive wait and go as the next pipeline (at most 16
-//! steps each). The commands and their atomicity are the same; what changes is how many reads and
-//! writes carry them.
-//!
 //! # Redis Cluster
 //!
 //! With the `redis-cluster` feature, [`RedisClusterStore`] is the same store over the redis
@@ -136,7 +131,6 @@
 //! pass it to [`RedisStore::new`] to choose otherwise.
 
 mod admin;
-mod batch;
 #[cfg(feature = "redis-cluster")]
 mod cluster;
 mod connection;
@@ -287,8 +281,6 @@ pub struct RedisStore<C = ConnectionManager> {
     max_record_bytes: usize,
     replica_acks: Option<ReplicaAcks>,
     timeout: Duration,
-    /// Set by [`with_batching`](RedisStore::with_batching): the steps go through its pipelines.
-    batcher: Option<Arc<batch::Batcher>>,
 }
 
 /// How many replicas must acknowledge each completion, and for how long to wait for them.
@@ -345,27 +337,6 @@ impl RedisStore<ConnectionManager> {
         server::check(&mut manager, &redacted(url)).await?;
         Ok(Self::new(manager))
     }
-
-    /// Sends the store's steps in pipelines: while four pipelines are in flight, the steps that
-    /// arrive wait and go together in the next, at most 16 a pipeline (group commit).
-    ///
-    /// Each step is still one atomic command with its own reply; what the steps share is the
-    /// trip, and Redis's and this process's cost of each read and write. What it gained, measured
-    /// (BENCHMARKS.md): first requests through the HTTP layer ran 0.36 × the plain handler against
-    /// 0.33 × unbatched; calls in lockstep on one connection and the message consumers ran at the
-    /// same rate as unbatched. A step that arrives while fewer than four pipelines are in flight
-    /// goes at once.
-    ///
-    /// The pipelines are sent by four tasks on the Tokio runtime of the first step that needs
-    /// them (started again on a later step's runtime if that one has shut down); they end with
-    /// the store's last clone. Each pipeline is bounded by the step timeout
-    /// ([`with_timeout`](RedisStore::with_timeout)). Completions that wait for replicas
-    /// ([`with_replica_acks`](Self::with_replica_acks)) are not batched.
-    #[must_use]
-    pub fn with_batching(mut self) -> Self {
-        self.batcher = Some(batch::Batcher::new(self.connection.clone(), self.timeout));
-        self
-    }
 }
 
 impl<C: RedisConnection> RedisStore<C> {
@@ -385,7 +356,6 @@ impl<C: RedisConnection> RedisStore<C> {
             max_record_bytes: DEFAULT_MAX_RECORD_BYTES,
             replica_acks: None,
             timeout: DEFAULT_STEP_TIMEOUT,
-            batcher: None,
         }
     }
 
@@ -396,9 +366,6 @@ impl<C: RedisConnection> RedisStore<C> {
     #[must_use]
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
-        if let Some(batcher) = &mut self.batcher {
-            *batcher = batcher.with_timeout(timeout);
-        }
         self
     }
 
@@ -489,12 +456,7 @@ impl<C: RedisConnection> RedisStore<C> {
     /// Sends `cmd`, once more if the connection was refused: then the command never reached a
     /// server, and the retry makes the connection reconnect (after a restart, the first call would
     /// otherwise fail on the manager's last, failed, reconnection attempt).
-    ///
-    /// Takes the command by value: a batched step moves it into its pipeline.
     async fn query(&self, cmd: Cmd) -> RedisResult<Value> {
-        if let Some(batcher) = &self.batcher {
-            return batcher.query(cmd).await;
-        }
         let mut connection = self.connection.get();
         match cmd.query_async(&mut connection).await {
             Err(e) if e.is_connection_refusal() => cmd.query_async(&mut connection).await,
@@ -574,7 +536,6 @@ impl<C> std::fmt::Debug for RedisStore<C> {
             .field("max_record_bytes", &self.max_record_bytes)
             .field("replica_acks", &self.replica_acks)
             .field("timeout", &self.timeout)
-            .field("batching", &self.batcher.is_some())
             .finish_non_exhaustive()
     }
 }

@@ -79,8 +79,8 @@ pub trait Backend: Debug + Send + Sync + Sized + 'static {
     /// `true` for an error that says the connection itself is gone: an I/O error on its socket,
     /// a connection exception (SQLSTATE class 08), or the server shutting the session down
     /// (57P01 to 57P03: terminated by an administrator, a crash, a restart). The statement may
-    /// or may not have run; the pooled store sends it again on a fresh connection when the step
-    /// is safe to send twice (see `SqlStore::step`).
+    /// or may not have run; the pooled store sends the step again on a fresh connection (see
+    /// `SqlStore::resending`), which its token makes safe.
     fn connection_lost(error: &sqlx::Error) -> bool {
         match error {
             sqlx::Error::Io(_) => true,

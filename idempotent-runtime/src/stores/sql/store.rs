@@ -41,7 +41,8 @@ pub const DEFAULT_PURGE_BATCH: u32 = 1000;
 /// 30 s; it fails with `sqlx::Error::PoolTimedOut`). That wait includes sqlx's liveness ping of
 /// an idle connection (`test_before_acquire`, on by default), which a stalled network stalls
 /// too, as does the handshake of a new connection: set `acquire_timeout` no longer than you
-/// would wait. On a stalled network a call thus fails within `acquire_timeout` + the timeout. A
+/// would wait. On a stalled network a call thus fails within `acquire_timeout` + the timeout
+/// (plus, for a step sent again after a lost connection, the first send's time). A
 /// busy pool (more concurrent calls than connections) only ever waits there, never in
 /// [`TimedOut`].
 ///
@@ -226,8 +227,9 @@ impl<D: Dialect> SqlStore<D> {
 
     /// Runs a step, and sends it once more, on a fresh connection, if the first send found its
     /// connection gone ([`connection_lost`]): the server closed it while it sat idle in the pool,
-    /// say. Every step may be sent twice by its token to the effect of once (a release excepted,
-    /// see [`Store::release`] below). The second send has a timeout of its own.
+    /// say. Every step may be sent twice by its token to the effect of once (a release's second
+    /// send takes `NotOwner` for success: see `release` below). The second send has a timeout of
+    /// its own.
     ///
     /// So a pool that does not ping each connection before handing it out
     /// (`test_before_acquire(false)`, a round trip less per step) loses no call to a connection

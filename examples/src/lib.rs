@@ -1,4 +1,5 @@
-//! What the benchmark programs of `src/bin` share: the CPU time they read off the machine.
+//! What the benchmark programs of `src/bin` share: the CPU time they read off the machine, and
+//! the median they report.
 
 /// CPU time as the benchmark programs read it: from `/proc` (user + system, in clock ticks of
 /// 1/100 s) and from Redis's own count.
@@ -37,5 +38,18 @@ pub mod measure {
             .filter_map(|seconds| seconds.trim().parse::<f64>().ok())
             .sum::<f64>()
             * 1e6
+    }
+
+    /// The median of the finite values (the mean of the middle two for an even count), or NaN
+    /// if there is none.
+    #[must_use]
+    pub fn median(mut values: Vec<f64>) -> f64 {
+        values.retain(|v| v.is_finite());
+        if values.is_empty() {
+            return f64::NAN;
+        }
+        values.sort_by(f64::total_cmp);
+        let mid = values.len() / 2;
+        if values.len() % 2 == 1 { values[mid] } else { f64::midpoint(values[mid - 1], values[mid]) }
     }
 }

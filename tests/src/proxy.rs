@@ -52,8 +52,6 @@ pub struct ProxyStats {
     pub held_chunks: AtomicU64,
     /// Bytes forwarded, both directions.
     pub bytes: AtomicU64,
-    /// Bytes read from clients, forwarded or held.
-    pub request_bytes_read: AtomicU64,
     /// Connections cut in [`Mode::LoseResponses`] as their answer came back.
     pub lost_responses: AtomicU64,
 }
@@ -200,8 +198,7 @@ enum End {
 
 /// Copies one direction, chunk by chunk, applying the mode to each chunk.
 ///
-/// It reads on while it holds chunks (they queue in the proxy, not in the socket), so
-/// [`ProxyStats::request_bytes_read`] counts what the client wrote even while the proxy stalls.
+/// It reads on while it holds chunks: they queue in the proxy, not in the socket.
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
@@ -217,9 +214,6 @@ async fn pump(
                 Ok(0) | Err(_) => break,
                 Ok(n) => n,
             };
-            if direction == Direction::Request {
-                stats.request_bytes_read.fetch_add(n as u64, Ordering::SeqCst);
-            }
             if chunks.send(buffer[..n].to_vec()).is_err() {
                 break;
             }

@@ -35,7 +35,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idempotent_examples::measure::{process_ticks, ticks_of_processes_named};
+use idempotent_examples::measure::{median, process_ticks, ticks_of_processes_named};
 use idempotent_runtime::consume::amqp::lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
@@ -109,15 +109,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let redis = RedisStore::connect(&env("REDIS_URL", "redis://127.0.0.1:6379"))
         .await?
         .with_prefix(format!("idempotent-consume-load:{}:", std::process::id()))?;
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(u32::try_from(concurrency).unwrap_or(16))
-        .connect(&env("POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test"))
-        .await?;
-    let untested = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(u32::try_from(concurrency).unwrap_or(16))
-        .test_before_acquire(false)
-        .connect(&env("POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test"))
-        .await?;
+    let (options, postgres_url) = (
+        sqlx::postgres::PgPoolOptions::new().max_connections(u32::try_from(concurrency).unwrap_or(16)),
+        env("POSTGRES_URL", "postgres://postgres@127.0.0.1:5432/test"),
+    );
+    let pool = options.clone().connect(&postgres_url).await?;
+    let untested = options.test_before_acquire(false).connect(&postgres_url).await?;
     let postgres = [
         PostgresStore::with_table(pool.clone(), "idempotent_bench_consume")?,
         PostgresStore::with_table(untested, "idempotent_bench_consume")?,
@@ -193,12 +190,6 @@ fn uptime() -> String {
         _ => std::fs::read_to_string("/proc/loadavg")
             .map_or_else(|e| format!("unknown ({e})"), |l| format!("load average {}", l.trim())),
     }
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    let mid = values.len() / 2;
-    if values.len() % 2 == 1 { values[mid] } else { f64::midpoint(values[mid - 1], values[mid]) }
 }
 
 impl Setup {

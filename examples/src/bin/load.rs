@@ -46,7 +46,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idempotent_examples::measure::{info_cpu_usec, process_ticks, ticks_of_processes_named};
+use idempotent_examples::measure::{info_cpu_usec, median, process_ticks, ticks_of_processes_named};
 use idempotent_runtime::stores::cache::CachedStore;
 use idempotent_runtime::stores::memory::MemoryLimits;
 use idempotent_runtime::stores::redis::RedisClusterStore;
@@ -479,16 +479,6 @@ async fn phases<T: Target>(
         }
     );
     Ok(rows)
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.retain(|v| v.is_finite());
-    if values.is_empty() {
-        return f64::NAN;
-    }
-    values.sort_by(f64::total_cmp);
-    let mid = values.len() / 2;
-    if values.len() % 2 == 1 { values[mid] } else { f64::midpoint(values[mid - 1], values[mid]) }
 }
 
 /// The Markdown summary: medians over runs; ratios are computed within each run, then the median.

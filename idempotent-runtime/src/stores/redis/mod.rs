@@ -456,7 +456,7 @@ impl<C: RedisConnection> RedisStore<C> {
     /// Sends `cmd`, once more if the connection was refused: then the command never reached a
     /// server, and the retry makes the connection reconnect (after a restart, the first call would
     /// otherwise fail on the manager's last, failed, reconnection attempt).
-    async fn query(&self, cmd: Cmd) -> RedisResult<Value> {
+    async fn query(&self, cmd: &Cmd) -> RedisResult<Value> {
         let mut connection = self.connection.get();
         match cmd.query_async(&mut connection).await {
             Err(e) if e.is_connection_refusal() => cmd.query_async(&mut connection).await,
@@ -466,8 +466,8 @@ impl<C: RedisConnection> RedisStore<C> {
 
     /// Runs a script on one key by `EVALSHA`, or by `EVAL` if the server does not know it yet.
     async fn eval(&self, script: &Lua, key: &KeyArg<'_>, args: impl Fn(&mut Cmd)) -> RedisResult<Value> {
-        match self.query(script_cmd(script, false, key, &args)).await {
-            Err(e) if is_noscript(&e) => self.query(script_cmd(script, true, key, &args)).await,
+        match self.query(&script_cmd(script, false, key, &args)).await {
+            Err(e) if is_noscript(&e) => self.query(&script_cmd(script, true, key, &args)).await,
             result => result,
         }
     }
@@ -693,12 +693,9 @@ impl<C: RedisConnection> RedisStore<C> {
             token: request.token.as_str(),
             fingerprint: request.fingerprint.map(crate::Fingerprint::as_str),
         };
-        let claim_cmd = || {
-            let mut cmd = Cmd::with_capacity(7, COMMAND_BYTES);
-            cmd.arg("SET").arg(&key).arg(&running).arg("NX").arg("PX").arg(expiry_millis(request.lease)).arg("GET");
-            cmd
-        };
-        let mut claim = parse_claim(self.query(claim_cmd()).await, &key, request.token)?;
+        let mut cmd = Cmd::with_capacity(7, COMMAND_BYTES);
+        cmd.arg("SET").arg(&key).arg(&running).arg("NX").arg("PX").arg(expiry_millis(request.lease)).arg("GET");
+        let mut claim = parse_claim(self.query(&cmd).await, &key, request.token)?;
         // Rare path: another call runs. Read its remaining lease (and the value again, in the same
         // instant, since it may have finished meanwhile); if the key is gone by now, claim again.
         for _ in 0..3 {
@@ -706,7 +703,7 @@ impl<C: RedisConnection> RedisStore<C> {
             let probe = self.eval(&PROBE, &key, |_| {}).await.map_err(backend)?;
             match parse_probe(probe, &key, request.token)? {
                 Some(found) => return Ok(found),
-                None => claim = parse_claim(self.query(claim_cmd()).await, &key, request.token)?,
+                None => claim = parse_claim(self.query(&cmd).await, &key, request.token)?,
             }
         }
         Ok(claim)

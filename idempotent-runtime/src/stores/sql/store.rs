@@ -3,7 +3,6 @@
 use std::future::Future;
 use std::marker::PhantomData;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use sqlx::{Pool, Transaction};
@@ -227,9 +226,9 @@ impl<D: Dialect> SqlStore<D> {
 
     /// Runs a step, and sends it once more, on a fresh connection, if the first send found its
     /// connection gone ([`connection_lost`]): the server closed it while it sat idle in the pool,
-    /// say. Every step may be sent twice by its token to the effect of once (a release's second
-    /// send takes `NotOwner` for success: see `release` below). The second send has a timeout of
-    /// its own.
+    /// say. Every step may be sent twice by its token to the effect of once (a release, whose
+    /// second send takes `NotOwner` for success, does the same by hand below). The second send
+    /// has a timeout of its own.
     ///
     /// So a pool that does not ping each connection before handing it out
     /// (`test_before_acquire(false)`, a round trip less per step) loses no call to a connection
@@ -260,17 +259,16 @@ impl<D: Dialect> Store for SqlStore<D> {
     }
 
     async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
-        let resent = AtomicBool::new(false);
-        let send = || {
-            let first = !resent.swap(true, Ordering::Relaxed);
-            self.step("release", async move |s| match steps::release(s, &self.sql, key, token).await {
-                // Sent again after a lost connection: the first send may have deleted the claim.
+        let send = || self.step("release", async |s| steps::release(s, &self.sql, key, token).await);
+        match send().await {
+            Err(error) if connection_lost::<D>(&error) => match send().await {
+                // The first send may have deleted the claim before its connection was lost.
                 // Either way it is not this token's any more, which is what a release is for.
-                Err(StoreError::NotOwner) if !first => Ok(()),
+                Err(StoreError::NotOwner) => Ok(()),
                 result => result,
-            })
-        };
-        self.resending(send).await
+            },
+            result => result,
+        }
     }
 
     async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {

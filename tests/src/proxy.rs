@@ -37,6 +37,10 @@ pub enum Mode {
     /// Forward what the client sends, but cut the connection (both ends) when the server's first
     /// bytes come back, without delivering them: the server did the work, the client never hears.
     LoseResponses,
+    /// Like [`Mode::LoseResponses`] for the next response only: the first connection whose answer
+    /// comes back is cut, and the proxy is in [`Mode::Pass`] from then on (a client that sends
+    /// again on a new connection gets its answer).
+    LoseOneResponse,
 }
 
 /// What the proxy did, for the test's report.
@@ -52,7 +56,7 @@ pub struct ProxyStats {
     pub held_chunks: AtomicU64,
     /// Bytes forwarded, both directions.
     pub bytes: AtomicU64,
-    /// Connections cut in [`Mode::LoseResponses`] as their answer came back.
+    /// Connections cut in [`Mode::LoseResponses`] or [`Mode::LoseOneResponse`] as their answer came back.
     pub lost_responses: AtomicU64,
 }
 
@@ -154,7 +158,7 @@ async fn accept_loop(
             continue;
         }
         stats.accepted.fetch_add(1, Ordering::Relaxed);
-        let (mode, kills, stats) = (mode.subscribe(), kills.subscribe(), Arc::clone(&stats));
+        let (mode, kills, stats) = (mode.clone(), kills.subscribe(), Arc::clone(&stats));
         let target = *target.borrow();
         tokio::spawn(async move {
             let Ok(server) = TcpStream::connect(target).await else { return };
@@ -164,9 +168,9 @@ async fn accept_loop(
             let (server_read, server_write) = server.into_split();
             let mut kill_watch = kills.clone();
             let (lost, lost_signal) = tokio::sync::oneshot::channel();
-            let up = pump(client_read, server_write, Direction::Request, mode.clone(), Arc::clone(&stats));
+            let up = pump(client_read, server_write, Direction::Request, &mode, Arc::clone(&stats));
             let down = async {
-                if pump(server_read, client_write, Direction::Response, mode, Arc::clone(&stats)).await == End::Lost {
+                if pump(server_read, client_write, Direction::Response, &mode, Arc::clone(&stats)).await == End::Lost {
                     let _ = lost.send(());
                 }
             };
@@ -192,7 +196,7 @@ enum Direction {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum End {
     Closed,
-    /// A response chunk was withheld in [`Mode::LoseResponses`]: cut the connection.
+    /// A response chunk was withheld in [`Mode::LoseResponses`] or [`Mode::LoseOneResponse`]: cut the connection.
     Lost,
 }
 
@@ -203,9 +207,10 @@ async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     direction: Direction,
-    mut mode: watch::Receiver<Mode>,
+    switch: &watch::Sender<Mode>,
     stats: Arc<ProxyStats>,
 ) -> End {
+    let mut mode = switch.subscribe();
     let (chunks, mut spooled) = tokio::sync::mpsc::unbounded_channel::<Vec<u8>>();
     let read = async {
         let mut buffer = vec![0u8; 64 * 1024];
@@ -231,7 +236,21 @@ async fn pump(
                         stats.lost_responses.fetch_add(1, Ordering::Relaxed);
                         return End::Lost;
                     }
-                    Mode::Pass | Mode::Refuse | Mode::LoseResponses => break,
+                    // Only the first connection to get here loses its answer.
+                    Mode::LoseOneResponse if direction == Direction::Response => {
+                        let lost = switch.send_if_modified(|mode| {
+                            let lose = *mode == Mode::LoseOneResponse;
+                            if lose {
+                                *mode = Mode::Pass;
+                            }
+                            lose
+                        });
+                        if lost {
+                            stats.lost_responses.fetch_add(1, Ordering::Relaxed);
+                            return End::Lost;
+                        }
+                    }
+                    Mode::Pass | Mode::Refuse | Mode::LoseResponses | Mode::LoseOneResponse => break,
                     Mode::Delay(delay) => {
                         stats.held_chunks.fetch_add(1, Ordering::Relaxed);
                         tokio::time::sleep(delay).await;

@@ -592,3 +592,85 @@ async fn redis_connect_warns_when_the_server_may_evict_records() {
         "no eviction warning: {warnings:?}"
     );
 }
+
+/// A connection cut after the server did a step and before its reply came back (the proxy's
+/// [`Mode::LoseOneResponse`]): the store sends the step once more on a new connection, and the
+/// second send, finding the first one's effect, answers as the first would have. Each step is
+/// checked in Redis itself, and the proxy counts each lost reply, so a step that did not meet its
+/// fault fails the test too.
+#[tokio::test]
+async fn redis_steps_whose_reply_was_lost_are_sent_again() {
+    use idempotent_tests::proxy::{FaultProxy, Mode};
+    use std::sync::atomic::Ordering;
+
+    let Some(url) = idempotent_tests::services::redis_url("redis_steps_whose_reply_was_lost_are_sent_again") else {
+        return;
+    };
+    let target = url.trim_start_matches("redis://").trim_end_matches('/');
+    let proxy = FaultProxy::start(target).await.expect("start the proxy");
+    let (store, mut raw) = setup(&format!("redis://{}", proxy.addr())).await;
+    let (key, other) = (Key::new("lost", &"a").unwrap(), Key::new("lost", &"b").unwrap());
+    let (owner, stranger) = (Token::new(), Token::new());
+    let lost = || proxy.stats().lost_responses.load(Ordering::Relaxed);
+    let lose_the_next_reply = || {
+        proxy.set_mode(Mode::LoseOneResponse);
+        lost() + 1
+    };
+    let value = async |raw: &mut redis::aio::MultiplexedConnection, key: &Key| -> Option<String> {
+        raw.get(store.redis_key(key)).await.unwrap()
+    };
+
+    let expected = lose_the_next_reply();
+    let claimed = store.claim(&ClaimRequest::new(&key, &owner, None, LEASE)).await;
+    assert_eq!(claimed.expect("the claim is sent again"), Claim::Claimed);
+    assert_eq!(lost(), expected, "the claim's reply was lost");
+    let running = value(&mut raw, &key).await.expect("the claim is in Redis");
+    assert!(running.starts_with(&format!("idempotent/1 running {} ", owner.as_str())), "{running}");
+
+    let expected = lose_the_next_reply();
+    store.extend(&key, &owner, LEASE).await.expect("the renewal is sent again");
+    assert_eq!(lost(), expected, "the renewal's reply was lost");
+
+    let expected = lose_the_next_reply();
+    let refused = store.extend(&key, &stranger, LEASE).await;
+    assert!(matches!(refused, Err(StoreError::NotOwner)), "a stranger's renewal sent twice: {refused:?}");
+    assert_eq!(lost(), expected, "the stranger's reply was lost");
+
+    let expected = lose_the_next_reply();
+    store.complete_as(&key, &owner, b"{\"Ok\":7}", LEASE).await.expect("the completion is sent again");
+    assert_eq!(lost(), expected, "the completion's reply was lost");
+    let done = value(&mut raw, &key).await.expect("the record is in Redis");
+    assert_eq!(done, format!("idempotent/1 done {} -\n{{\"Ok\":7}}", owner.as_str()));
+
+    let expected = lose_the_next_reply();
+    let replayed = store.claim(&ClaimRequest::new(&key, &stranger, None, LEASE)).await;
+    assert_eq!(
+        replayed.expect("the replay is sent again"),
+        Claim::Completed(Record::new(None, b"{\"Ok\":7}".to_vec()))
+    );
+    assert_eq!(lost(), expected, "the replay's reply was lost");
+
+    assert_eq!(claim(&store, &other, &owner, None, LEASE).await, Claim::Claimed);
+    let expected = lose_the_next_reply();
+    store.release(&other, &owner).await.expect("the release is sent again, and its first send freed the key");
+    assert_eq!(lost(), expected, "the release's reply was lost");
+    assert_eq!(value(&mut raw, &other).await, None, "the release deleted the claim");
+    assert_eq!(claim(&store, &other, &stranger, None, LEASE).await, Claim::Claimed, "the key is free at once");
+
+    // Through the protocol: a lost claim reply and a lost completion reply; the body runs once.
+    let runs = std::sync::atomic::AtomicU32::new(0);
+    let call = || {
+        idempotent_runtime::Call::new("lost", &"call").run(&store, async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            // The claim's reply is lost before the body runs; the completion's, after it.
+            proxy.set_mode(Mode::LoseOneResponse);
+            Ok::<_, Error>(String::from("charged"))
+        })
+    };
+    let expected = lose_the_next_reply() + 1;
+    assert_eq!(call().await.expect("the call succeeds"), "charged");
+    assert_eq!(lost(), expected, "both replies were lost");
+    assert_eq!(call().await.expect("the retry replays"), "charged");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
+    cleanup(&mut raw, store.prefix()).await;
+}

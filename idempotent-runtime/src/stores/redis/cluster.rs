@@ -79,5 +79,7 @@ impl RedisStore<ClusterConnection> {
 
 impl sealed::Sealed for ClusterConnection {
     const NAME: &'static str = "redis-cluster";
+    // The cluster client retries a command whose connection was lost (`DEFAULT_CLUSTER_RETRIES`).
+    const RESENDS_LOST: bool = false;
 }
 impl RedisConnection for ClusterConnection {}

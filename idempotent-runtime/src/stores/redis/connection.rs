@@ -15,11 +15,16 @@ pub(super) mod sealed {
     pub trait Sealed {
         /// The store's name in metrics and logs.
         const NAME: &'static str;
+        /// Whether the store sends a step again when the connection was lost with the step in
+        /// flight (`false` for a client that already does so itself).
+        const RESENDS_LOST: bool;
     }
 }
 
 impl sealed::Sealed for ConnectionManager {
     const NAME: &'static str = "redis";
+    // The manager reconnects after a lost connection but fails the commands that were on it.
+    const RESENDS_LOST: bool = true;
 }
 impl RedisConnection for ConnectionManager {}
 

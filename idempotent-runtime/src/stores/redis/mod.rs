@@ -110,10 +110,15 @@
 //! the protocol reports as [`Error::Store`](crate::Error::Store) without running the body. A call
 //! whose body ran but whose completion failed keeps its claim until the lease ends. With the
 //! settings of [`RedisStore::connect`], a call during an outage fails after the manager's
-//! reconnection attempts, about 1 to 2.5 s on a refused connection (measured on loopback). A call
-//! refused before reaching any server (connection refused) is retried once, so the first call after
-//! the server comes back reconnects and succeeds instead of failing on the manager's last failed
-//! attempt.
+//! reconnection attempts, about 1 to 2.5 s on a refused connection (measured on loopback). A step
+//! refused before reaching any server (connection refused) is sent once more, so the first call
+//! after the server comes back reconnects and succeeds instead of failing on the manager's last
+//! failed attempt. A step whose connection was lost while it was in flight (the server may have
+//! done it, and its reply never came) is also sent once more, on the reconnected link: with the
+//! same token, each step finds its own first send and answers as it would have, so a lost reply
+//! neither fails the call nor leaves its key claimed for a lease (`tests/tests/redis.rs`,
+//! `redis_steps_whose_reply_was_lost_are_sent_again`). The cluster client resends such steps by
+//! itself.
 //!
 //! Every step is also bounded by the store's own [`RedisStore::with_timeout`] (default
 //! [`DEFAULT_STEP_TIMEOUT`], 10 s), whatever the connection does underneath: a step whose reply
@@ -453,22 +458,37 @@ impl<C: RedisConnection> RedisStore<C> {
         KeyArg { prefix: &self.prefix, key: key.as_str() }
     }
 
-    /// Sends `cmd`, once more if the connection was refused: then the command never reached a
-    /// server, and the retry makes the connection reconnect (after a restart, the first call would
-    /// otherwise fail on the manager's last, failed, reconnection attempt).
+    /// Sends `cmd`, and once more if the connection failed under it (see [`resend`]).
     async fn query(&self, cmd: &Cmd) -> RedisResult<Value> {
+        self.query_sent(cmd).await.reply
+    }
+
+    /// Like [`query`](Self::query), saying whether the first send was lost.
+    async fn query_sent(&self, cmd: &Cmd) -> Sent<Value> {
         let mut connection = self.connection.get();
         match cmd.query_async(&mut connection).await {
-            Err(e) if e.is_connection_refusal() => cmd.query_async(&mut connection).await,
-            result => result,
+            Err(e) => match resend::<C>(&e) {
+                Some(lost) => Sent { reply: cmd.query_async(&mut connection).await, lost },
+                None => Sent { reply: Err(e), lost: false },
+            },
+            reply => Sent { reply, lost: false },
         }
     }
 
     /// Runs a script on one key by `EVALSHA`, or by `EVAL` if the server does not know it yet.
     async fn eval(&self, script: &Lua, key: &KeyArg<'_>, args: impl Fn(&mut Cmd)) -> RedisResult<Value> {
-        match self.query(&script_cmd(script, false, key, &args)).await {
-            Err(e) if is_noscript(&e) => self.query(&script_cmd(script, true, key, &args)).await,
-            result => result,
+        self.eval_sent(script, key, args).await.reply
+    }
+
+    /// Like [`eval`](Self::eval), saying whether a send was lost on the way.
+    async fn eval_sent(&self, script: &Lua, key: &KeyArg<'_>, args: impl Fn(&mut Cmd)) -> Sent<Value> {
+        let sent = self.query_sent(&script_cmd(script, false, key, &args)).await;
+        match &sent.reply {
+            Err(e) if is_noscript(e) => {
+                let again = self.query_sent(&script_cmd(script, true, key, &args)).await;
+                Sent { reply: again.reply, lost: sent.lost || again.lost }
+            }
+            _ => sent,
         }
     }
 
@@ -493,7 +513,7 @@ impl<C: RedisConnection> RedisStore<C> {
         let mut connection = self.connection.get();
         let mut send = async |pipeline: redis::Pipeline| -> RedisResult<Vec<Value>> {
             match pipeline.query_async(&mut connection).await {
-                Err(e) if e.is_connection_refusal() => pipeline.query_async(&mut connection).await,
+                Err(e) if resend::<C>(&e).is_some() => pipeline.query_async(&mut connection).await,
                 result => result,
             }
         };
@@ -514,6 +534,41 @@ impl<C: RedisConnection> RedisStore<C> {
             )),
             other => Err(StoreError::backend("redis", format!("unexpected reply to WAIT: {other:?}"))),
         }
+    }
+}
+
+/// A step's reply, and whether its connection was lost with a send in flight, so that the step
+/// was sent again and the first send may have taken effect.
+struct Sent<T> {
+    reply: RedisResult<T>,
+    lost: bool,
+}
+
+/// Whether a step that failed with `error` is sent once more, and if so whether the first send
+/// may have taken effect (`Some(true)`: lost in flight):
+///
+/// - **the connection was refused** (`Some(false)`): the step never reached a server, and sending
+///   it again makes the connection reconnect (after a restart, the first step would otherwise
+///   fail on the manager's last, failed, reconnection attempt);
+/// - **the connection was lost with the step in flight** (`Some(true)`, over a
+///   [`ConnectionManager`]; the cluster client resends by itself): the server may have done the
+///   step. Sent again on the reconnected link, with the same token, each step meets its own first
+///   send and answers as that would have: a claim that finds its own running record has the key,
+///   a completion that finds its own record succeeds, a renewal renews again, and a release that
+///   finds the claim gone is done ([`Sent::lost`] tells it so).
+///
+/// A step that timed out is not sent again: its time is spent.
+fn resend<C: RedisConnection>(error: &RedisError) -> Option<bool> {
+    if error.is_connection_refusal() {
+        Some(false)
+    } else if <C as connection::sealed::Sealed>::RESENDS_LOST
+        && (error.is_connection_dropped() || error.is_io_error())
+        && !error.is_timeout()
+    {
+        tracing::debug!(target: "idempotent", %error, "a Redis step lost its connection; sending it again");
+        Some(true)
+    } else {
+        None
     }
 }
 
@@ -739,14 +794,17 @@ impl<C: RedisConnection> RedisStore<C> {
     async fn release_now(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
         let key = self.key_arg(key);
         let running = record::Owned { state: record::RUNNING, token: token.as_str() };
-        owner_reply(
-            &self
-                .eval(&RELEASE, &key, |cmd| {
-                    cmd.arg(&running);
-                })
-                .await
-                .map_err(backend)?,
-        )
+        let sent = self
+            .eval_sent(&RELEASE, &key, |cmd| {
+                cmd.arg(&running);
+            })
+            .await;
+        match sent.reply.map_err(backend)? {
+            // Sent again after the connection was lost: the first send may have deleted the claim,
+            // and the key is not ours either way.
+            Value::Int(0) if sent.lost => Ok(()),
+            reply => owner_reply(&reply),
+        }
     }
 
     async fn extend_now(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {

@@ -223,6 +223,10 @@ pub trait Admin: Send + Sync {
     /// ([`State::Running`] or [`State::Done`]), so a claim taken or completed since it was
     /// inspected is left alone. Releasing a running claim whose call is in fact alive lets a
     /// duplicate run; that call then gets [`Error::LeaseLost`](crate::Error::LeaseLost).
+    ///
+    /// Fails when the store cannot tell what happened: for example, on Redis, a release sent
+    /// again after its connection was lost in flight that finds the record gone
+    /// ([`StoreError::Backend`], which says to inspect the key again).
     fn release(&self, key: &Key, seen: &Entry) -> impl Future<Output = Result<Released, StoreError>> + Send;
 
     /// Counts per scope and state, and the running claim closest to its lease's end.

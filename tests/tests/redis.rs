@@ -657,6 +657,18 @@ async fn redis_steps_whose_reply_was_lost_are_sent_again() {
     assert_eq!(value(&mut raw, &other).await, None, "the release deleted the claim");
     assert_eq!(claim(&store, &other, &stranger, None, LEASE).await, Claim::Claimed, "the key is free at once");
 
+    // An operator's release sent again cannot tell its own deletion from another caller's change:
+    // it says so instead of answering `Changed`.
+    let third = Key::new("lost", &"c").unwrap();
+    assert_eq!(claim(&store, &third, &owner, None, LEASE).await, Claim::Claimed);
+    let seen = idempotent_runtime::admin::Admin::inspect(&store, &third).await.unwrap().expect("the claim is listed");
+    let expected = lose_the_next_reply();
+    let released = idempotent_runtime::admin::Admin::release(&store, &third, &seen).await;
+    assert_eq!(lost(), expected, "the operator's release's reply was lost");
+    let Err(error @ StoreError::Backend { .. }) = released else { panic!("{released:?}") };
+    assert!(error.to_string().contains("inspect the key again"), "{error}");
+    assert_eq!(value(&mut raw, &third).await, None, "the first send deleted the claim");
+
     // Through the protocol: a lost claim reply and a lost completion reply; the body runs once.
     let runs = std::sync::atomic::AtomicU32::new(0);
     let call = || {

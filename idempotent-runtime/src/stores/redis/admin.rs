@@ -103,18 +103,26 @@ impl<C: Nodes> Admin for RedisStore<C> {
         };
         let owned = record::Owned { state, token: &seen.token };
         let key = self.key_arg(key);
-        let reply = self
-            .bounded("release", async {
-                // The store's own release script: it deletes the record only if its header still starts
-                // with `idempotent/1 <state> <token> ` as inspected.
-                self.eval(&RELEASE, &key, |cmd| {
+        self.bounded("release", async {
+            // The store's own release script: it deletes the record only if its header still starts
+            // with `idempotent/1 <state> <token> ` as inspected.
+            let sent = self
+                .eval_sent(&RELEASE, &key, |cmd| {
                     cmd.arg(&owned);
                 })
-                .await
-                .map_err(backend)
-            })
-            .await?;
-        Ok(if reply == Value::Int(1) { Released::Deleted } else { Released::Changed })
+                .await;
+            match sent.reply.map_err(backend)? {
+                Value::Int(1) => Ok(Released::Deleted),
+                // Sent again after its connection was lost: the first send may have deleted it.
+                _ if sent.lost => Err(StoreError::backend(
+                    "redis",
+                    "the connection was lost with the release in flight, and the record is no longer as \
+                     inspected: that release deleted it, or another caller changed it; inspect the key again",
+                )),
+                _ => Ok(Released::Changed),
+            }
+        })
+        .await
     }
 
     async fn stats(&self) -> Result<Stats, StoreError> {

@@ -116,9 +116,8 @@
 //! failed attempt. A step whose connection was lost while it was in flight (the server may have
 //! done it, and its reply never came) is also sent once more, on the reconnected link: with the
 //! same token, each step finds its own first send and answers as it would have, so a lost reply
-//! neither fails the call nor leaves its key claimed for a lease (`tests/tests/redis.rs`,
-//! `redis_steps_whose_reply_was_lost_are_sent_again`). The cluster client resends such steps by
-//! itself.
+//! does not fail the call (`tests/tests/redis.rs`, `redis_steps_whose_reply_was_lost_are_sent_again`).
+//! The cluster client resends such steps by itself.
 //!
 //! Every step is also bounded by the store's own [`RedisStore::with_timeout`] (default
 //! [`DEFAULT_STEP_TIMEOUT`], 10 s), whatever the connection does underneath: a step whose reply

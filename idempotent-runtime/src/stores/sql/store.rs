@@ -60,8 +60,8 @@ pub const DEFAULT_PURGE_BATCH: u32 = 1000;
 /// Measured with `consume_load` (16 messages in flight; PostgreSQL 15, the brokers and the
 /// consumer on one 2-core machine), the two pools side by side in each run: without the first
 /// ping the consumer spent 15 to 29 % less CPU per message, and the medians of the paired
-/// messages-per-second ratios were 1.03 to 1.48 (three sets of five runs on each broker;
-/// BENCHMARKS.md, "Message consumers"). The stores that
+/// messages-per-second ratios were 1.03 to 1.48 (four sets of five runs on each broker, on two
+/// machines; BENCHMARKS.md, "Message consumers"). The stores that
 /// [`AnyStore::from_url`](crate::AnyStore::from_url) makes build their pools this way.
 ///
 /// ```no_run

@@ -686,3 +686,131 @@ async fn redis_steps_whose_reply_was_lost_are_sent_again() {
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the body ran once");
     cleanup(&mut raw, store.prefix()).await;
 }
+
+/// A private Redis master and its replica, each a `redis-server` on a free loopback port, stopped
+/// (and their directory removed) when dropped. The binary is `REDIS_SERVER_BIN` if set (the
+/// Redis 8 group of `.ci/run` sets it), else `redis-server` from the `PATH`.
+struct Replicated {
+    master: std::process::Child,
+    replica: std::process::Child,
+    master_port: u16,
+    replica_port: u16,
+    dir: std::path::PathBuf,
+}
+
+impl Replicated {
+    /// `None` (after a loud skip) without `redis-server`, unless services are required.
+    async fn start(test: &str) -> Option<Replicated> {
+        use std::process::{Command, Stdio};
+        let binary = std::env::var("REDIS_SERVER_BIN").unwrap_or_else(|_| "redis-server".into());
+        if Command::new(&binary).arg("--version").output().is_err() {
+            let message = format!("{test}: {binary} is not installed");
+            assert!(
+                !idempotent_tests::services::services_required(),
+                "{message}, and IDEMPOTENT_REQUIRE_SERVICES=1 requires it"
+            );
+            idempotent_tests::services::skipped(&message);
+            return None;
+        }
+        let free_port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let (master_port, replica_port) = (free_port(), free_port());
+        let dir = idempotent_tests::fresh::temp_dir("replicated");
+        let server = |port: u16, extra: &[String]| {
+            Command::new(&binary)
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(&dir)
+                .args(extra)
+                .stdout(Stdio::null())
+                .spawn()
+                .expect("start redis-server")
+        };
+        // No delay before the replica's first sync (diskless syncs wait 5 s for more replicas).
+        let master = server(master_port, &["--repl-diskless-sync-delay".into(), "0".into()]);
+        let replica = server(replica_port, &["--replicaof".into(), format!("127.0.0.1 {master_port}")]);
+        let pair = Replicated { master, replica, master_port, replica_port, dir };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let info: Option<String> = async {
+                let client = redis::Client::open(Replicated::url(pair.replica_port)).ok()?;
+                let mut connection = client.get_multiplexed_async_connection().await.ok()?;
+                redis::cmd("INFO").arg("replication").query_async(&mut connection).await.ok()
+            }
+            .await;
+            if info.is_some_and(|info| info.contains("master_link_status:up")) {
+                return Some(pair);
+            }
+            assert!(tokio::time::Instant::now() < deadline, "the replica did not link to its master within 20 s");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn url(port: u16) -> String {
+        format!("redis://127.0.0.1:{port}")
+    }
+
+    /// Stops (`SIGSTOP`) or resumes (`SIGCONT`) the replica's process: stopped, it stays linked
+    /// in its master's eyes and acknowledges nothing.
+    fn signal_replica(&self, signal: &str) {
+        let sent = std::process::Command::new("kill").arg(signal).arg(self.replica.id().to_string()).status();
+        assert!(sent.is_ok_and(|status| status.success()), "kill {signal} the replica");
+    }
+}
+
+impl Drop for Replicated {
+    fn drop(&mut self) {
+        for child in [&mut self.replica, &mut self.master] {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// With `with_replica_acks`, a completion sent again (its first reply lost, the record already
+/// written by it) must still wait for a replica to have the record. On Redis 8, `WAIT` counts
+/// only the writes of its own connection, and the new connection had written nothing (Redis 7.0
+/// waits for every write made before it, so there the test passes either way). The replica is
+/// stopped, so no acknowledgement can come: the completion must fail with `ReplicasMissing`,
+/// however it is sent again (by the store on the lost connection, or by its caller after an
+/// error), and succeed once the replica runs again and has the record.
+#[tokio::test]
+async fn redis_replica_acks_of_a_resent_completion_wait_for_the_replica() {
+    use idempotent_runtime::stores::redis::ReplicasMissing;
+    use idempotent_tests::proxy::{FaultProxy, Mode};
+    use std::sync::atomic::Ordering;
+
+    let test = "redis_replica_acks_of_a_resent_completion_wait_for_the_replica";
+    let Some(pair) = Replicated::start(test).await else { return };
+    let proxy = FaultProxy::start(&format!("127.0.0.1:{}", pair.master_port)).await.expect("start the proxy");
+    let store = RedisStore::connect(&format!("redis://{}", proxy.addr()))
+        .await
+        .expect("connect to the master")
+        .with_replica_acks(1, Duration::from_millis(300));
+    let (key, owner) = (Key::new("acks", &"k").unwrap(), Token::new());
+    // A first completion, with the replica running, loads the script on this new server: the
+    // completion below is then one `EVALSHA`, as on a server that has served calls.
+    let warm = Key::new("acks", &"warm-up").unwrap();
+    assert_eq!(claim(&store, &warm, &owner, None, LEASE).await, Claim::Claimed);
+    store.complete_as(&warm, &owner, b"{\"Ok\":0}", LEASE).await.expect("a replicated completion");
+    assert_eq!(claim(&store, &key, &owner, None, LEASE).await, Claim::Claimed);
+
+    pair.signal_replica("-STOP");
+    proxy.set_mode(Mode::LoseOneResponse);
+    let complete = || store.complete_as(&key, &owner, b"{\"Ok\":1}", LEASE);
+    let missing = |outcome: &Result<(), StoreError>| matches!(outcome, Err(StoreError::Backend { source, .. }) if source.downcast_ref::<ReplicasMissing>().is_some());
+    let mut outcome = complete().await;
+    if !missing(&outcome) {
+        // The caller's retry, as the protocol makes after a failed completion.
+        outcome = complete().await;
+    }
+    assert_eq!(proxy.stats().lost_responses.load(Ordering::Relaxed), 1, "the first completion's reply was lost");
+    assert!(missing(&outcome), "no replica can have acknowledged the record, yet: {outcome:?}");
+
+    pair.signal_replica("-CONT");
+    complete().await.expect("the replica runs again and acknowledges the record");
+    let client = redis::Client::open(Replicated::url(pair.replica_port)).unwrap();
+    let mut replica = client.get_multiplexed_async_connection().await.unwrap();
+    let on_replica: Option<String> = replica.get(store.redis_key(&key)).await.unwrap();
+    assert_eq!(on_replica, Some(format!("idempotent/1 done {} -\n{{\"Ok\":1}}", owner.as_str())));
+}

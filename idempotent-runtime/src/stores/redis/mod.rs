@@ -75,7 +75,8 @@
 //! With `with_replica_acks(n, timeout)`, each completion is followed by `WAIT n timeout` on the
 //! record's master (sent with it, in one round trip), and is acknowledged only once `n` replicas have the record; otherwise it fails
 //! with [`StoreError::Backend`] and the protocol retries it within the lease (a retry with the
-//! same token is accepted by the record it already wrote). A promoted replica that acknowledged the
+//! same token is accepted by the record it already wrote, and writes the record's expiry again so
+//! that its `WAIT` waits for the replicas to have the record). A promoted replica that acknowledged the
 //! record then still has it. `WAIT` does not make Redis strongly consistent (a replica that
 //! acknowledged can still lose the election to one that did not, with more than one replica per
 //! master), and claims are not waited for. BENCHMARKS.md and RELIABILITY.md give the measured
@@ -179,9 +180,16 @@ const MAX_EXPIRY_MILLIS: u64 = 1_000_000_000_000_000;
 
 /// `KEYS[1]`: the record. `ARGV`: `idempotent/1 running <token> `, `idempotent/1 done <token> `,
 /// the outcome, the retention in ms, the whole header of a completed record
-/// (`idempotent/1 done <token> <fp|->\n`). Returns 1 when recorded (now, or by this token
-/// before), 0 if another token holds the key, -1 if the key holds another type than a string.
-/// A key that is gone (its lease ended and Redis dropped it) is nobody's: the record is written.
+/// (`idempotent/1 done <token> <fp|->\n`), and `1` when a `WAIT` follows (else `0`). Returns 1
+/// when recorded (now, or by this token before), 0 if another token holds the key, -1 if the key
+/// holds another type than a string. A key that is gone (its lease ended and Redis dropped it) is
+/// nobody's: the record is written.
+///
+/// A record this token wrote before (an earlier attempt whose reply was lost) is left as it is,
+/// unless a `WAIT` follows. On Redis 8, `WAIT` counts the replicas that have this connection's
+/// own writes, and a new connection that wrote nothing has none to wait for; so the record's
+/// expiry is set again (to the retention), a write that the replicas must acknowledge, and with
+/// it, in the replication stream's order, the record itself.
 const COMPLETE_LUA: &str = r"
 local v = redis.pcall('GET', KEYS[1])
 if v == false then
@@ -194,7 +202,10 @@ if string.sub(v, 1, n) == ARGV[1] then
   redis.call('SET', KEYS[1], ARGV[2] .. string.sub(v, n + 1) .. ARGV[3], 'PX', ARGV[4])
   return 1
 end
-if string.sub(v, 1, #ARGV[2]) == ARGV[2] then return 1 end
+if string.sub(v, 1, #ARGV[2]) == ARGV[2] then
+  if ARGV[6] == '1' then redis.call('PEXPIRE', KEYS[1], ARGV[4]) end
+  return 1
+end
 return 0
 ";
 
@@ -775,8 +786,9 @@ impl<C: RedisConnection> RedisStore<C> {
             fingerprint: completion.fingerprint.map(crate::Fingerprint::as_str),
         };
         let retention = expiry_millis(completion.retention);
+        let waits = if self.replica_acks.is_some() { "1" } else { "0" };
         let args = |cmd: &mut Cmd| {
-            cmd.arg(&running).arg(&done).arg(completion.outcome).arg(retention).arg(&header);
+            cmd.arg(&running).arg(&done).arg(completion.outcome).arg(retention).arg(&header).arg(waits);
         };
         let reply = match self.replica_acks {
             None => self.eval(&COMPLETE, &key, args).await.map_err(backend)?,

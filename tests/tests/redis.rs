@@ -767,6 +767,21 @@ impl Drop for Replicated {
     }
 }
 
+/// Sends `complete` until the replica acknowledges it (a completion sent again by its token is
+/// accepted), for at most 20 s: a replica just linked or resumed may take longer than one `WAIT`.
+async fn acknowledged<F: Future<Output = Result<(), StoreError>>>(complete: impl Fn() -> F) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        match complete().await {
+            Ok(()) => return,
+            Err(error) if tokio::time::Instant::now() < deadline => {
+                eprintln!("the replica has not acknowledged yet ({error}); sending the completion again");
+            }
+            Err(error) => panic!("the replica acknowledged no completion within 20 s: {error}"),
+        }
+    }
+}
+
 /// With `with_replica_acks`, a completion sent again (its first reply lost, the record already
 /// written by it) must still wait for a replica to have the record. On Redis 8, `WAIT` counts
 /// only the writes of its own connection, and the new connection had written nothing (Redis 7.0
@@ -792,7 +807,7 @@ async fn redis_replica_acks_of_a_resent_completion_wait_for_the_replica() {
     // completion below is then one `EVALSHA`, as on a server that has served calls.
     let warm = Key::new("acks", &"warm-up").unwrap();
     assert_eq!(claim(&store, &warm, &owner, None, LEASE).await, Claim::Claimed);
-    store.complete_as(&warm, &owner, b"{\"Ok\":0}", LEASE).await.expect("a replicated completion");
+    acknowledged(|| store.complete_as(&warm, &owner, b"{\"Ok\":0}", LEASE)).await;
     assert_eq!(claim(&store, &key, &owner, None, LEASE).await, Claim::Claimed);
 
     pair.signal_replica("-STOP");
@@ -808,7 +823,7 @@ async fn redis_replica_acks_of_a_resent_completion_wait_for_the_replica() {
     assert!(missing(&outcome), "no replica can have acknowledged the record, yet: {outcome:?}");
 
     pair.signal_replica("-CONT");
-    complete().await.expect("the replica runs again and acknowledges the record");
+    acknowledged(complete).await;
     let client = redis::Client::open(Replicated::url(pair.replica_port)).unwrap();
     let mut replica = client.get_multiplexed_async_connection().await.unwrap();
     let on_replica: Option<String> = replica.get(store.redis_key(&key)).await.unwrap();

@@ -10,6 +10,8 @@ pub mod fresh;
 #[cfg(feature = "grpc")]
 pub mod grpc;
 pub mod proxy;
+#[cfg(feature = "redis")]
+pub mod replicated;
 pub mod services;
 pub mod simulation;
 pub mod stress;

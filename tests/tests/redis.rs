@@ -687,86 +687,6 @@ async fn redis_steps_whose_reply_was_lost_are_sent_again() {
     cleanup(&mut raw, store.prefix()).await;
 }
 
-/// A private Redis master and its replica, each a `redis-server` on a free loopback port, stopped
-/// (and their directory removed) when dropped. The binary is `REDIS_SERVER_BIN` if set (the
-/// Redis 8 group of `.ci/run` sets it), else `redis-server` from the `PATH`.
-struct Replicated {
-    master: std::process::Child,
-    replica: std::process::Child,
-    master_port: u16,
-    replica_port: u16,
-    dir: std::path::PathBuf,
-}
-
-impl Replicated {
-    /// `None` (after a loud skip) without `redis-server`, unless services are required.
-    async fn start(test: &str) -> Option<Replicated> {
-        use std::process::{Command, Stdio};
-        let binary = std::env::var("REDIS_SERVER_BIN").unwrap_or_else(|_| "redis-server".into());
-        if Command::new(&binary).arg("--version").output().is_err() {
-            let message = format!("{test}: {binary} is not installed");
-            assert!(
-                !idempotent_tests::services::services_required(),
-                "{message}, and IDEMPOTENT_REQUIRE_SERVICES=1 requires it"
-            );
-            idempotent_tests::services::skipped(&message);
-            return None;
-        }
-        let free_port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let (master_port, replica_port) = (free_port(), free_port());
-        let dir = idempotent_tests::fresh::temp_dir("replicated");
-        let server = |port: u16, extra: &[String]| {
-            Command::new(&binary)
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-                .arg("--dir")
-                .arg(&dir)
-                .args(extra)
-                .stdout(Stdio::null())
-                .spawn()
-                .expect("start redis-server")
-        };
-        // No delay before the replica's first sync (diskless syncs wait 5 s for more replicas).
-        let master = server(master_port, &["--repl-diskless-sync-delay".into(), "0".into()]);
-        let replica = server(replica_port, &["--replicaof".into(), format!("127.0.0.1 {master_port}")]);
-        let pair = Replicated { master, replica, master_port, replica_port, dir };
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        loop {
-            let info: Option<String> = async {
-                let client = redis::Client::open(Replicated::url(pair.replica_port)).ok()?;
-                let mut connection = client.get_multiplexed_async_connection().await.ok()?;
-                redis::cmd("INFO").arg("replication").query_async(&mut connection).await.ok()
-            }
-            .await;
-            if info.is_some_and(|info| info.contains("master_link_status:up")) {
-                return Some(pair);
-            }
-            assert!(tokio::time::Instant::now() < deadline, "the replica did not link to its master within 20 s");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    fn url(port: u16) -> String {
-        format!("redis://127.0.0.1:{port}")
-    }
-
-    /// Stops (`SIGSTOP`) or resumes (`SIGCONT`) the replica's process: stopped, it stays linked
-    /// in its master's eyes and acknowledges nothing.
-    fn signal_replica(&self, signal: &str) {
-        let sent = std::process::Command::new("kill").arg(signal).arg(self.replica.id().to_string()).status();
-        assert!(sent.is_ok_and(|status| status.success()), "kill {signal} the replica");
-    }
-}
-
-impl Drop for Replicated {
-    fn drop(&mut self) {
-        for child in [&mut self.replica, &mut self.master] {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
 /// Sends `complete` until the replica acknowledges it (a completion sent again by its token is
 /// accepted), for at most 20 s: a replica just linked or resumed may take longer than one `WAIT`.
 async fn acknowledged<F: Future<Output = Result<(), StoreError>>>(complete: impl Fn() -> F) {
@@ -793,6 +713,7 @@ async fn acknowledged<F: Future<Output = Result<(), StoreError>>>(complete: impl
 async fn redis_replica_acks_of_a_resent_completion_wait_for_the_replica() {
     use idempotent_runtime::stores::redis::ReplicasMissing;
     use idempotent_tests::proxy::{FaultProxy, Mode};
+    use idempotent_tests::replicated::Replicated;
     use std::sync::atomic::Ordering;
 
     let test = "redis_replica_acks_of_a_resent_completion_wait_for_the_replica";

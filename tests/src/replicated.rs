@@ -1,0 +1,102 @@
+//! A private Redis master and its replica on loopback, for the tests of replica
+//! acknowledgements (`RedisStore::with_replica_acks`) on one server: two `redis-server`
+//! processes started by the test, which can stop the replica (`SIGSTOP`) so that it
+//! acknowledges nothing while it stays linked.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use idempotent_runtime::stores::redis::redis;
+
+/// A private Redis master and its replica, each a `redis-server` on a free loopback port, stopped
+/// (and their directory removed) when dropped. The binary is `REDIS_SERVER_BIN` if set (the
+/// Redis 8 group of `.ci/run` sets it), else `redis-server` from the `PATH`.
+pub struct Replicated {
+    master: Child,
+    replica: Child,
+    /// The master's port.
+    pub master_port: u16,
+    /// The replica's port.
+    pub replica_port: u16,
+    dir: PathBuf,
+}
+
+impl Replicated {
+    /// `None` (after a loud skip) without `redis-server`, unless services are required.
+    ///
+    /// # Panics
+    ///
+    /// When the servers are installed but the replica does not link to its master within 20 s.
+    pub async fn start(test: &str) -> Option<Replicated> {
+        let binary = std::env::var("REDIS_SERVER_BIN").unwrap_or_else(|_| "redis-server".into());
+        if Command::new(&binary).arg("--version").output().is_err() {
+            let message = format!("{test}: {binary} is not installed");
+            assert!(!crate::services::services_required(), "{message}, and IDEMPOTENT_REQUIRE_SERVICES=1 requires it");
+            crate::services::skipped(&message);
+            return None;
+        }
+        // Both bound at once, so the two ports differ; released just before the servers take them.
+        let free = || std::net::TcpListener::bind("127.0.0.1:0").expect("a free loopback port");
+        let (first, second) = (free(), free());
+        let port = |listener: &std::net::TcpListener| listener.local_addr().expect("a bound port").port();
+        let (master_port, replica_port) = (port(&first), port(&second));
+        drop((first, second));
+        let dir = crate::fresh::temp_dir("replicated");
+        let server = |port: u16, extra: &[String]| {
+            Command::new(&binary)
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(&dir)
+                .args(extra)
+                .stdout(Stdio::null())
+                .spawn()
+                .expect("start redis-server")
+        };
+        // No delay before the replica's first sync (diskless syncs wait 5 s for more replicas).
+        let master = server(master_port, &["--repl-diskless-sync-delay".into(), "0".into()]);
+        let replica = server(replica_port, &["--replicaof".into(), format!("127.0.0.1 {master_port}")]);
+        let pair = Replicated { master, replica, master_port, replica_port, dir };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let info: Option<String> = async {
+                let client = redis::Client::open(Replicated::url(pair.replica_port)).ok()?;
+                let mut connection = client.get_multiplexed_async_connection().await.ok()?;
+                redis::cmd("INFO").arg("replication").query_async(&mut connection).await.ok()
+            }
+            .await;
+            if info.is_some_and(|info| info.contains("master_link_status:up")) {
+                return Some(pair);
+            }
+            assert!(tokio::time::Instant::now() < deadline, "the replica did not link to its master within 20 s");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The URL of the server on `port`.
+    #[must_use]
+    pub fn url(port: u16) -> String {
+        format!("redis://127.0.0.1:{port}")
+    }
+
+    /// Stops (`SIGSTOP`) or resumes (`SIGCONT`) the replica's process: stopped, it stays linked
+    /// in its master's eyes and acknowledges nothing.
+    ///
+    /// # Panics
+    ///
+    /// When `kill` fails.
+    pub fn signal_replica(&self, signal: &str) {
+        let sent = Command::new("kill").arg(signal).arg(self.replica.id().to_string()).status();
+        assert!(sent.is_ok_and(|status| status.success()), "kill {signal} the replica");
+    }
+}
+
+impl Drop for Replicated {
+    fn drop(&mut self) {
+        for child in [&mut self.replica, &mut self.master] {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

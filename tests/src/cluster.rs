@@ -16,9 +16,11 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use idempotent_runtime::stores::redis::redis;
+
+use crate::services::{redis_query, wait_until};
 
 /// The node timeout of the test clusters: how long a master may be unreachable before its
 /// replica is promoted (the failover then takes about one to three times this).
@@ -107,7 +109,7 @@ impl Cluster {
         let cluster = Cluster { ports, supervisor: Mutex::new((child, stdin)), output: Mutex::new(output) };
         for &port in &cluster.ports {
             wait_until(Duration::from_secs(20), &format!("redis-server on port {port} answers"), || {
-                query::<String>(port, &redis::cmd("PING")).is_ok()
+                redis_query::<String>(port, &redis::cmd("PING")).is_ok()
             });
         }
         let mut create = Command::new("redis-cli");
@@ -169,7 +171,8 @@ impl Cluster {
     ///
     /// When the node does not answer or `kill` fails.
     pub fn kill(&self, port: u16) {
-        let info: String = query(port, redis::cmd("INFO").arg("server")).expect("INFO server of the node to kill");
+        let info: String =
+            redis_query(port, redis::cmd("INFO").arg("server")).expect("INFO server of the node to kill");
         let pid = info
             .lines()
             .find_map(|l| l.strip_prefix("process_id:"))
@@ -179,7 +182,7 @@ impl Cluster {
         let status = Command::new("kill").arg("-KILL").arg(&pid).status().expect("run kill");
         assert!(status.success(), "kill -KILL {pid} failed");
         wait_until(Duration::from_secs(10), &format!("the node on {port} is down"), || {
-            query::<String>(port, &redis::cmd("PING")).is_err()
+            redis_query::<String>(port, &redis::cmd("PING")).is_err()
         });
     }
 
@@ -199,7 +202,7 @@ impl Cluster {
         self.output.lock().unwrap().read_line(&mut line).expect("the supervisor's answer");
         assert_eq!(line.trim(), "restarted");
         wait_until(Duration::from_secs(20), &format!("the restarted node on {port} answers"), || {
-            query::<String>(port, &redis::cmd("PING")).is_ok()
+            redis_query::<String>(port, &redis::cmd("PING")).is_ok()
         });
     }
 
@@ -225,15 +228,16 @@ impl Cluster {
     pub fn wait_healthy(&self, limit: Duration) {
         wait_until(limit, "the cluster is healthy (state ok, 3 masters, each with a synced replica)", || {
             let live: Vec<u16> =
-                self.ports.iter().copied().filter(|&p| query::<String>(p, &redis::cmd("PING")).is_ok()).collect();
+                self.ports.iter().copied().filter(|&p| redis_query::<String>(p, &redis::cmd("PING")).is_ok()).collect();
             let ok = live.iter().all(|&p| {
-                query::<String>(p, redis::cmd("CLUSTER").arg("INFO")).is_ok_and(|i| i.contains("cluster_state:ok"))
+                redis_query::<String>(p, redis::cmd("CLUSTER").arg("INFO"))
+                    .is_ok_and(|i| i.contains("cluster_state:ok"))
             });
             let masters = self.masters();
             ok && masters.len() == 3
                 && masters.iter().all(|&m| {
                     self.replicas_of(m).iter().any(|&r| {
-                        query::<String>(r, redis::cmd("INFO").arg("replication"))
+                        redis_query::<String>(r, redis::cmd("INFO").arg("replication"))
                             .is_ok_and(|i| i.contains("master_link_status:up"))
                     })
                 })
@@ -254,7 +258,7 @@ impl Cluster {
     pub fn delete_prefix(&self, prefix: &str) {
         for port in self.masters() {
             for key in scan(port, prefix) {
-                let _ = query::<i64>(port, redis::cmd("DEL").arg(&key));
+                let _ = redis_query::<i64>(port, redis::cmd("DEL").arg(&key));
             }
         }
     }
@@ -262,7 +266,7 @@ impl Cluster {
     fn nodes(&self) -> Option<Vec<Node>> {
         self.ports
             .iter()
-            .find_map(|&p| query::<String>(p, redis::cmd("CLUSTER").arg("NODES")).ok())
+            .find_map(|&p| redis_query::<String>(p, redis::cmd("CLUSTER").arg("NODES")).ok())
             .map(|text| text.lines().filter_map(Node::parse).collect())
     }
 }
@@ -318,34 +322,19 @@ fn free_base() -> Option<u16> {
     })
 }
 
-/// One command to one node, on a fresh connection with short timeouts.
-fn query<T: redis::FromRedisValue>(port: u16, cmd: &redis::Cmd) -> redis::RedisResult<T> {
-    let client = redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
-    let mut connection = client.get_connection_with_timeout(Duration::from_millis(500))?;
-    connection.set_read_timeout(Some(Duration::from_secs(2)))?;
-    cmd.query(&mut connection)
-}
-
 fn scan(port: u16, prefix: &str) -> Vec<String> {
     let mut keys = Vec::new();
     let mut cursor = 0u64;
     loop {
-        let (next, batch): (u64, Vec<String>) =
-            query(port, redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(format!("{prefix}*")).arg("COUNT").arg(1000))
-                .expect("SCAN a master");
+        let (next, batch): (u64, Vec<String>) = redis_query(
+            port,
+            redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(format!("{prefix}*")).arg("COUNT").arg(1000),
+        )
+        .expect("SCAN a master");
         keys.extend(batch);
         if next == 0 {
             return keys;
         }
         cursor = next;
-    }
-}
-
-/// Polls `condition` every 50 ms until it holds; panics naming `what` after `limit`.
-fn wait_until(limit: Duration, what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out after {limit:?} waiting until {what}");
-        std::thread::sleep(Duration::from_millis(50));
     }
 }

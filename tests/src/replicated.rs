@@ -28,7 +28,8 @@ impl Replicated {
     /// # Panics
     ///
     /// When the servers are installed but the replica does not link to its master within 20 s.
-    pub async fn start(test: &str) -> Option<Replicated> {
+    #[must_use]
+    pub fn start(test: &str) -> Option<Replicated> {
         let binary = std::env::var("REDIS_SERVER_BIN").unwrap_or_else(|_| "redis-server".into());
         if Command::new(&binary).arg("--version").output().is_err() {
             let message = format!("{test}: {binary} is not installed");
@@ -57,20 +58,11 @@ impl Replicated {
         let master = server(master_port, &["--repl-diskless-sync-delay".into(), "0".into()]);
         let replica = server(replica_port, &["--replicaof".into(), format!("127.0.0.1 {master_port}")]);
         let pair = Replicated { master, replica, master_port, replica_port, dir };
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        loop {
-            let info: Option<String> = async {
-                let client = redis::Client::open(Replicated::url(pair.replica_port)).ok()?;
-                let mut connection = client.get_multiplexed_async_connection().await.ok()?;
-                redis::cmd("INFO").arg("replication").query_async(&mut connection).await.ok()
-            }
-            .await;
-            if info.is_some_and(|info| info.contains("master_link_status:up")) {
-                return Some(pair);
-            }
-            assert!(tokio::time::Instant::now() < deadline, "the replica did not link to its master within 20 s");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        crate::services::wait_until(Duration::from_secs(20), "the replica is linked to its master", || {
+            crate::services::redis_query::<String>(replica_port, redis::cmd("INFO").arg("replication"))
+                .is_ok_and(|info| info.contains("master_link_status:up"))
+        });
+        Some(pair)
     }
 
     /// The URL of the server on `port`.

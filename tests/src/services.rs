@@ -2,7 +2,7 @@
 //! an absent server: skip loudly, or fail when `IDEMPOTENT_REQUIRE_SERVICES=1` (as `.ci/run` sets).
 
 use std::net::ToSocketAddrs;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// `true` when an unreachable service must fail the test instead of skipping it.
 #[must_use]
@@ -139,6 +139,36 @@ fn host_port(url: &str) -> Option<(String, u16)> {
     match host_port.rsplit_once(':') {
         Some((host, port)) => Some((host.to_owned(), port.parse().ok()?)),
         None => Some((host_port.to_owned(), default_port)),
+    }
+}
+
+/// One command to the Redis server on loopback `port`, on a fresh connection with short
+/// timeouts (for test fixtures that start servers of their own).
+///
+/// # Errors
+///
+/// When the server cannot be reached in 500 ms, does not answer in 2 s, or answers an error.
+#[cfg(feature = "redis")]
+pub fn redis_query<T: idempotent_runtime::stores::redis::redis::FromRedisValue>(
+    port: u16,
+    cmd: &idempotent_runtime::stores::redis::redis::Cmd,
+) -> idempotent_runtime::stores::redis::redis::RedisResult<T> {
+    let client = idempotent_runtime::stores::redis::redis::Client::open(format!("redis://127.0.0.1:{port}"))?;
+    let mut connection = client.get_connection_with_timeout(Duration::from_millis(500))?;
+    connection.set_read_timeout(Some(Duration::from_secs(2)))?;
+    cmd.query(&mut connection)
+}
+
+/// Polls `condition` every 50 ms until it holds.
+///
+/// # Panics
+///
+/// Naming `what`, when it does not hold within `limit`.
+pub fn wait_until(limit: Duration, what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out after {limit:?} waiting until {what}");
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 

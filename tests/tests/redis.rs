@@ -717,7 +717,7 @@ async fn redis_replica_acks_of_a_resent_completion_wait_for_the_replica() {
     use std::sync::atomic::Ordering;
 
     let test = "redis_replica_acks_of_a_resent_completion_wait_for_the_replica";
-    let Some(pair) = Replicated::start(test).await else { return };
+    let Some(pair) = Replicated::start(test) else { return };
     let proxy = FaultProxy::start(&format!("127.0.0.1:{}", pair.master_port)).await.expect("start the proxy");
     let store = RedisStore::connect(&format!("redis://{}", proxy.addr()))
         .await

@@ -1,4 +1,5 @@
--- Every request carries a fresh Idempotency-Key: each is a first execution.
+-- Every request carries a fresh Idempotency-Key: a first execution behind the layer; the plain
+-- handler gets the same requests (its route ignores the key), so wrk does the same work for both.
 -- A per-run prefix (WRK_PREFIX) keeps runs apart; wrk's threads each get their own counter.
 local prefix = os.getenv("WRK_PREFIX") or tostring(os.time())
 local thread_id = 0

@@ -9,7 +9,8 @@
 //!   wins; the opt-outs get fresh keys.
 //! - Steps: a step finished by an earlier run is replayed, not run again, on the memory store, an
 //!   SQLite file, PostgreSQL and inside an SQLite transaction; its record obeys the fingerprint;
-//!   outside a body it is a typed error.
+//!   outside a body it is a typed error; a step's claim left by a run that died inside the step
+//!   is waited out, and the next run does the step.
 //!
 //! The process-level proof (SIGKILL at chosen points) is `tests/tests/chain_sigkill.rs`.
 
@@ -248,6 +249,45 @@ async fn released_after_first_step<S: Store>(store: &S, key: &str) {
     // when the call was released: see the next test).
     let other = Call::new("chain-steps", key).fingerprint(&"other").run(store, async { Ok::<_, Error>(0usize) });
     assert!(matches!(other.await, Err(Error::FingerprintMismatch { .. })));
+}
+
+/// A step's claim left by a run that died inside the step is waited out, then the step runs in
+/// the next run: the step asks the store again once the claim's lease is over. On the memory
+/// store, under Tokio's paused clock.
+#[tokio::test(start_paused = true)]
+async fn chain_step_claim_left_by_a_dead_run_is_waited_out_on_memory() {
+    let store = MemoryStore::new();
+    let (work, runs) = (Work::default(), AtomicUsize::new(0));
+    let order = || {
+        Call::new("chain-dead-step", "order-1").lease(Duration::from_secs(3)).wait(Duration::from_secs(30)).run(
+            &store,
+            async {
+                if runs.fetch_add(1, Ordering::SeqCst) == 0 {
+                    // The call's claim is renewed at 1 s and 2 s (every third of the lease): it
+                    // ends at 5 s. The step's claim, made at 2.5 s, ends at 5.5 s.
+                    tokio::time::sleep(Duration::from_millis(2500)).await;
+                }
+                step("charge", async {
+                    if work.run() == 1 {
+                        std::future::pending::<()>().await; // the first run dies here
+                    }
+                    Ok::<_, Error>(7usize)
+                })
+                .await
+            },
+        )
+    };
+    let started = tokio::time::Instant::now();
+    let first = tokio::time::timeout(Duration::from_millis(2600), order()).await;
+    assert!(first.is_err(), "the first run is dropped inside its step: {first:?}");
+    let second = tokio::time::timeout(Duration::from_secs(60), order()).await;
+    assert_eq!(second.expect("the second run ends").unwrap(), 7);
+    assert_eq!((work.count(), runs.load(Ordering::SeqCst)), (2, 2), "the step's work ran in each run");
+    let waited = started.elapsed();
+    assert!(
+        (Duration::from_millis(5500)..Duration::from_secs(7)).contains(&waited),
+        "the second run took the call over at 5 s and waited for the step's claim to end at 5.5 s: {waited:?}"
+    );
 }
 
 #[tokio::test]

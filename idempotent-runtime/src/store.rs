@@ -95,6 +95,22 @@ pub trait Store: Send + Sync {
     fn name(&self) -> &'static str {
         "custom"
     }
+
+    /// Whether every caller of this store runs in this process: `true` for
+    /// [`MemoryStore`](crate::MemoryStore), whose records live in this process's memory. The
+    /// default is `false`, for a store that other processes or machines share.
+    ///
+    /// A call's owner [`Token`] must be unique among the callers that share its store. For a
+    /// shared store each call draws its token from the operating system ([`Token::new`]), so
+    /// that two copies of one process never make the same one: a process and its `fork` child,
+    /// or two virtual machines restored from one snapshot, hold the same memory, and a token
+    /// counted from it would repeat in both; the store would then take the second copy's claim
+    /// for a resend of the first's, and both would run the body. For a process-local store the
+    /// call counts its tokens up from per-thread randomness instead, which is cheaper, and
+    /// unique within the process, which is all such a store needs.
+    fn process_local(&self) -> bool {
+        false
+    }
 }
 
 /// Whose claim on which key, for which request: what [`ClaimRequest`] and [`Completion`] both
@@ -335,6 +351,11 @@ macro_rules! forward_store {
             $target(self).name()
         }
     };
+    (@process_local $mode:ident $target:path) => {
+        fn process_local(&self) -> bool {
+            $target(self).process_local()
+        }
+    };
     (@future direct $future:expr) => { $future };
     (@future awaited $future:expr) => { async move { $future.await } };
 }
@@ -345,7 +366,7 @@ macro_rules! forward_through_pointers {
     ($([$($generics:tt)*] $pointer:ty;)*) => {$(
         impl<$($generics)*> Store for $pointer {
             forward_store!(direct std::ops::Deref::deref;
-                claim complete release extend detach purge_expired max_record_bytes name);
+                claim complete release extend detach purge_expired max_record_bytes name process_local);
         }
     )*};
 }

@@ -307,7 +307,7 @@ impl<S: Store> Store for CachedStore<S> {
         Ok(())
     }
 
-    forward_store!(direct CachedStore::inner; release extend detach max_record_bytes);
+    forward_store!(direct CachedStore::inner; release extend detach max_record_bytes process_local);
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         self.shared.records.run_pending_tasks();

@@ -635,6 +635,10 @@ impl Store for MemoryStore {
     fn name(&self) -> &'static str {
         "memory"
     }
+
+    fn process_local(&self) -> bool {
+        true
+    }
 }
 
 impl Entry {

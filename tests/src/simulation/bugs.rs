@@ -185,4 +185,8 @@ impl<S: Store> Store for Planted<S> {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
+
+    fn process_local(&self) -> bool {
+        self.inner.process_local()
+    }
 }

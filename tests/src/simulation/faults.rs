@@ -221,4 +221,10 @@ impl<S: Store + 'static> Store for FaultStore<S> {
     fn name(&self) -> &'static str {
         "sim"
     }
+
+    /// As the memory store it wraps: its calls count their tokens up from per-thread randomness
+    /// instead of asking the operating system for each, as calls on a memory store do.
+    fn process_local(&self) -> bool {
+        self.shared.store.process_local()
+    }
 }

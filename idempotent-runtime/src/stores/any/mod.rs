@@ -45,6 +45,7 @@ trait Erased: Send + Sync {
     fn purge_expired(&self) -> BoxFuture<'_, Result<u64, StoreError>>;
     fn max_record_bytes(&self) -> usize;
     fn name(&self) -> &'static str;
+    fn process_local(&self) -> bool;
     fn type_name(&self) -> &'static str;
 }
 
@@ -79,6 +80,10 @@ impl<S: Store> Erased for S {
 
     fn name(&self) -> &'static str {
         Store::name(self)
+    }
+
+    fn process_local(&self) -> bool {
+        Store::process_local(self)
     }
 
     fn type_name(&self) -> &'static str {
@@ -165,5 +170,5 @@ impl AnyStore {
 // `Store`'s signatures cannot name.
 impl Store for AnyStore {
     forward_store!(awaited AnyStore::erased;
-        claim complete release extend detach purge_expired max_record_bytes name);
+        claim complete release extend detach purge_expired max_record_bytes name process_local);
 }

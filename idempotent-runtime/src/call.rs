@@ -213,7 +213,9 @@ impl Call {
                 site.check(key.scope(), self_type).map_err(|e| observer.error(e))?;
             }
             check_durations(key, lease, retention, wait).map_err(|e| observer.error(e))?;
-            let token = Token::new();
+            // Unique among every caller of the store: drawn from the operating system for a
+            // shared store (copies of this process must not repeat it), counted for ours.
+            let token = if store.process_local() { Token::counted() } else { Token::new() };
             let request = ClaimRequest::new(key, &token, fingerprint, lease);
             let mut guard = Guard {
                 store,

@@ -241,14 +241,38 @@ enum Repr {
 }
 
 impl Token {
-    /// A fresh token, unique with overwhelming probability: 32 hex digits.
+    /// A fresh token: 128 bits from the operating system's random source, as 32 hex digits.
     ///
-    /// A token fences one claim, so it must never repeat; it need not be unpredictable (stores
-    /// only compare it). Each thread draws 128 random bits once (uuid's CSPRNG) and then counts
-    /// up from them, so a token costs an increment and its hex, with no allocation: this runs once
-    /// per call, replays included.
+    /// A token fences one claim, so it must never repeat among the callers of one store; it need
+    /// not be unpredictable (stores only compare it). It is drawn from the operating system for
+    /// each token, not from state in this process's memory, because that memory can be copied:
+    /// a `fork` child, or a virtual machine restored twice from one snapshot, continues with the
+    /// same generator state as its twin and would make the same tokens, so two copies claiming
+    /// one key would each take the other's claim for their own. The kernel's generator is
+    /// reseeded when it learns of such a copy (Linux does on a VM fork, from its generation ID).
+    /// This costs a system call per token with glibc before 2.41 (about 0.3 µs here), much less
+    /// where `getrandom` is served by the vDSO. Should the source fail, the token is counted as
+    /// in a process-local store's calls, and a warning is logged.
     #[must_use]
     pub fn new() -> Self {
+        let mut bytes = [0u8; 16];
+        match getrandom::fill(&mut bytes) {
+            Ok(()) => Token(Repr::Hex(crate::hex::encode(&bytes))),
+            Err(error) => {
+                tracing::warn!(
+                    target: "idempotent", %error,
+                    "the operating system's random source failed; this owner token is counted from per-thread \
+                     randomness, which a copy of this process (fork, VM snapshot) would repeat"
+                );
+                Self::counted()
+            }
+        }
+    }
+
+    /// A token counted up from 128 random bits drawn once per thread: an increment and its hex,
+    /// no system call. Unique within this process, which is what a
+    /// [process-local](Store::process_local) store's calls need, and what they use.
+    pub(crate) fn counted() -> Self {
         thread_local! {
             static NEXT: std::cell::Cell<u128> = std::cell::Cell::new(uuid::Uuid::new_v4().as_u128());
         }

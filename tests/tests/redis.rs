@@ -71,6 +71,28 @@ async fn claim(store: &RedisStore, key: &Key, token: &Token, fp: Option<&Fingerp
 /// Long enough that no record expires while a test SCANs a large keyspace.
 const LEASE: Duration = Duration::from_secs(600);
 
+/// Two copies of one process (a `fork` child beside its parent, as a virtual machine restored
+/// twice from one snapshot makes them) each run a call on the same key at once: one runs the
+/// body, the other finds it in progress. Tokens counted up from per-thread randomness are the
+/// same in both copies, and the second claim then looked like a resend of the first: both ran.
+#[tokio::test]
+async fn redis_copies_of_one_process_never_share_an_owner_token() {
+    let Some(url) = idempotent_tests::services::redis_url("redis_copies_of_one_process_never_share_an_owner_token")
+    else {
+        return;
+    };
+    let prefix = format!("idempotent-test:{}:", uuid::Uuid::new_v4().simple());
+    let program = std::process::Command::new(env!("CARGO_BIN_EXE_token_fork")).args([&url, &prefix]).output();
+    let output = program.expect("run token_fork");
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "token_fork failed: {stdout}{stderr}");
+    let mut copies: Vec<&str> = stdout.lines().collect();
+    copies.sort_unstable();
+    assert_eq!(copies, ["in progress", "ran"], "what each copy's call did: {stdout}{stderr}");
+    let (_, mut raw) = setup(&url).await;
+    cleanup(&mut raw, &prefix).await;
+}
+
 #[tokio::test]
 async fn redis_claim_complete_and_replay() {
     let Some(url) = idempotent_tests::services::redis_url("redis_claim_complete_and_replay") else {

@@ -88,7 +88,12 @@ async fn redis_copies_of_one_process_never_share_an_owner_token() {
     assert!(output.status.success(), "token_fork failed: {stdout}{stderr}");
     let mut copies: Vec<&str> = stdout.lines().collect();
     copies.sort_unstable();
-    assert_eq!(copies, ["in progress", "ran"], "what each copy's call did: {stdout}{stderr}");
+    // Both copies claim within milliseconds of each other and the body takes 2 s, so the second
+    // finds it in progress; one that started after the body ended would get the replay.
+    assert!(
+        copies == ["in progress", "ran"] || copies == ["ran", "replayed"],
+        "the body runs in exactly one copy: {stdout}{stderr}"
+    );
     let (_, mut raw) = setup(&url).await;
     cleanup(&mut raw, &prefix).await;
 }

@@ -4,8 +4,8 @@
 //! `token_fork <redis-url> <prefix>` runs a few calls (so this thread has made tokens), then forks
 //! while it has no other thread: the child holds the same memory, as a virtual machine restored
 //! twice from one snapshot, or a server forked into workers after it started, does. Each copy
-//! then opens a connection of its own and runs one call on the same key, whose body takes
-//! 500 ms, and prints one line: `ran`, `in progress`, `replayed` or the error.
+//! then opens a connection of its own and runs one call on the same key, whose body takes 2 s,
+//! and prints one line: `ran`, `in progress`, `replayed` or the error.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -51,7 +51,7 @@ fn main() {
         Call::new("token-fork", "one-key")
             .run(&store, async {
                 ran.store(true, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(500)).await;
+                tokio::time::sleep(Duration::from_secs(2)).await;
                 Ok::<_, Error>(())
             })
             .await

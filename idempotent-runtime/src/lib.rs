@@ -114,6 +114,7 @@ pub mod http;
 mod key;
 pub mod observe;
 mod outcome;
+mod random;
 mod replayable;
 mod scope;
 mod setters;

@@ -245,27 +245,17 @@ impl Token {
     ///
     /// A token fences one claim, so it must never repeat among the callers of one store; it need
     /// not be unpredictable (stores only compare it). It is drawn from the operating system for
-    /// each token, not from state in this process's memory, because that memory can be copied:
-    /// a `fork` child, or a virtual machine restored twice from one snapshot, continues with the
-    /// same generator state as its twin and would make the same tokens, so two copies claiming
-    /// one key would each take the other's claim for their own. The kernel's generator is
-    /// reseeded when it learns of such a copy (Linux does on a VM fork, from its generation ID).
-    /// This costs a system call per token with glibc before 2.41 (about 0.3 µs here), much less
-    /// where `getrandom` is served by the vDSO. Should the source fail, the token is counted as
-    /// in a process-local store's calls, and a warning is logged.
+    /// each token, not from state in this process's memory, which a `fork` child or a virtual
+    /// machine restored twice from one snapshot would continue from: two such copies claiming one
+    /// key with the same token would each take the other's claim for their own. This costs a
+    /// system call per token where glibc is older than 2.41 (about 0.3 µs here), less where
+    /// `getrandom` is served by the vDSO. Should the source fail, the token is counted as a
+    /// process-local store's calls count theirs, and a warning is logged.
     #[must_use]
     pub fn new() -> Self {
-        let mut bytes = [0u8; 16];
-        match getrandom::fill(&mut bytes) {
-            Ok(()) => Token(Repr::Hex(crate::hex::encode(&bytes))),
-            Err(error) => {
-                tracing::warn!(
-                    target: "idempotent", %error,
-                    "the operating system's random source failed; this owner token is counted from per-thread \
-                     randomness, which a copy of this process (fork, VM snapshot) would repeat"
-                );
-                Self::counted()
-            }
+        match crate::random::os_bytes() {
+            Some(bytes) => Token(Repr::Hex(crate::hex::encode(&bytes))),
+            None => Self::counted(),
         }
     }
 

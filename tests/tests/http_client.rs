@@ -177,6 +177,36 @@ fn assert_one_run_one_key(ledger: &Ledger, attempts: &Attempts) {
     assert!(is_uuid_v4(&attempts.key), "{}", attempts.key);
 }
 
+/// Two copies of one process (a `fork` child beside its parent, as a virtual machine restored
+/// twice from one snapshot makes them) each send one request with no key of their own: the
+/// middleware gives them different fresh keys. uuid's per-thread generator, which made them
+/// before, goes on identically in both copies: the two requests carried one key, and a server
+/// would have taken the second for a retry of the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_client_copies_of_one_process_send_different_fresh_keys() {
+    async fn note(State(keys): State<Arc<Mutex<Vec<String>>>>, headers: HeaderMap) -> StatusCode {
+        let key = headers.get("idempotency-key").map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        keys.lock().unwrap().push(key.unwrap_or_default());
+        StatusCode::OK
+    }
+    let keys = Arc::new(Mutex::new(Vec::new()));
+    let app = Router::new().route("/orders", post(note)).with_state(Arc::clone(&keys));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
+    let url = format!("http://{}/orders", listener.local_addr().expect("the bound address"));
+    let server = tokio::spawn(async move { axum::serve(listener, app).await.expect("the server runs") });
+    let run =
+        move || std::process::Command::new(env!("CARGO_BIN_EXE_fork_copies")).args(["outbound-key", &url]).output();
+    let output = tokio::task::spawn_blocking(run).await.unwrap().expect("run fork_copies");
+    server.abort();
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "fork_copies failed: {stdout}{stderr}");
+    assert_eq!(stdout.lines().collect::<Vec<_>>(), ["sent", "sent"], "{stderr}");
+    let keys = keys.lock().unwrap().clone();
+    assert_eq!(keys.len(), 3, "the warm-up request and one from each copy: {keys:?}");
+    assert!(keys.iter().all(|key| is_uuid_v4(key)), "{keys:?}");
+    assert_ne!(keys[1], keys[2], "each copy's request has a key of its own: {keys:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http_client_lost_response_then_refused_connections_is_retried_with_the_same_key_and_replayed() {
     let ledger = Ledger::default();

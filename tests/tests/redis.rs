@@ -82,10 +82,10 @@ async fn redis_copies_of_one_process_never_share_an_owner_token() {
         return;
     };
     let prefix = format!("idempotent-test:{}:", uuid::Uuid::new_v4().simple());
-    let program = std::process::Command::new(env!("CARGO_BIN_EXE_token_fork")).args([&url, &prefix]).output();
-    let output = program.expect("run token_fork");
+    let program = std::process::Command::new(env!("CARGO_BIN_EXE_fork_copies")).args(["token", &url, &prefix]).output();
+    let output = program.expect("run fork_copies");
     let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
-    assert!(output.status.success(), "token_fork failed: {stdout}{stderr}");
+    assert!(output.status.success(), "fork_copies failed: {stdout}{stderr}");
     let mut copies: Vec<&str> = stdout.lines().collect();
     copies.sort_unstable();
     // Both copies claim within milliseconds of each other and the body takes 2 s, so the second

@@ -12,8 +12,9 @@ use super::policy::{RetryPolicy, is_retryable_status, retry_after};
 use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 
 /// `reqwest-middleware` middleware that makes non-idempotent requests safe to retry, and retries
-/// them: each gets an `Idempotency-Key` (a v4 UUID) unless it has one, and every retry carries
-/// the same key, so the server runs the request once however many attempts reach it.
+/// them: each gets an `Idempotency-Key` (a v4 UUID from the operating system's random source, so
+/// that copies of this process never send the same one) unless it has one, and every retry
+/// carries the same key, so the server runs the request once however many attempts reach it.
 ///
 /// Requests with a [method](Self::methods) in its set (`POST` and `PATCH` by default), or that
 /// already carry an `Idempotency-Key`, are handled; every other request passes through untouched.
@@ -147,7 +148,7 @@ impl IdempotentRetry {
             } else {
                 None
             };
-            let key = derived.unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+            let key = derived.unwrap_or_else(|| crate::random::fresh_uuid().to_string());
             let value = HeaderValue::from_str(&key).expect("a UUID or hex digest is a valid header value");
             request.headers_mut().insert(IDEMPOTENCY_KEY, value);
             key

@@ -39,7 +39,7 @@ impl Interceptor for IdempotencyKeys {
             .extensions()
             .get::<GrpcMethod<'static>>()
             .and_then(|method| crate::derived_key("POST", &format!("/{}/{}", method.service(), method.method())));
-        let key = derived.unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+        let key = derived.unwrap_or_else(|| crate::random::fresh_uuid().to_string());
         let value = MetadataValue::try_from(key.as_str())
             .map_err(|_| Status::internal("a derived idempotency key is not valid metadata"))?;
         request.metadata_mut().insert(KEY, value);

@@ -155,6 +155,22 @@ async fn grpc_python_client_retrying_after_a_lost_answer_gets_the_recorded_one()
 
 // ---- tonic's client ---------------------------------------------------------------------
 
+/// Two copies of one process (a `fork` child beside its parent, as a virtual machine restored
+/// twice from one snapshot makes them) each have `IdempotencyKeys` give a call a fresh key: the
+/// keys differ. uuid's per-thread generator, which made them before, goes on identically in
+/// both copies.
+#[cfg(all(feature = "redis", feature = "http"))] // the test program's other modes need them
+#[test]
+fn grpc_client_copies_of_one_process_give_different_fresh_keys() {
+    let output = Command::new(env!("CARGO_BIN_EXE_fork_copies")).arg("grpc-key").output().expect("run fork_copies");
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "fork_copies failed: {stdout}{stderr}");
+    let keys: Vec<&str> = stdout.lines().collect();
+    assert_eq!(keys.len(), 2, "one key from each copy: {stdout}{stderr}");
+    assert!(keys.iter().all(|key| uuid::Uuid::parse_str(key).is_ok_and(|u| u.get_version_num() == 4)), "{keys:?}");
+    assert_ne!(keys[0], keys[1], "each copy's key is its own");
+}
+
 #[tokio::test]
 async fn grpc_64_concurrent_duplicates_run_once_memory() {
     let ledger = Ledger::default();

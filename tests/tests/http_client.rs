@@ -182,6 +182,7 @@ fn assert_one_run_one_key(ledger: &Ledger, attempts: &Attempts) {
 /// middleware gives them different fresh keys. uuid's per-thread generator, which made them
 /// before, goes on identically in both copies: the two requests carried one key, and a server
 /// would have taken the second for a retry of the first.
+#[cfg(all(feature = "redis", feature = "grpc"))] // the test program's other modes need them
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http_client_copies_of_one_process_send_different_fresh_keys() {
     async fn note(State(keys): State<Arc<Mutex<Vec<String>>>>, headers: HeaderMap) -> StatusCode {

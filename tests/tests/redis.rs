@@ -75,6 +75,7 @@ const LEASE: Duration = Duration::from_secs(600);
 /// twice from one snapshot makes them) each run a call on the same key at once: one runs the
 /// body, the other finds it in progress. Tokens counted up from per-thread randomness are the
 /// same in both copies, and the second claim then looked like a resend of the first: both ran.
+#[cfg(all(feature = "http", feature = "grpc"))] // the test program's other modes need them
 #[tokio::test]
 async fn redis_copies_of_one_process_never_share_an_owner_token() {
     let Some(url) = idempotent_tests::services::redis_url("redis_copies_of_one_process_never_share_an_owner_token")

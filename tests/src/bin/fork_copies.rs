@@ -9,6 +9,8 @@
 //! - `fork_copies outbound-key <url>`: one `POST` to `url` through `IdempotentRetry` (so this
 //!   thread has made a fresh key), the fork, then in each copy one `POST` to `url` with no key of
 //!   its own, for the middleware to give it one. Each copy prints `sent` or the error.
+//! - `fork_copies grpc-key`: the gRPC client's `IdempotencyKeys` interceptor gives one request a
+//!   key, the fork, then it gives one request a key in each copy, which prints it.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,6 +18,7 @@ use std::time::Duration;
 
 use fork::Fork;
 use idempotent_runtime::client::{IdempotentRetry, RetryPolicy};
+use idempotent_runtime::grpc::IdempotencyKeys;
 use idempotent_runtime::{Call, Error, RedisStore};
 use reqwest_middleware::ClientBuilder;
 
@@ -43,6 +46,14 @@ fn in_two_copies<B: Future<Output = ()>, A: Future<Output = String>>(before: B, 
 
 async fn store(url: &str, prefix: &str) -> RedisStore {
     RedisStore::connect(url).await.expect("connect to Redis").with_prefix(prefix).expect("a valid prefix")
+}
+
+/// The `idempotency-key` that `IdempotencyKeys` gives a request without one.
+fn grpc_key() -> String {
+    use tonic::service::Interceptor as _;
+    let request = IdempotencyKeys.call(tonic::Request::new(())).expect("the interceptor accepts the request");
+    let key = request.metadata().get("idempotency-key").expect("a key was given");
+    key.to_str().expect("a text key").to_owned()
 }
 
 async fn post(url: &str) -> String {
@@ -89,6 +100,12 @@ fn main() {
             },
             || post(url),
         ),
-        _ => panic!("usage: fork_copies token <redis-url> <prefix> | fork_copies outbound-key <url>"),
+        [mode] if mode == "grpc-key" => in_two_copies(
+            async {
+                grpc_key();
+            },
+            || async { grpc_key() },
+        ),
+        _ => panic!("usage: fork_copies token <redis-url> <prefix> | outbound-key <url> | grpc-key"),
     }
 }

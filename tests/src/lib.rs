@@ -19,6 +19,21 @@ pub mod stress;
 use std::future::Future;
 use std::time::Duration;
 
+/// Runs a test program (a `CARGO_BIN_EXE_*` path) with `args` to its end, and returns the lines
+/// of its standard output.
+///
+/// # Panics
+///
+/// When it cannot be started or exits with a failure; the message holds what it printed.
+#[must_use]
+pub fn output_lines(program: &str, args: &[&str]) -> Vec<String> {
+    let output = std::process::Command::new(program).args(args).output();
+    let output = output.unwrap_or_else(|error| panic!("cannot run {program}: {error}"));
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "{program} {args:?} failed ({}): {stdout}{stderr}", output.status);
+    stdout.lines().map(str::to_owned).collect()
+}
+
 use idempotent_runtime::{Completion, Key, Store, StoreError, Token};
 
 /// Direct store steps in the short form the tests use.

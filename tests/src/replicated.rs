@@ -31,10 +31,7 @@ impl Replicated {
     #[must_use]
     pub fn start(test: &str) -> Option<Replicated> {
         let binary = std::env::var("REDIS_SERVER_BIN").unwrap_or_else(|_| "redis-server".into());
-        if Command::new(&binary).arg("--version").output().is_err() {
-            let message = format!("{test}: {binary} is not installed");
-            assert!(!crate::services::services_required(), "{message}, and IDEMPOTENT_REQUIRE_SERVICES=1 requires it");
-            crate::services::skipped(&message);
+        if !crate::services::programs_installed(test, &[&binary]) {
             return None;
         }
         // Both bound at once, so the two ports differ; released just before the servers take them.

@@ -19,10 +19,38 @@ pub fn service_url(var: &str, default: &str, test: &str) -> Option<String> {
     if reachable(&url) {
         return Some(url);
     }
-    let message = format!("{test}: no server at {url} (set {var} to point elsewhere)");
-    assert!(!services_required(), "{message}, and IDEMPOTENT_REQUIRE_SERVICES=1 requires it");
-    skipped(&message);
+    absent(&format!("{test}: no server at {url} (set {var} to point elsewhere)"));
     None
+}
+
+/// What a test does when something it needs is missing: prints a loud `SKIPPED` line with
+/// `message`, or panics with it when services are required.
+///
+/// # Panics
+///
+/// When `IDEMPOTENT_REQUIRE_SERVICES=1`.
+pub fn absent(message: &str) {
+    assert!(!services_required(), "{message}, and IDEMPOTENT_REQUIRE_SERVICES=1 requires it");
+    skipped(message);
+}
+
+/// Whether each of `programs` runs (`program --version`); if one does not, [`absent`] with a
+/// message naming `test` and the programs.
+///
+/// # Panics
+///
+/// When one is missing and `IDEMPOTENT_REQUIRE_SERVICES=1`.
+#[must_use]
+pub fn programs_installed(test: &str, programs: &[&str]) -> bool {
+    let runs = |program: &&str| {
+        let (null, also_null) = (std::process::Stdio::null(), std::process::Stdio::null());
+        std::process::Command::new(program).arg("--version").stdout(null).stderr(also_null).status().is_ok()
+    };
+    if programs.iter().all(runs) {
+        return true;
+    }
+    absent(&format!("{test}: {} is not installed", programs.join(" or ")));
+    false
 }
 
 /// Prints a loud `SKIPPED` line that a plain `cargo test` shows.

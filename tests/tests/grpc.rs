@@ -13,7 +13,7 @@ use idempotent_runtime::grpc::{GrpcIdempotencyLayer, IdempotencyKeys};
 use idempotent_runtime::{Call, Error, MemoryStore, Store};
 use idempotent_tests::grpc::{Bank, Ledger, PAY, PayRequest, PaymentsClient, TestServer, request_id};
 use idempotent_tests::proxy::FaultProxy;
-use idempotent_tests::services::{services_required, skipped};
+use idempotent_tests::services::absent;
 use serde_json::Value;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
@@ -72,9 +72,7 @@ fn python() -> Option<PathBuf> {
     match result {
         Ok(python) => Some(python.clone()),
         Err(error) => {
-            let message = format!("grpc python tests: cannot install grpcio 1.85.0 from PyPI ({error})");
-            assert!(!services_required(), "{message}, and IDEMPOTENT_REQUIRE_SERVICES=1 requires it");
-            skipped(&message);
+            absent(&format!("grpc python tests: cannot install grpcio 1.85.0 from PyPI ({error})"));
             None
         }
     }
@@ -162,11 +160,8 @@ async fn grpc_python_client_retrying_after_a_lost_answer_gets_the_recorded_one()
 #[cfg(all(feature = "redis", feature = "http"))] // the test program's other modes need them
 #[test]
 fn grpc_client_copies_of_one_process_give_different_fresh_keys() {
-    let output = Command::new(env!("CARGO_BIN_EXE_fork_copies")).arg("grpc-key").output().expect("run fork_copies");
-    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
-    assert!(output.status.success(), "fork_copies failed: {stdout}{stderr}");
-    let keys: Vec<&str> = stdout.lines().collect();
-    assert_eq!(keys.len(), 2, "one key from each copy: {stdout}{stderr}");
+    let keys = idempotent_tests::output_lines(env!("CARGO_BIN_EXE_fork_copies"), &["grpc-key"]);
+    assert_eq!(keys.len(), 2, "one key from each copy: {keys:?}");
     assert!(keys.iter().all(|key| uuid::Uuid::parse_str(key).is_ok_and(|u| u.get_version_num() == 4)), "{keys:?}");
     assert_ne!(keys[0], keys[1], "each copy's key is its own");
 }

@@ -195,13 +195,10 @@ async fn http_client_copies_of_one_process_send_different_fresh_keys() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
     let url = format!("http://{}/orders", listener.local_addr().expect("the bound address"));
     let server = tokio::spawn(async move { axum::serve(listener, app).await.expect("the server runs") });
-    let run =
-        move || std::process::Command::new(env!("CARGO_BIN_EXE_fork_copies")).args(["outbound-key", &url]).output();
-    let output = tokio::task::spawn_blocking(run).await.unwrap().expect("run fork_copies");
+    let run = move || idempotent_tests::output_lines(env!("CARGO_BIN_EXE_fork_copies"), &["outbound-key", &url]);
+    let copies = tokio::task::spawn_blocking(run).await.unwrap();
     server.abort();
-    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
-    assert!(output.status.success(), "fork_copies failed: {stdout}{stderr}");
-    assert_eq!(stdout.lines().collect::<Vec<_>>(), ["sent", "sent"], "{stderr}");
+    assert_eq!(copies, ["sent", "sent"]);
     let keys = keys.lock().unwrap().clone();
     assert_eq!(keys.len(), 3, "the warm-up request and one from each copy: {keys:?}");
     assert!(keys.iter().all(|key| is_uuid_v4(key)), "{keys:?}");

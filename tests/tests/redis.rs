@@ -83,17 +83,13 @@ async fn redis_copies_of_one_process_never_share_an_owner_token() {
         return;
     };
     let prefix = format!("idempotent-test:{}:", uuid::Uuid::new_v4().simple());
-    let program = std::process::Command::new(env!("CARGO_BIN_EXE_fork_copies")).args(["token", &url, &prefix]).output();
-    let output = program.expect("run fork_copies");
-    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
-    assert!(output.status.success(), "fork_copies failed: {stdout}{stderr}");
-    let mut copies: Vec<&str> = stdout.lines().collect();
+    let mut copies = idempotent_tests::output_lines(env!("CARGO_BIN_EXE_fork_copies"), &["token", &url, &prefix]);
     copies.sort_unstable();
     // Both copies claim within milliseconds of each other and the body takes 2 s, so the second
     // finds it in progress; one that started after the body ended would get the replay.
     assert!(
         copies == ["in progress", "ran"] || copies == ["ran", "replayed"],
-        "the body runs in exactly one copy: {stdout}{stderr}"
+        "the body runs in exactly one copy: {copies:?}"
     );
     let (_, mut raw) = setup(&url).await;
     cleanup(&mut raw, &prefix).await;
@@ -589,9 +585,8 @@ async fn redis_connect_warns_when_the_server_may_evict_records() {
     connected.expect("the shared server is a supported Redis");
     assert!(warnings.is_empty(), "{warnings:?}");
 
-    if std::process::Command::new("redis-server").arg("--version").output().is_err() {
-        idempotent_tests::services::skipped("redis_connect_warns_when_the_server_may_evict_records: no redis-server");
-        assert!(!idempotent_tests::services::services_required(), "redis-server is required");
+    let test = "redis_connect_warns_when_the_server_may_evict_records";
+    if !idempotent_tests::services::programs_installed(test, &["redis-server"]) {
         return;
     }
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();

@@ -118,13 +118,7 @@ fn is_store_error<T: std::fmt::Debug>(result: &Result<T, PayError>) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_survives_server_restart() {
     let Some(url) = idempotent_tests::services::redis_url("redis_survives_server_restart") else { return };
-    if Command::new("redis-server").arg("--version").output().is_err() {
-        let message = "redis_survives_server_restart: redis-server is not installed, so the server cannot be restarted";
-        assert!(
-            !idempotent_tests::services::services_required(),
-            "{message}, and IDEMPOTENT_REQUIRE_SERVICES=1 requires it"
-        );
-        idempotent_tests::services::skipped(message);
+    if !idempotent_tests::services::programs_installed("redis_survives_server_restart", &["redis-server"]) {
         return;
     }
     let _restart = RestartOnDrop;
@@ -222,13 +216,7 @@ async fn redis_paused_server_gives_a_timeout_error() {
     use idempotent_runtime::stores::redis::DEFAULT_RESPONSE_TIMEOUT;
     use idempotent_runtime::{Claim, ClaimRequest, Key, Store, StoreError, Token};
 
-    if Command::new("redis-server").arg("--version").output().is_err() {
-        let message = "redis_paused_server_gives_a_timeout_error: redis-server is not installed";
-        assert!(
-            !idempotent_tests::services::services_required(),
-            "{message}, and IDEMPOTENT_REQUIRE_SERVICES=1 requires it"
-        );
-        idempotent_tests::services::skipped(message);
+    if !idempotent_tests::services::programs_installed("redis_paused_server_gives_a_timeout_error", &["redis-server"]) {
         return;
     }
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();

@@ -221,6 +221,24 @@ async fn http_layer_optional_key_passes_through_without_idempotency() {
 }
 
 #[tokio::test]
+async fn http_layer_hands_on_requests_the_key_extractor_accepts_with_and_without_a_key() {
+    // The layer runs each request to its end, so a handler behind it may extract the key; the
+    // extractor refuses (500, misconfigured) a request not marked as running to its end.
+    let seen = |key: Option<IdempotencyKeyHeader>| async move {
+        key.map_or_else(|| "no key".to_owned(), |key| key.shared_by_all_callers().to_owned())
+    };
+    let app = Router::new().route("/charges", post(seen)).route_layer(shared(MemoryStore::new()).optional());
+    let http = serve(app).await;
+    let k = key();
+    let first = http.post("/charges", &[("idempotency-key", &k)], "a").await;
+    assert_eq!((first.status, &first.body[..]), (200, k.as_bytes()), "{:?}", first.body);
+    let replay = http.post("/charges", &[("idempotency-key", &k)], "a").await;
+    assert!(replay.replayed() && replay.body == first.body, "{:?}", replay.body);
+    let keyless = http.post("/charges", &[], "a").await;
+    assert_eq!((keyless.status, &keyless.body[..]), (200, &b"no key"[..]), "{:?}", keyless.body);
+}
+
+#[tokio::test]
 async fn http_layer_malformed_or_too_long_key_is_400() {
     let (http, counters) = layer_app().await;
     let too_long = "k".repeat(MAX_KEY_BYTES + 1);

@@ -50,6 +50,9 @@ struct TokenLife {
     owner: Option<(usize, u32)>,
     /// The store granted the claim (request sent, answer back).
     claimed: Option<(Stamp, Stamp)>,
+    /// Every `Claimed` answer (request sent, answer back): the first grant, a claim renewed by the
+    /// same token, and a grant again after another token held the key meanwhile.
+    grants: Vec<(Stamp, Stamp)>,
     /// Every grant or renewal the store acknowledged: (sent, replied, lease).
     renewals: Vec<(Stamp, Stamp, Duration)>,
     /// The store acknowledged a release.
@@ -150,6 +153,7 @@ fn read<'a>(entries: &'a [Entry], verdict: &mut Verdict) -> Facts<'a> {
                 match (step.op, &step.store) {
                     (Op::Claim, Reply::Claimed) => {
                         life.claimed.get_or_insert(span);
+                        life.grants.push(span);
                         life.renewals.push((step.sent, step.replied, step.lease));
                     }
                     (Op::Extend, Reply::Ok) => life.renewals.push((step.sent, step.replied, step.lease)),
@@ -357,10 +361,12 @@ fn results(facts: &Facts<'_>, records: &BTreeMap<usize, Vec<u8>>, verdict: &mut 
                 let life = &tokens[&t];
                 let claimed = life.claimed.map_or(0, |(s, _)| s.1);
                 // Taken over: another token was granted the key, or recorded it, after our claim.
+                // Any grant counts, not only that token's first: a token whose claim was answered
+                // after its lease (and so lost the key to us) asks again and may be granted it back.
                 let taken = tokens.iter().any(|(o, l)| {
                     *o != t
                         && l.key == life.key
-                        && (l.claimed.is_some_and(|(_, r)| r.1 > claimed)
+                        && (l.grants.iter().any(|(_, r)| r.1 > claimed)
                             || l.completed.as_ref().is_some_and(|(_, r, _)| r.1 > claimed))
                 });
                 if !taken {

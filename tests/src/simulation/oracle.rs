@@ -48,8 +48,6 @@ type Stamp = (Duration, u64);
 struct TokenLife {
     key: usize,
     owner: Option<(usize, u32)>,
-    /// The store granted the claim (request sent, answer back).
-    claimed: Option<(Stamp, Stamp)>,
     /// Every `Claimed` answer (request sent, answer back): the first grant, a claim renewed by the
     /// same token, and a grant again after another token held the key meanwhile.
     grants: Vec<(Stamp, Stamp)>,
@@ -65,6 +63,11 @@ struct TokenLife {
 }
 
 impl TokenLife {
+    /// The store's first grant of the claim (request sent, answer back).
+    fn claimed(&self) -> Option<(Stamp, Stamp)> {
+        self.grants.first().copied()
+    }
+
     /// The store was unreachable for this token's claim or renewals after its last renewal
     /// acknowledged before `before` (so its lease could run out with its owner alive).
     fn unreachable_before(&self, before: u64) -> bool {
@@ -75,7 +78,7 @@ impl TokenLife {
     /// Certainly live at the instant a step sent at `sent` was answered at `replied`: renewed less
     /// than a lease before the step could have been applied, neither released nor completed.
     fn certainly_live(&self, sent: Stamp, replied: Stamp) -> bool {
-        let Some((_, claim_replied)) = self.claimed else { return false };
+        let Some((_, claim_replied)) = self.claimed() else { return false };
         if claim_replied.1 > sent.1 {
             return false;
         }
@@ -88,7 +91,7 @@ impl TokenLife {
     /// Possibly live when a step was sent at `sent`: its lease may not have ended, and no release
     /// or completion was certainly applied before.
     fn possibly_live(&self, sent: Stamp, replied: Stamp) -> bool {
-        let Some((claim_sent, _)) = self.claimed else { return false };
+        let Some((claim_sent, _)) = self.claimed() else { return false };
         if claim_sent.1 > replied.1 {
             return false;
         }
@@ -152,7 +155,6 @@ fn read<'a>(entries: &'a [Entry], verdict: &mut Verdict) -> Facts<'a> {
                 }
                 match (step.op, &step.store) {
                     (Op::Claim, Reply::Claimed) => {
-                        life.claimed.get_or_insert(span);
                         life.grants.push(span);
                         life.renewals.push((step.sent, step.replied, step.lease));
                     }
@@ -231,9 +233,9 @@ fn grants(facts: &Facts<'_>, verdict: &mut Verdict) {
     let Facts { tokens, bodies, on_cancel_release, .. } = facts;
     let body_of_token = |token: TokenId| tokens.get(&token).and_then(|l| l.owner).and_then(|o| bodies.get(&o).copied());
     for (&t2, life2) in tokens {
-        let Some((c2_sent, c2_replied)) = life2.claimed else { continue };
+        let Some((c2_sent, c2_replied)) = life2.claimed() else { continue };
         for (&t1, life1) in tokens {
-            if t1 == t2 || life1.key != life2.key || life1.claimed.is_none_or(|(_, r)| r.1 > c2_sent.1) {
+            if t1 == t2 || life1.key != life2.key || life1.claimed().is_none_or(|(_, r)| r.1 > c2_sent.1) {
                 continue;
             }
             if life1.certainly_live(c2_sent, c2_replied) {
@@ -359,7 +361,7 @@ fn results(facts: &Facts<'_>, records: &BTreeMap<usize, Vec<u8>>, verdict: &mut 
             CallEnd::Error("LeaseLost") => {
                 let Some(t) = own_token else { continue };
                 let life = &tokens[&t];
-                let claimed = life.claimed.map_or(0, |(s, _)| s.1);
+                let claimed = life.claimed().map_or(0, |(s, _)| s.1);
                 // Taken over: another token was granted the key, or recorded it, after our claim.
                 // Any grant counts, not only that token's first: a token whose claim was answered
                 // after its lease (and so lost the key to us) asks again and may be granted it back.

@@ -104,6 +104,13 @@ impl Fingerprint {
         std::str::from_utf8(&self.0).unwrap_or_default()
     }
 
+    /// The hex text's bytes, without the UTF-8 check `as_str` makes (for writing it into a
+    /// command).
+    #[cfg(feature = "redis")]
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
     fn from_digest(hasher: Sha256) -> Self {
         Self::from_digest_bytes(&hasher.finalize().into())
     }

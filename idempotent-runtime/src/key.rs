@@ -289,6 +289,12 @@ impl Key {
         &self.as_str()[..self.scope_len()]
     }
 
+    /// The scope as bytes, without the UTF-8 check `scope` makes of an inline key.
+    #[cfg(feature = "metrics")]
+    pub(crate) fn scope_bytes(&self) -> &[u8] {
+        &self.as_bytes()[..self.scope_len()]
+    }
+
     /// The caller's key part.
     #[must_use]
     pub fn key(&self) -> &str {

@@ -179,7 +179,7 @@ impl CallObserver {
         let listening = !span.is_disabled();
         CallObserver {
             span,
-            scope: key.filter(|_| cfg!(feature = "metrics")).map(|key| Scope::of(key.scope())),
+            scope: key.filter(|_| cfg!(feature = "metrics")).map(Scope::of),
             started: listening.then(tokio::time::Instant::now),
             outcome: AtomicU8::new(UNSET),
             steps_executed: AtomicU32::new(0),
@@ -214,8 +214,7 @@ impl CallObserver {
         #[cfg(feature = "metrics")]
         {
             describe();
-            let key = metrics::Key::from_static_parts("idempotent_steps_total", step_labels(replayed));
-            metrics::with_recorder(|recorder| recorder.register_counter(&key, metadata())).increment(1);
+            metrics::with_recorder(|recorder| recorder.register_counter(step_key(replayed), metadata())).increment(1);
         }
         #[cfg(not(feature = "metrics"))]
         let _ = result;
@@ -247,19 +246,21 @@ impl Drop for CallObserver {
         {
             describe();
             let name = "idempotent_calls_total";
+            let owned;
             let key = match self.scope.take().unwrap_or(Scope::Interned("")) {
-                Scope::Interned(scope) => {
-                    metrics::Key::from_static_parts(name, labels([("scope", scope), ("outcome", outcome.as_str())]))
+                Scope::Interned(scope) => metric_key(name, [("scope", scope), ("outcome", outcome.as_str())]),
+                Scope::Owned(scope) => {
+                    owned = metrics::Key::from_parts(
+                        name,
+                        vec![
+                            metrics::Label::new("scope", scope),
+                            metrics::Label::from_static_parts("outcome", outcome.as_str()),
+                        ],
+                    );
+                    &owned
                 }
-                Scope::Owned(scope) => metrics::Key::from_parts(
-                    name,
-                    vec![
-                        metrics::Label::new("scope", scope),
-                        metrics::Label::from_static_parts("outcome", outcome.as_str()),
-                    ],
-                ),
             };
-            metrics::with_recorder(|recorder| recorder.register_counter(&key, metadata())).increment(1);
+            metrics::with_recorder(|recorder| recorder.register_counter(key, metadata())).increment(1);
         }
     }
 }
@@ -274,23 +275,46 @@ enum Scope {
 
 impl Scope {
     #[cfg(feature = "metrics")]
-    fn of(scope: &str) -> Self {
-        interned(scope).map_or_else(|| Scope::Owned(scope.to_owned()), Scope::Interned)
+    fn of(key: &Key) -> Self {
+        interned(key.scope_bytes()).map_or_else(|| Scope::Owned(key.scope().to_owned()), Scope::Interned)
     }
 
     #[cfg(not(feature = "metrics"))]
-    fn of(scope: &str) -> Self {
-        Scope::Owned(scope.to_owned())
+    fn of(key: &Key) -> Self {
+        Scope::Owned(key.scope().to_owned())
     }
 }
 
-/// The label set of `idempotent_steps_total`.
+/// The key of `idempotent_steps_total` for a step run or replayed (built, and hashed, at compile
+/// time).
 #[cfg(feature = "metrics")]
-fn step_labels(replayed: bool) -> &'static [metrics::Label] {
+fn step_key(replayed: bool) -> &'static metrics::Key {
     static EXECUTED: [metrics::Label; 1] = [metrics::Label::from_static_parts("result", "executed")];
     static REPLAYED: [metrics::Label; 1] = [metrics::Label::from_static_parts("result", "replayed")];
-    if replayed { &REPLAYED } else { &EXECUTED }
+    static KEYS: [metrics::Key; 2] = [
+        metrics::Key::from_static_parts("idempotent_steps_total", &EXECUTED),
+        metrics::Key::from_static_parts("idempotent_steps_total", &REPLAYED),
+    ];
+    &KEYS[usize::from(replayed)]
 }
+
+/// Counts a lookup in a [`CachedStore`](crate::stores::cache::CachedStore)'s replay cache in
+/// `idempotent_cache_lookups_total` (feature `metrics`).
+#[cfg(all(feature = "metrics", feature = "cache"))]
+pub(crate) fn cache_lookup(hit: bool) {
+    static HIT: [metrics::Label; 1] = [metrics::Label::from_static_parts("result", "hit")];
+    static MISS: [metrics::Label; 1] = [metrics::Label::from_static_parts("result", "miss")];
+    static KEYS: [metrics::Key; 2] = [
+        metrics::Key::from_static_parts("idempotent_cache_lookups_total", &MISS),
+        metrics::Key::from_static_parts("idempotent_cache_lookups_total", &HIT),
+    ];
+    describe();
+    metrics::with_recorder(|recorder| recorder.register_counter(&KEYS[usize::from(hit)], metadata())).increment(1);
+}
+
+/// Without the feature `metrics`, nothing.
+#[cfg(all(not(feature = "metrics"), feature = "cache"))]
+pub(crate) fn cache_lookup(_hit: bool) {}
 
 /// The metadata of the library's metrics (target `idempotent`, level info).
 #[cfg(feature = "metrics")]
@@ -300,50 +324,52 @@ fn metadata() -> &'static metrics::Metadata<'static> {
     &METADATA
 }
 
-/// A label set made once per distinct pair of values and kept for the process's life, so that
-/// recording a metric allocates nothing: the values are store and step names, scopes and outcome
-/// names, a small set (`interned` caps the scopes). Each thread remembers the sets it used last,
-/// by the values' addresses (they are `'static`), so the common case takes no lock and no hash.
+/// The key of metric `name` with the labels `pairs`, made (and hashed) once per distinct name and
+/// pair of values and kept for the process's life, so that recording a metric allocates and hashes
+/// nothing: the values are store and step names, scopes and outcome names, a small set
+/// (`interned` caps the scopes). Each thread remembers the keys it used last, by the values'
+/// addresses (they are `'static`), so the common case takes no lock and no hash.
 #[cfg(feature = "metrics")]
-fn labels(pairs: [(&'static str, &'static str); 2]) -> &'static [metrics::Label] {
+fn metric_key(name: &'static str, pairs: [(&'static str, &'static str); 2]) -> &'static metrics::Key {
     use std::cell::RefCell;
     use std::collections::HashMap;
     use std::sync::{LazyLock, RwLock};
-    type Sets = HashMap<[(&'static str, &'static str); 2], &'static [metrics::Label]>;
-    type Addresses = [(usize, usize); 4];
-    static SETS: LazyLock<RwLock<Sets>> = LazyLock::new(RwLock::default);
+    type Keys = HashMap<(&'static str, [(&'static str, &'static str); 2]), &'static metrics::Key>;
+    type Addresses = [(usize, usize); 5];
+    static KEYS: LazyLock<RwLock<Keys>> = LazyLock::new(RwLock::default);
     thread_local! {
-        static RECENT: RefCell<Vec<(Addresses, &'static [metrics::Label])>> = const { RefCell::new(Vec::new()) };
+        static RECENT: RefCell<Vec<(Addresses, &'static metrics::Key)>> = const { RefCell::new(Vec::new()) };
     }
     let address = |text: &str| (text.as_ptr() as usize, text.len());
-    let addresses = [address(pairs[0].0), address(pairs[0].1), address(pairs[1].0), address(pairs[1].1)];
-    if let Some(set) = RECENT.with_borrow(|recent| recent.iter().find(|(a, _)| *a == addresses).map(|(_, set)| *set)) {
-        return set;
+    let addresses = [address(name), address(pairs[0].0), address(pairs[0].1), address(pairs[1].0), address(pairs[1].1)];
+    if let Some(key) = RECENT.with_borrow(|recent| recent.iter().find(|(a, _)| *a == addresses).map(|(_, key)| *key)) {
+        return key;
     }
-    let known = SETS.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(&pairs).copied();
-    let set = known.unwrap_or_else(|| {
-        let set: &'static [metrics::Label] =
+    let known = KEYS.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(&(name, pairs)).copied();
+    let key = known.unwrap_or_else(|| {
+        let labels: &'static [metrics::Label] =
             Box::leak(pairs.map(|(name, value)| metrics::Label::from_static_parts(name, value)).into());
-        *SETS.write().unwrap_or_else(std::sync::PoisonError::into_inner).entry(pairs).or_insert(set)
+        let key: &'static metrics::Key = Box::leak(Box::new(metrics::Key::from_static_parts(name, labels)));
+        *KEYS.write().unwrap_or_else(std::sync::PoisonError::into_inner).entry((name, pairs)).or_insert(key)
     });
     RECENT.with_borrow_mut(|recent| {
-        if recent.len() >= RECENT_SETS {
+        if recent.len() >= RECENT_KEYS {
             recent.clear();
         }
-        recent.push((addresses, set));
+        recent.push((addresses, key));
     });
-    set
+    key
 }
 
-/// How many label sets a thread remembers by address.
+/// How many metric keys a thread remembers by address.
 #[cfg(feature = "metrics")]
-const RECENT_SETS: usize = 64;
+const RECENT_KEYS: usize = 64;
 
 /// `scope` as a `&'static str`, leaked once, for the first [`MAX_INTERNED_SCOPES`] distinct
 /// scopes of the process; `None` past them (a program that makes scopes from data), whose
 /// metrics then allocate their labels per call. Each thread remembers the last few scopes it saw.
 #[cfg(feature = "metrics")]
-fn interned(scope: &str) -> Option<&'static str> {
+fn interned(scope: &[u8]) -> Option<&'static str> {
     use std::cell::RefCell;
     use std::collections::HashSet;
     use std::sync::{LazyLock, RwLock};
@@ -351,9 +377,11 @@ fn interned(scope: &str) -> Option<&'static str> {
     thread_local! {
         static RECENT: RefCell<Vec<&'static str>> = const { RefCell::new(Vec::new()) };
     }
-    if let Some(known) = RECENT.with_borrow(|recent| recent.iter().find(|known| **known == scope).copied()) {
+    if let Some(known) = RECENT.with_borrow(|recent| recent.iter().find(|known| known.as_bytes() == scope).copied()) {
         return Some(known);
     }
+    // A scope this thread has not seen lately is checked for UTF-8 (it always is: it came from a `str`).
+    let scope = std::str::from_utf8(scope).ok()?;
     let known = SCOPES.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(scope).copied();
     let known = if let Some(known) = known {
         known
@@ -414,9 +442,8 @@ fn describe() {
 pub(crate) async fn timed<F: Future>(store: &'static str, step: &'static str, future: F) -> F::Output {
     let started = std::time::Instant::now();
     let output = future.await;
-    let key =
-        metrics::Key::from_static_parts("idempotent_store_step_seconds", labels([("store", store), ("step", step)]));
-    metrics::with_recorder(|recorder| recorder.register_histogram(&key, metadata()))
+    let key = metric_key("idempotent_store_step_seconds", [("store", store), ("step", step)]);
+    metrics::with_recorder(|recorder| recorder.register_histogram(key, metadata()))
         .record(started.elapsed().as_secs_f64());
     output
 }

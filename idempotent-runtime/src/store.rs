@@ -300,6 +300,16 @@ impl Token {
             Repr::Text(text) => text,
         }
     }
+
+    /// The text's bytes, without the UTF-8 check `as_str` makes of an inline token (for writing it
+    /// into a command).
+    #[cfg(feature = "redis")]
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        match &self.0 {
+            Repr::Hex(hex) => hex,
+            Repr::Text(text) => text.as_bytes(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Token {

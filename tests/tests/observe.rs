@@ -207,6 +207,35 @@ fn memory_metrics_time_each_store_step() {
     assert_eq!(steps, expected, "{metrics:#?}");
 }
 
+/// A `CachedStore` counts its lookups by result: a claim answered from the cache is a hit, one that
+/// went to the store a miss (the first call, and the first replay, which finds the record in the
+/// store only when this process did not complete it; here it did, so the replays all hit).
+#[cfg(feature = "cache")]
+#[test]
+fn memory_metrics_count_cache_lookups_by_result() {
+    use idempotent_runtime::stores::cache::CachedStore;
+    let metrics = metrics_of(async {
+        let store = CachedStore::new(MemoryStore::new());
+        for _ in 0..3 {
+            Call::new("cached", "a").run(&store, async { Ok::<_, Error>(1) }).await.unwrap();
+        }
+        Call::new("cached", "b").run(&store, async { Ok::<_, Error>(2) }).await.unwrap();
+    });
+    let lookups: HashMap<String, u64> = metrics
+        .iter()
+        .filter(|(name, ..)| name == "idempotent_cache_lookups_total")
+        .map(|(_, labels, value)| {
+            let [(label, result)] = labels.as_slice() else { panic!("one label: {labels:?}") };
+            assert_eq!(label, "result");
+            let DebugValue::Counter(count) = value else { panic!("not a counter: {value:?}") };
+            (result.clone(), *count)
+        })
+        .collect();
+    let expected: HashMap<String, u64> =
+        [("hit", 2), ("miss", 2)].into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+    assert_eq!(lookups, expected, "{metrics:#?}");
+}
+
 // ---------------------------------------------------------------- spans
 
 #[derive(Debug, Clone, Default)]

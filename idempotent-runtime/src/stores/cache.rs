@@ -251,12 +251,6 @@ impl<S> CachedStore<S> {
     }
 }
 
-#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-fn count(result: &'static str) {
-    #[cfg(feature = "metrics")]
-    metrics::counter!("idempotent_cache_lookups_total", "result" => result).increment(1);
-}
-
 impl<S: Clone> Clone for CachedStore<S> {
     fn clone(&self) -> Self {
         CachedStore { inner: self.inner.clone(), shared: Arc::clone(&self.shared) }
@@ -277,11 +271,11 @@ impl<S: Store> Store for CachedStore<S> {
         let now = Instant::now();
         if let Some(cached) = self.cached(request.key, now) {
             self.shared.hits.fetch_add(1, Ordering::Relaxed);
-            count("hit");
+            crate::observe::cache_lookup(true);
             return Ok(Claim::Completed(Record::new(cached.fingerprint.clone(), cached.outcome.clone())));
         }
         self.shared.misses.fetch_add(1, Ordering::Relaxed);
-        count("miss");
+        crate::observe::cache_lookup(false);
         let claim = self.inner.claim(request).await?;
         if let Claim::Completed(record) = &claim
             && let Some(expires) = now.checked_add(self.shared.limits.learned_ttl)

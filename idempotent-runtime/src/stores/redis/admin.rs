@@ -101,7 +101,7 @@ impl<C: Nodes> Admin for RedisStore<C> {
             // Redis deletes expired keys itself: nothing is left to release.
             State::Expired => return Ok(Released::Changed),
         };
-        let owned = record::Owned { state, token: &seen.token };
+        let owned = record::Owned { state, token: seen.token.as_bytes() };
         let key = self.key_arg(key);
         self.bounded("release", async {
             // The store's own release script: it deletes the record only if its header still starts
@@ -143,7 +143,7 @@ impl<C: Nodes> Admin for RedisStore<C> {
 impl<C: Nodes> RedisStore<C> {
     /// The value and `PTTL` of the Redis key `name`, read together, or `None` if it is gone.
     async fn probe(&self, name: &str) -> Result<Option<(Vec<u8>, i64)>, StoreError> {
-        let arg = KeyArg { prefix: "", key: name };
+        let arg = KeyArg { prefix: "", key: name.as_bytes() };
         let reply = self.eval(&PROBE, &arg, |_| {}).await.map_err(backend)?;
         let Value::Array(items) = reply else {
             return Err(StoreError::Corrupt(format!("unexpected reply from the Redis probe: {reply:?}")));

@@ -465,7 +465,7 @@ impl<C: RedisConnection> RedisStore<C> {
     }
 
     fn key_arg<'a>(&'a self, key: &'a Key) -> KeyArg<'a> {
-        KeyArg { prefix: &self.prefix, key: key.as_str() }
+        KeyArg { prefix: &self.prefix, key: key.as_bytes() }
     }
 
     /// Sends `cmd`, and once more if the connection failed under it (see [`resend`]).
@@ -608,13 +608,13 @@ impl<C> std::fmt::Debug for RedisStore<C> {
 /// `<prefix><scope>:<key>` written straight into a command, without building a `String`.
 struct KeyArg<'a> {
     prefix: &'a str,
-    key: &'a str,
+    key: &'a [u8],
 }
 
 impl KeyArg<'_> {
     /// The key's bytes, for error messages.
     fn bytes(&self) -> Vec<u8> {
-        [self.prefix.as_bytes(), self.key.as_bytes()].concat()
+        [self.prefix.as_bytes(), self.key].concat()
     }
 }
 
@@ -624,7 +624,7 @@ impl ToRedisArgs for KeyArg<'_> {
         let mut arg = out.writer_for_next_arg();
         // Writing into a Vec cannot fail.
         let _ = arg.write_all(self.prefix.as_bytes());
-        let _ = arg.write_all(self.key.as_bytes());
+        let _ = arg.write_all(self.key);
     }
 }
 
@@ -755,8 +755,8 @@ impl<C: RedisConnection> RedisStore<C> {
         let key = self.key_arg(request.key);
         let running = record::Header {
             state: record::RUNNING,
-            token: request.token.as_str(),
-            fingerprint: request.fingerprint.map(crate::Fingerprint::as_str),
+            token: request.token.as_bytes(),
+            fingerprint: request.fingerprint.map(crate::Fingerprint::as_bytes),
         };
         let mut cmd = Cmd::with_capacity(7, COMMAND_BYTES);
         cmd.arg("SET").arg(&key).arg(&running).arg("NX").arg("PX").arg(expiry_millis(request.lease)).arg("GET");
@@ -775,7 +775,7 @@ impl<C: RedisConnection> RedisStore<C> {
     }
 
     async fn complete_now(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
-        let token = completion.token.as_str();
+        let token = completion.token.as_bytes();
         record::check_token(completion.token)?;
         let key = self.key_arg(completion.key);
         let running = record::Owned { state: record::RUNNING, token };
@@ -783,7 +783,7 @@ impl<C: RedisConnection> RedisStore<C> {
         let header = record::Header {
             state: record::DONE,
             token,
-            fingerprint: completion.fingerprint.map(crate::Fingerprint::as_str),
+            fingerprint: completion.fingerprint.map(crate::Fingerprint::as_bytes),
         };
         let retention = expiry_millis(completion.retention);
         let waits = if self.replica_acks.is_some() { "1" } else { "0" };
@@ -804,7 +804,7 @@ impl<C: RedisConnection> RedisStore<C> {
 
     async fn release_now(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
         let key = self.key_arg(key);
-        let running = record::Owned { state: record::RUNNING, token: token.as_str() };
+        let running = record::Owned { state: record::RUNNING, token: token.as_bytes() };
         let sent = self
             .eval_sent(&RELEASE, &key, |cmd| {
                 cmd.arg(&running);
@@ -820,7 +820,7 @@ impl<C: RedisConnection> RedisStore<C> {
 
     async fn extend_now(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
         let key = self.key_arg(key);
-        let owner = record::Owned { state: record::RUNNING, token: token.as_str() };
+        let owner = record::Owned { state: record::RUNNING, token: token.as_bytes() };
         let reply = self
             .eval(&EXTEND, &key, |cmd| {
                 cmd.arg(&owner).arg(expiry_millis(lease));
@@ -845,7 +845,7 @@ mod tests {
 
     #[test]
     fn redis_claim_replies_are_parsed_strictly() {
-        let key = KeyArg { prefix: "idempotent:", key: "s:k" };
+        let key = KeyArg { prefix: "idempotent:", key: b"s:k" };
         let ours = Token::from_stored("0b");
         assert_eq!(parse_claim(Ok(Value::Nil), &key, &ours).unwrap(), Claim::Claimed);
         let done = b"idempotent/1 done 0a -\n{\"Ok\":1}".to_vec();
@@ -873,7 +873,7 @@ mod tests {
     #[test]
     fn redis_keys_are_written_verbatim_after_the_prefix() {
         let key = Key::new("odd", &"{tag} *:x").unwrap();
-        let arg = KeyArg { prefix: "p:", key: key.as_str() };
+        let arg = KeyArg { prefix: "p:", key: key.as_bytes() };
         assert_eq!(arg.to_redis_args(), vec![b"p:odd:{tag} *:x".to_vec()]);
         assert_eq!(arg.bytes(), b"p:odd:{tag} *:x");
     }

@@ -34,36 +34,36 @@ const MAX_HEX: usize = 128;
 /// Written straight into the command's buffer, without an intermediate allocation.
 pub(super) struct Header<'a> {
     pub state: &'static str,
-    pub token: &'a str,
-    pub fingerprint: Option<&'a str>,
+    pub token: &'a [u8],
+    pub fingerprint: Option<&'a [u8]>,
 }
 
 impl ToRedisArgs for Header<'_> {
     fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
-        let fingerprint = self.fingerprint.unwrap_or("-");
-        write_arg(out, &[self.state, self.token, " ", fingerprint, "\n"]);
+        let fingerprint = self.fingerprint.unwrap_or(b"-");
+        write_arg(out, &[self.state.as_bytes(), self.token, b" ", fingerprint, b"\n"]);
     }
 }
 
 /// `<prefix> <token> `: what a fenced script compares the start of the stored value with.
 pub(super) struct Owned<'a> {
     pub state: &'static str,
-    pub token: &'a str,
+    pub token: &'a [u8],
 }
 
 impl ToRedisArgs for Owned<'_> {
     fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
-        write_arg(out, &[self.state, self.token, " "]);
+        write_arg(out, &[self.state.as_bytes(), self.token, b" "]);
     }
 }
 
 /// Writes `parts`, joined, as the command's next argument.
-fn write_arg<W: ?Sized + RedisWrite>(out: &mut W, parts: &[&str]) {
+fn write_arg<W: ?Sized + RedisWrite>(out: &mut W, parts: &[&[u8]]) {
     use std::io::Write as _;
     let mut arg = out.writer_for_next_arg();
     for part in parts {
         // Writing into a Vec cannot fail.
-        let _ = arg.write_all(part.as_bytes());
+        let _ = arg.write_all(part);
     }
 }
 
@@ -215,17 +215,20 @@ mod tests {
     #[test]
     fn redis_records_are_written_in_the_documented_format() {
         let fp = "ab".repeat(32);
-        let running = written(&Header { state: RUNNING, token: TOKEN, fingerprint: Some(&fp) });
+        let running = written(&Header { state: RUNNING, token: TOKEN.as_bytes(), fingerprint: Some(fp.as_bytes()) });
         assert_eq!(running, format!("idempotent/1 running {TOKEN} {fp}\n").into_bytes());
-        let bare = written(&Header { state: RUNNING, token: TOKEN, fingerprint: None });
+        let bare = written(&Header { state: RUNNING, token: TOKEN.as_bytes(), fingerprint: None });
         assert_eq!(bare, format!("idempotent/1 running {TOKEN} -\n").into_bytes());
-        assert_eq!(written(&Owned { state: DONE, token: TOKEN }), format!("idempotent/1 done {TOKEN} ").into_bytes());
+        assert_eq!(
+            written(&Owned { state: DONE, token: TOKEN.as_bytes() }),
+            format!("idempotent/1 done {TOKEN} ").into_bytes()
+        );
     }
 
     #[test]
     fn redis_records_parse_back() {
         let fp = "0f".repeat(32);
-        let running = written(&Header { state: RUNNING, token: TOKEN, fingerprint: Some(&fp) });
+        let running = written(&Header { state: RUNNING, token: TOKEN.as_bytes(), fingerprint: Some(fp.as_bytes()) });
         assert_eq!(
             parse(running, || b"k".to_vec()).unwrap(),
             Parsed::Running {
@@ -243,7 +246,7 @@ mod tests {
         assert_eq!(record.outcome, &b"\xff\x00"[..]);
         // A token of another length (not from `Token::new`) is found by the search, not the fast path.
         let long = "0123456789abcdef0123456789abcdef01234567";
-        let running = written(&Header { state: RUNNING, token: long, fingerprint: None });
+        let running = written(&Header { state: RUNNING, token: long.as_bytes(), fingerprint: None });
         let parsed = parse(running, || b"k".to_vec()).unwrap();
         assert_eq!(parsed, Parsed::Running { token: Token::from_stored(long), fingerprint: None });
         let done = format!("idempotent/1 done {long} {fp}\n42").into_bytes();

@@ -10,7 +10,12 @@
 //!   the Redis store and on the PostgreSQL store (a claim and a record per message: two round trips);
 //! - `postgres untested`: the PostgreSQL store on a pool built with `test_before_acquire(false)`,
 //!   which does not ping a connection before handing it out (a round trip less per step; the
-//!   `postgres` mode's pool keeps sqlx's default).
+//!   `postgres` mode's pool keeps sqlx's default);
+//! - `postgres tx`: each message in a transaction of its own on that pool (`PostgresStore::begin`,
+//!   the handler on the `PostgresTxStore`, then `commit`), as a consumer whose effect is a write
+//!   to the same database records it: the claim and the record commit with the transaction, one
+//!   commit (one WAL flush) per message instead of two. The handler writes nothing else, so the
+//!   whole transaction, `BEGIN` and `COMMIT` included, is charged to the idempotency step.
 //!
 //! The modes alternate within each run, so the ratios compare measurements taken a few seconds
 //! apart. It prints a Markdown table of medians over the runs, with the CPU time per message that
@@ -44,7 +49,7 @@ use idempotent_runtime::consume::amqp::lapin::{self, BasicProperties};
 use idempotent_runtime::consume::jetstream::async_nats::{self, jetstream};
 use idempotent_runtime::consume::{Disposition, amqp, jetstream as js_consume};
 use idempotent_runtime::stores::sql::{PostgresStore, sqlx};
-use idempotent_runtime::{Error, RedisStore, Store, idempotent};
+use idempotent_runtime::{Error, RedisStore, Store, StoreError, idempotent};
 
 const USAGE: &str = "usage: consume_load [--runs 5] [--messages 20000] [--concurrency 16]";
 
@@ -68,6 +73,7 @@ enum Mode {
     Redis,
     Postgres,
     PostgresUntested,
+    PostgresTx,
 }
 
 /// A mode's handler, as the consumers take it.
@@ -136,7 +142,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         setup.postgres[0].create_table().await?;
         for broker in [Broker::Amqp, Broker::JetStream] {
             let mut plain = f64::NAN;
-            for mode in [Mode::Plain, Mode::Redis, Mode::Postgres, Mode::PostgresUntested] {
+            for mode in [Mode::Plain, Mode::Redis, Mode::Postgres, Mode::PostgresUntested, Mode::PostgresTx] {
                 let Measured { rate, cpu: used } = setup.measure(broker, mode, run).await?;
                 eprintln!("run {run}: {broker:?} {mode:?}: {rate:.0} messages/s, CPU µs per message {used:.1?}");
                 for (i, used) in used.iter().enumerate() {
@@ -176,6 +182,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             Mode::Redis => "idempotent, Redis store",
             Mode::Postgres => "idempotent, PostgreSQL store",
             Mode::PostgresUntested => "idempotent, PostgreSQL store, pool `test_before_acquire(false)`",
+            Mode::PostgresTx => "idempotent, PostgreSQL, one transaction per message (that pool)",
         };
         println!("| {broker} | {mode} | {:.0} | {ratio} | {cpu} |", median(values.clone()));
     }
@@ -298,6 +305,20 @@ impl Setup {
                         let store = Arc::clone(&postgres);
                         let which = usize::from(mode == Mode::PostgresUntested);
                         Box::pin(async move { handle(&store[which], &id, &handled).await })
+                    }
+                    Mode::PostgresTx => {
+                        let store = Arc::clone(&postgres);
+                        Box::pin(async move {
+                            let failed = |operation, e: sqlx::Error| Error::Store {
+                                key: id.clone(),
+                                operation,
+                                source: StoreError::backend("postgres", e),
+                            };
+                            let tx = store[1].begin().await.map_err(|e| failed("begin", e))?;
+                            let handled = handle(&tx, &id, &handled).await?;
+                            tx.commit().await.map_err(|e| failed("commit", e))?;
+                            Ok(handled)
+                        })
                     }
                 }
             })

@@ -160,6 +160,28 @@ macro_rules! sql_tests {
             fresh.cleanup().await;
         }
 
+        /// Several processes starting at once each create the table (`AnyStore::from_url` does):
+        /// on PostgreSQL, concurrent `CREATE TABLE IF NOT EXISTS` can fail with a unique violation
+        /// in the catalog instead of finding the table, and the store must not fail for it.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn create_table_run_by_many_stores_at_once_succeeds() {
+            let Some(fresh) = fresh("create").await else { return };
+            for round in 0..6 {
+                let table = fresh_table(&format!("cc{round}"));
+                let stores: Vec<Sql> =
+                    (0..8).map(|_| Sql::with_table(fresh.store.pool().clone(), &table).unwrap()).collect();
+                let created = futures_util::future::join_all(stores.iter().map(Sql::create_table)).await;
+                for result in created {
+                    result.unwrap_or_else(|e| panic!("round {round}: create_table failed: {e:?}"));
+                }
+                let key = Key::new("s", &"k").unwrap();
+                assert_eq!(stores[0].claim(&request(&key, &Token::new(), None, 30_000)).await.unwrap(), Claim::Claimed);
+                let sql = format!("DROP TABLE IF EXISTS {table}");
+                sqlx::raw_sql(AssertSqlSafe(sql)).execute(fresh.store.pool()).await.unwrap();
+            }
+            fresh.cleanup().await;
+        }
+
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn table_names_are_validated_and_may_name_a_schema() {
             let Some(fresh) = fresh("names").await else { return };

@@ -23,6 +23,19 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 /// [`SqlStore::with_purge_batch`]).
 pub const DEFAULT_PURGE_BATCH: u32 = 1000;
 
+/// How many times `create_table` runs a statement again that another session's `CREATE` raced.
+const MAX_CREATE_RACES: u32 = 3;
+
+/// Whether a `CREATE ... IF NOT EXISTS` failed because another session created the same object
+/// at the same moment: a unique violation in the catalog (PostgreSQL's `pg_type` or `pg_class`
+/// index), or PostgreSQL's duplicate table (`42P07`) or duplicate object (`42710`). Run again, the
+/// statement finds the object and does nothing.
+fn created_meanwhile(error: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(e) = error else { return false };
+    matches!(e.kind(), sqlx::error::ErrorKind::UniqueViolation)
+        || matches!(e.code().as_deref(), Some("42P07" | "42710"))
+}
+
 /// A store in a SQL table, shared by every application server using the database: the one
 /// implementation behind [`PostgresStore`](super::PostgresStore), [`MySqlStore`](super::MySqlStore)
 /// and [`SqliteStore`](super::SqliteStore), which are this type with their dialect.
@@ -149,10 +162,22 @@ impl<D: Dialect> SqlStore<D> {
     }
 
     /// Creates the table and its index if they do not exist (see the [module docs](super)).
+    ///
+    /// Safe to run from several processes at once (replicas starting together): PostgreSQL may
+    /// answer a `CREATE ... IF NOT EXISTS` that raced another session's with a duplicate in its
+    /// catalog instead of finding the object, and such a statement is run again, when the object
+    /// is there.
     pub async fn create_table(&self) -> Result<(), sqlx::Error> {
         let mut conn = self.pool.acquire().await?;
         for statement in &self.sql.create {
-            D::run(&mut conn, statement, &super::dialect::Params::default()).await?;
+            let mut raced = 0;
+            loop {
+                match D::run(&mut conn, statement, &super::dialect::Params::default()).await {
+                    Err(e) if created_meanwhile(&e) && raced < MAX_CREATE_RACES => raced += 1,
+                    Err(e) => return Err(e),
+                    Ok(_) => break,
+                }
+            }
         }
         Ok(())
     }

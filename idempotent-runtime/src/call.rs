@@ -183,6 +183,12 @@ impl Call {
     /// | the body runs | kept until its lease ends ([`OnCancel::Keep`], the default), or released ([`OnCancel::Release`]) |
     /// | the result is being recorded | recorded in the background, retried while the lease lasts |
     ///
+    /// A claim dropped in flight may still be applied after the background release has found
+    /// nothing to release: on a SQL store the claim's statement runs on after its client stops
+    /// waiting, and the release goes out on another connection. The key then stays claimed, by
+    /// nobody, until its lease ends, and retries get [`Error::InProgress`] meanwhile; the body
+    /// does not run.
+    ///
     /// A body that panics releases the key, like an unrecorded `Err`. Background steps go through
     /// [`Store::detach`].
     ///

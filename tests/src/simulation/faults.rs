@@ -164,7 +164,11 @@ impl<S: Store + 'static> FaultStore<S> {
             tokio::time::sleep(d).await;
             sent = history.stamp();
         }
+        // Dropped while the store has the request (the caller was cancelled): logged as sent with
+        // no answer, since the store may still apply it.
+        let mut unanswered = OnDrop(Some(|| log(sent, history.stamp(), Reply::Unknown, Reply::Unknown)));
         let result = run.await;
+        unanswered.0 = None;
         let replied = history.stamp();
         let store = reply(&result);
         // Logged as soon as the store has answered: a caller dropped during a delayed reply
@@ -226,5 +230,16 @@ impl<S: Store + 'static> Store for FaultStore<S> {
     /// instead of asking the operating system for each, as calls on a memory store do.
     fn process_local(&self) -> bool {
         self.shared.store.process_local()
+    }
+}
+
+/// Runs its closure when dropped, unless it was taken out first.
+struct OnDrop<F: FnOnce()>(Option<F>);
+
+impl<F: FnOnce()> Drop for OnDrop<F> {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f();
+        }
     }
 }

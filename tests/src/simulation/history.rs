@@ -66,6 +66,9 @@ pub enum Reply {
     NotOwner,
     /// Any other store error.
     Failed(String),
+    /// The caller was dropped while the request was with the store: it was sent, and the store
+    /// may have applied it, then or later (a SQL statement runs on after its client stops waiting).
+    Unknown,
 }
 
 /// One store step.

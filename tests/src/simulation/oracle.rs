@@ -60,6 +60,12 @@ struct TokenLife {
     /// When (sequence of the request) a fault, injected or the store's own error, hit its claim
     /// or a renewal.
     faults: Vec<u64>,
+    /// Claims and renewals sent whose answer never came (the caller was dropped meanwhile): the
+    /// store may have applied each at any time after it was sent.
+    unanswered: Vec<Stamp>,
+    /// The first release or completion sent whose answer never came: the claim may have ended
+    /// from then on.
+    maybe_ended: Option<Stamp>,
 }
 
 impl TokenLife {
@@ -85,19 +91,28 @@ impl TokenLife {
         let renewed =
             self.renewals.iter().filter(|(_, r, _)| r.1 < sent.1).any(|(s, _, lease)| s.0 + *lease > replied.0);
         let ended = |stamp: Option<Stamp>| stamp.is_some_and(|s| s.1 < replied.1);
-        renewed && !ended(self.released.map(|(s, _)| s)) && !ended(self.completed.as_ref().map(|(s, _, _)| *s))
+        renewed
+            && !ended(self.released.map(|(s, _)| s))
+            && !ended(self.completed.as_ref().map(|(s, _, _)| *s))
+            && !ended(self.maybe_ended)
     }
 
     /// Possibly live when a step was sent at `sent`: its lease may not have ended, and no release
     /// or completion was certainly applied before.
     fn possibly_live(&self, sent: Stamp, replied: Stamp) -> bool {
+        let before = |stamp: Option<Stamp>| stamp.is_some_and(|r| r.1 < sent.1);
+        if before(self.released.map(|(_, r)| r)) || before(self.completed.as_ref().map(|(_, r, _)| *r)) {
+            return false;
+        }
+        // A claim or renewal whose answer never came may have been applied at any time since.
+        if self.unanswered.iter().any(|s| s.1 < replied.1) {
+            return true;
+        }
         let Some((claim_sent, _)) = self.claimed() else { return false };
         if claim_sent.1 > replied.1 {
             return false;
         }
-        let renewed = self.renewals.iter().any(|(s, r, lease)| s.1 < replied.1 && r.0 + *lease >= sent.0);
-        let before = |stamp: Option<Stamp>| stamp.is_some_and(|r| r.1 < sent.1);
-        renewed && !before(self.released.map(|(_, r)| r)) && !before(self.completed.as_ref().map(|(_, r, _)| *r))
+        self.renewals.iter().any(|(s, r, lease)| s.1 < replied.1 && r.0 + *lease >= sent.0)
     }
 }
 
@@ -165,6 +180,10 @@ fn read<'a>(entries: &'a [Entry], verdict: &mut Verdict) -> Facts<'a> {
                     (Op::Complete, Reply::Ok) => {
                         let bytes = step.outcome.clone().unwrap_or_default();
                         life.completed.get_or_insert((step.sent, step.replied, bytes));
+                    }
+                    (Op::Claim | Op::Extend, Reply::Unknown) => life.unanswered.push(step.sent),
+                    (Op::Release | Op::Complete, Reply::Unknown) => {
+                        life.maybe_ended.get_or_insert(step.sent);
                     }
                     _ => {}
                 }
@@ -379,5 +398,47 @@ fn results(facts: &Facts<'_>, records: &BTreeMap<usize, Vec<u8>>, verdict: &mut 
             }
             _ => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::judge;
+    use crate::simulation::history::{Entry, Event, Fault, Op, Reply, Step};
+
+    /// A claim of token `token` on key 0, sent and answered at these milliseconds (and sequence
+    /// numbers), with the store's answer.
+    fn claim(token: usize, sent: (u64, u64), replied: (u64, u64), store: Reply) -> Entry {
+        let step = Step {
+            op: Op::Claim,
+            key: 0,
+            token,
+            caller: Some((token, 0)),
+            detached: false,
+            fault: Fault::None,
+            lease: Duration::from_millis(1200),
+            outcome: None,
+            sent: (Duration::from_millis(sent.0), sent.1),
+            replied: (Duration::from_millis(replied.0), replied.1),
+            delivered: store.clone(),
+            store,
+        };
+        Entry { at: Duration::from_millis(replied.0), seq: replied.1, event: Event::Step(step) }
+    }
+
+    /// A claim dropped while the store had it (a SQL statement runs on after its client stops
+    /// waiting) may hold the key from any moment after it was sent: another claim answered
+    /// `InProgress` then is no violation. Without that claim in the log, it is one.
+    #[test]
+    fn simulation_oracle_counts_a_claim_whose_answer_never_came_as_a_possible_holder() {
+        let dropped = claim(0, (10, 1), (20, 2), Reply::Unknown);
+        let refused = claim(1, (2000, 3), (2001, 4), Reply::InProgress);
+        let verdict = judge(&[dropped, refused.clone()]);
+        assert!(verdict.violations.is_empty(), "{:?}", verdict.violations);
+        let verdict = judge(&[refused]);
+        assert_eq!(verdict.violations.len(), 1, "{:?}", verdict.violations);
+        assert!(verdict.violations[0].contains("answered InProgress, but no claim on the key could be live"));
     }
 }

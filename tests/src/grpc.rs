@@ -130,10 +130,14 @@ impl Payments for Bank {
         let receipt = Receipt { user: request.user.clone(), amount: request.amount, seq };
         match request.behaviour.as_str() {
             "drop-first" => {
-                if self.dropped.lock().unwrap().insert(request.user.clone())
-                    && let Some(proxy) = &self.proxy
-                {
+                let first = self.dropped.lock().unwrap().insert(request.user.clone());
+                if first && let Some(proxy) = &self.proxy {
+                    // Answered only once the proxy has closed the connections: on a busy machine
+                    // its tasks could otherwise forward this answer before they see the kill.
+                    let killed = || proxy.stats().killed.load(std::sync::atomic::Ordering::Relaxed);
+                    let before = killed();
                     proxy.kill_connections();
+                    proxy.wait_until("the connections are cut", Duration::from_secs(10), |_| killed() > before).await;
                 }
             }
             "fail-after-effect" => return Err(Status::unavailable(format!("receipt service timed out (seq {seq})"))),

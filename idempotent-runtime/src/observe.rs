@@ -213,8 +213,7 @@ impl CallObserver {
         tracing::debug!(target: "idempotent", result, "step");
         #[cfg(feature = "metrics")]
         {
-            describe();
-            metrics::with_recorder(|recorder| recorder.register_counter(step_key(replayed), metadata())).increment(1);
+            increment(step_key(replayed));
         }
         #[cfg(not(feature = "metrics"))]
         let _ = result;
@@ -244,7 +243,6 @@ impl Drop for CallObserver {
         }
         #[cfg(feature = "metrics")]
         {
-            describe();
             let name = "idempotent_calls_total";
             let owned;
             let key = match self.scope.take().unwrap_or(Scope::Interned("")) {
@@ -260,7 +258,7 @@ impl Drop for CallObserver {
                     &owned
                 }
             };
-            metrics::with_recorder(|recorder| recorder.register_counter(key, metadata())).increment(1);
+            increment(key);
         }
     }
 }
@@ -308,13 +306,19 @@ pub(crate) fn cache_lookup(hit: bool) {
         metrics::Key::from_static_parts("idempotent_cache_lookups_total", &MISS),
         metrics::Key::from_static_parts("idempotent_cache_lookups_total", &HIT),
     ];
-    describe();
-    metrics::with_recorder(|recorder| recorder.register_counter(&KEYS[usize::from(hit)], metadata())).increment(1);
+    increment(&KEYS[usize::from(hit)]);
 }
 
 /// Without the feature `metrics`, nothing.
 #[cfg(all(not(feature = "metrics"), feature = "cache"))]
 pub(crate) fn cache_lookup(_hit: bool) {}
+
+/// Adds one to the library's counter `key`.
+#[cfg(feature = "metrics")]
+fn increment(key: &metrics::Key) {
+    describe();
+    metrics::with_recorder(|recorder| recorder.register_counter(key, metadata())).increment(1);
+}
 
 /// The metadata of the library's metrics (target `idempotent`, level info).
 #[cfg(feature = "metrics")]

@@ -22,7 +22,7 @@ use tokio::sync::oneshot;
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status};
 
-use crate::proxy::FaultProxy;
+use crate::proxy::{FaultProxy, ProxyStats};
 
 /// The request of `Pay`.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -134,10 +134,10 @@ impl Payments for Bank {
                 if first && let Some(proxy) = &self.proxy {
                     // Answered only once the proxy has closed the connections: on a busy machine
                     // its tasks could otherwise forward this answer before they see the kill.
-                    let killed = || proxy.stats().killed.load(std::sync::atomic::Ordering::Relaxed);
-                    let before = killed();
+                    let killed = |stats: &ProxyStats| stats.killed.load(std::sync::atomic::Ordering::Relaxed);
+                    let before = killed(proxy.stats());
                     proxy.kill_connections();
-                    proxy.wait_until("the connections are cut", Duration::from_secs(10), |_| killed() > before).await;
+                    proxy.wait_until("the connections are cut", Duration::from_secs(10), |s| killed(s) > before).await;
                 }
             }
             "fail-after-effect" => return Err(Status::unavailable(format!("receipt service timed out (seq {seq})"))),

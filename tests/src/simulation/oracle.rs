@@ -408,11 +408,11 @@ mod tests {
     use super::judge;
     use crate::simulation::history::{Entry, Event, Fault, Op, Reply, Step};
 
-    /// A claim of token `token` on key 0, sent and answered at these milliseconds (and sequence
-    /// numbers), with the store's answer.
-    fn claim(token: usize, sent: (u64, u64), replied: (u64, u64), store: Reply) -> Entry {
+    /// A step `op` of token `token` on key 0, sent and answered at these milliseconds (and
+    /// sequence numbers), with the store's answer.
+    fn step(op: Op, token: usize, sent: (u64, u64), replied: (u64, u64), store: Reply) -> Entry {
         let step = Step {
-            op: Op::Claim,
+            op,
             key: 0,
             token,
             caller: Some((token, 0)),
@@ -433,12 +433,26 @@ mod tests {
     /// `InProgress` then is no violation. Without that claim in the log, it is one.
     #[test]
     fn simulation_oracle_counts_a_claim_whose_answer_never_came_as_a_possible_holder() {
-        let dropped = claim(0, (10, 1), (20, 2), Reply::Unknown);
-        let refused = claim(1, (2000, 3), (2001, 4), Reply::InProgress);
+        let dropped = step(Op::Claim, 0, (10, 1), (20, 2), Reply::Unknown);
+        let refused = step(Op::Claim, 1, (2000, 3), (2001, 4), Reply::InProgress);
         let verdict = judge(&[dropped, refused.clone()]);
         assert!(verdict.violations.is_empty(), "{:?}", verdict.violations);
         let verdict = judge(&[refused]);
         assert_eq!(verdict.violations.len(), 1, "{:?}", verdict.violations);
         assert!(verdict.violations[0].contains("answered InProgress, but no claim on the key could be live"));
+    }
+
+    /// A release dropped while the store had it may have freed the key: another token granted the
+    /// key within the first one's lease is then no violation. With the release never sent, it is.
+    #[test]
+    fn simulation_oracle_counts_a_release_whose_answer_never_came_as_a_possible_end() {
+        let claimed = step(Op::Claim, 0, (10, 1), (20, 2), Reply::Claimed);
+        let dropped = step(Op::Release, 0, (100, 3), (110, 4), Reply::Unknown);
+        let granted = step(Op::Claim, 1, (200, 5), (201, 6), Reply::Claimed);
+        let verdict = judge(&[claimed.clone(), dropped, granted.clone()]);
+        assert!(verdict.violations.is_empty(), "{:?}", verdict.violations);
+        let verdict = judge(&[claimed, granted]);
+        assert_eq!(verdict.violations.len(), 1, "{:?}", verdict.violations);
+        assert!(verdict.violations[0].contains("while t0's claim was certainly live"), "{:?}", verdict.violations);
     }
 }

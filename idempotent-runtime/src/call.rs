@@ -240,7 +240,7 @@ impl Call {
                 // The lease is counted from before the request, so our estimate of its end is never late.
                 let sent = Instant::now();
                 guard.phase = Phase::Claiming;
-                let claim = timed(store.name(), "claim", store.claim(&request))
+                let claim = timed(store.name(), "claim", store.claim(&request.sent_at(sent)))
                     .await
                     .map_err(|source| observer.error(store_error(key, "claim", source)))?;
                 guard.phase = Phase::Idle;

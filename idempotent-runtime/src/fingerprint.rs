@@ -28,6 +28,11 @@ const HEX_LEN: usize = 64;
 ///
 /// It is held inline (64 bytes, no allocation), so replays and claims copy it cheaply.
 #[derive(Clone, PartialEq, Eq, Hash)]
+// Aligned like the words around it. At alignment 1, an `Option<Fingerprint>` put the digits one
+// byte past its tag, and the compiler moved every `Claim` and `Record` holding one in unaligned
+// pieces that straddled the stores that wrote them; each such load waits for those stores to
+// retire (a failed store-to-load forwarding). Memory-store replays ran about 5 % faster aligned.
+#[repr(align(8))]
 pub struct Fingerprint([u8; HEX_LEN]);
 
 impl std::fmt::Debug for Fingerprint {

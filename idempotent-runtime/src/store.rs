@@ -129,7 +129,8 @@ pub struct Claimant<'a> {
     pub fingerprint: Option<&'a Fingerprint>,
 }
 
-/// The arguments of [`Store::claim`]: the [`Claimant`] (reached through `Deref`) and the lease.
+/// The arguments of [`Store::claim`]: the [`Claimant`] (reached through `Deref`), the lease, and
+/// when the caller sent the claim.
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub struct ClaimRequest<'a> {
@@ -137,13 +138,30 @@ pub struct ClaimRequest<'a> {
     pub claimant: Claimant<'a>,
     /// How long the claim lasts if the caller neither completes nor releases it.
     pub lease: Duration,
+    /// The caller's clock just before it sent this claim, if it read it (see
+    /// [`sent_at`](ClaimRequest::sent_at)).
+    pub sent: Option<tokio::time::Instant>,
 }
 
 impl<'a> ClaimRequest<'a> {
     /// A claim of `key` for `token`, with `fingerprint`, lasting `lease` unless renewed.
     #[must_use]
     pub fn new(key: &'a Key, token: &'a Token, fingerprint: Option<&'a Fingerprint>, lease: Duration) -> Self {
-        ClaimRequest { claimant: Claimant { key, token, fingerprint }, lease }
+        ClaimRequest { claimant: Claimant { key, token, fingerprint }, lease, sent: None }
+    }
+
+    /// Says when the caller sent the claim: `sent` was read from Tokio's clock just before.
+    ///
+    /// The caller counts its lease from that moment, so a store in the caller's process, with
+    /// nothing between the two, may take it as the moment of the claim instead of reading the
+    /// clock again: the memory store does. Its claim then ends exactly when the caller expects,
+    /// never later. An entry that ended between `sent` and the store's step still counts as live
+    /// for that step, the cautious side. Stores in other processes count leases on their own
+    /// clocks and ignore it, as should a wrapper that can hold a claim on its way to the store.
+    #[must_use]
+    pub fn sent_at(mut self, sent: tokio::time::Instant) -> Self {
+        self.sent = Some(sent);
+        self
     }
 }
 

@@ -87,6 +87,40 @@ async fn memory_store_expires_by_tokios_paused_clock() {
     assert_eq!(store.claim(&claim(&second)).await.unwrap(), Claim::Claimed, "the 1 s lease ended 4 s ago");
 }
 
+/// A claim that says when it was sent is counted from then, as its caller counts it, and it
+/// judges the entries it meets at that moment too: one that ends between the send and the step
+/// still counts as live for it.
+#[tokio::test(start_paused = true)]
+async fn memory_claim_counts_its_lease_from_when_it_was_sent() {
+    use std::time::Duration;
+
+    use idempotent_runtime::{Claim, ClaimRequest, Key, Token};
+    use tokio::time::Instant;
+
+    let store = MemoryStore::new();
+    let key = Key::new("sent", &"k").unwrap();
+    let (first, second, third) = (Token::new(), Token::new(), Token::new());
+    let lease = Duration::from_secs(60);
+    let sent = Instant::now();
+    tokio::time::sleep(Duration::from_secs(40)).await;
+    let claim = ClaimRequest::new(&key, &first, None, lease).sent_at(sent);
+    assert_eq!(store.claim(&claim).await.unwrap(), Claim::Claimed);
+    // 59 s after the send the claim is live, with 1 s left; 61 s after it, it has ended (a lease
+    // counted from the store's step would last until 100 s).
+    tokio::time::sleep(Duration::from_secs(19)).await;
+    let Claim::InProgress { lease_remaining, .. } =
+        store.claim(&ClaimRequest::new(&key, &second, None, lease)).await.unwrap()
+    else {
+        panic!("the first claim's lease runs until 60 s after its send");
+    };
+    assert_eq!(lease_remaining, Some(Duration::from_secs(1)));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // A claim sent before the end and reaching the store after it still finds the key held.
+    let late = ClaimRequest::new(&key, &third, None, lease).sent_at(Instant::now() - Duration::from_secs(2));
+    assert!(matches!(store.claim(&late).await.unwrap(), Claim::InProgress { .. }));
+    assert_eq!(store.claim(&ClaimRequest::new(&key, &second, None, lease)).await.unwrap(), Claim::Claimed);
+}
+
 mod bounded {
     use std::time::Duration;
 

@@ -544,7 +544,9 @@ impl Shard {
 
 impl Store for MemoryStore {
     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        let now = Instant::now();
+        // The caller's clock reading, taken just before it called (`sent_at`): the lease is
+        // counted as the caller counts it, and the clock is read once per replay, not twice.
+        let now = request.sent.unwrap_or_else(Instant::now);
         let expires = expiry(now, request.lease)?;
         let (key, index) = self.hashed(request.key);
         let mut made_room = false;

@@ -187,7 +187,15 @@ impl<S: Store + 'static> FaultStore<S> {
 
 impl<S: Store + 'static> Store for FaultStore<S> {
     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        let run = self.shared.store.claim(request);
+        // The store counts the lease from when the claim reaches it: a claim the simulated network
+        // held arrives later than its caller's clock reading, which only a store in the caller's
+        // process, with nothing in between, may take for the claim's moment (`sent_at`).
+        let run = async {
+            let arrived = tokio::time::Instant::now();
+            let request =
+                if request.sent.is_some_and(|sent| sent < arrived) { request.sent_at(arrived) } else { *request };
+            self.shared.store.claim(&request).await
+        };
         self.step(Op::Claim, request.key, request.token, request.lease, None, run, |r| reply_of(r, claim_reply)).await
     }
 

@@ -220,8 +220,10 @@ impl Call {
             }
             check_durations(key, lease, retention, wait).map_err(|e| observer.error(e))?;
             // Unique among every caller of the store: drawn from the operating system for a
-            // shared store (copies of this process must not repeat it), counted for ours.
-            let token = if store.process_local() { Token::counted() } else { Token::new() };
+            // shared store (copies of this process must not repeat it), counted for ours. The
+            // draw, a system call, waits until a store reads the token: a replay from a local
+            // cache never does.
+            let token = if store.process_local() { Token::counted() } else { Token::deferred() };
             let request = ClaimRequest::new(key, &token, fingerprint, lease);
             let mut guard = Guard {
                 store,

@@ -12,6 +12,8 @@
 
 /// 16 bytes from the operating system's random source, or `None` (logged) if it failed.
 pub(crate) fn os_bytes() -> Option<[u8; 16]> {
+    #[cfg(test)]
+    DRAWS.with(|draws| draws.set(draws.get() + 1));
     let mut bytes = [0u8; 16];
     match getrandom::fill(&mut bytes) {
         Ok(()) => Some(bytes),
@@ -31,4 +33,11 @@ pub(crate) fn os_bytes() -> Option<[u8; 16]> {
 #[cfg(any(feature = "reqwest", feature = "tonic"))]
 pub(crate) fn fresh_uuid() -> uuid::Uuid {
     os_bytes().map_or_else(uuid::Uuid::new_v4, |bytes| uuid::Builder::from_random_bytes(bytes).into_uuid())
+}
+
+#[cfg(test)]
+thread_local! {
+    /// How many times this thread asked the operating system for bytes: what the tests of
+    /// system calls saved count.
+    pub(crate) static DRAWS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }

@@ -1,7 +1,7 @@
 //! The store trait: the atomic steps every backend implements.
 
 use std::future::Future;
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -101,8 +101,9 @@ pub trait Store: Send + Sync {
     /// default is `false`, for a store that other processes or machines share.
     ///
     /// A call's owner [`Token`] must be unique among the callers that share its store. For a
-    /// shared store each call draws its token from the operating system ([`Token::new`]), so
-    /// that two copies of one process never make the same one: a process and its `fork` child,
+    /// shared store each call draws its token from the operating system, as [`Token::new`] does
+    /// (when the store first reads it: a replay from a local cache draws none), so that two
+    /// copies of one process never make the same one: a process and its `fork` child,
     /// or two virtual machines restored from one snapshot, hold the same memory, and a token
     /// counted from it would repeat in both; the store would then take the second copy's claim
     /// for a resend of the first's, and both would run the body. For a process-local store the
@@ -247,15 +248,16 @@ impl Record {
 /// The owner token of one claim: random, unique per call; completion and release are fenced by it.
 ///
 /// A token made by [`Token::new`] is held inline (32 bytes, no allocation).
-#[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Token(Repr);
 
-#[derive(Clone, PartialEq, Eq, Hash)]
 enum Repr {
     /// 32 lowercase hex digits, as [`Token::new`] makes them (and stores give them back).
     Hex([u8; 32]),
     /// Any other text read back from a store.
     Text(Box<str>),
+    /// 32 hex digits drawn as [`Token::new`] draws them, but only when first read: a call
+    /// answered without its token (from a local replay cache) costs no system call.
+    Deferred(OnceLock<[u8; 32]>),
 }
 
 impl Token {
@@ -271,9 +273,20 @@ impl Token {
     /// counted as a process-local store's calls count theirs, and a warning is logged.
     #[must_use]
     pub fn new() -> Self {
+        Token(Repr::Hex(Self::drawn()))
+    }
+
+    /// A token like [`Token::new`]'s, drawn when a store first reads it (or when it is cloned),
+    /// not before: a call's token, which a call answered from a cache never sends.
+    pub(crate) fn deferred() -> Self {
+        Token(Repr::Deferred(OnceLock::new()))
+    }
+
+    /// The digits of a [`Token::new`].
+    fn drawn() -> [u8; 32] {
         match crate::random::os_bytes() {
-            Some(bytes) => Token(Repr::Hex(crate::hex::encode(&bytes))),
-            None => Self::counted(),
+            Some(bytes) => crate::hex::encode(&bytes),
+            None => Self::counted_digits(),
         }
     }
 
@@ -281,6 +294,10 @@ impl Token {
     /// no system call. Unique within this process, which is what a
     /// [process-local](Store::process_local) store's calls need, and what they use.
     pub(crate) fn counted() -> Self {
+        Token(Repr::Hex(Self::counted_digits()))
+    }
+
+    fn counted_digits() -> [u8; 32] {
         thread_local! {
             static NEXT: std::cell::Cell<u128> = std::cell::Cell::new(uuid::Uuid::new_v4().as_u128());
         }
@@ -289,7 +306,7 @@ impl Token {
             next.set(value.wrapping_add(1));
             value
         });
-        Token(Repr::Hex(crate::hex::encode(&value.to_be_bytes())))
+        crate::hex::encode(&value.to_be_bytes())
     }
 
     /// Takes a token read back from a store.
@@ -306,27 +323,49 @@ impl Token {
     /// form, without reading the digits.
     #[cfg(feature = "redis")]
     pub(crate) fn is_hex32(&self) -> bool {
-        matches!(self.0, Repr::Hex(_))
+        matches!(self.0, Repr::Hex(_) | Repr::Deferred(_))
     }
 
     /// The text stores keep.
     #[must_use]
     pub fn as_str(&self) -> &str {
-        match &self.0 {
-            // Only lowercase hex digits: always UTF-8.
-            Repr::Hex(hex) => std::str::from_utf8(hex).unwrap_or_default(),
-            Repr::Text(text) => text,
-        }
+        // Only lowercase hex digits, or text: always UTF-8.
+        std::str::from_utf8(self.as_bytes()).unwrap_or_default()
     }
 
     /// The text's bytes, without the UTF-8 check `as_str` makes of an inline token (for writing it
-    /// into a command).
-    #[cfg(feature = "redis")]
+    /// into a command, comparing and hashing). Draws a deferred token.
     pub(crate) fn as_bytes(&self) -> &[u8] {
         match &self.0 {
             Repr::Hex(hex) => hex,
             Repr::Text(text) => text.as_bytes(),
+            Repr::Deferred(cell) => cell.get_or_init(Self::drawn),
         }
+    }
+}
+
+impl Clone for Token {
+    /// A deferred token is drawn first, so the clone and the original are one token.
+    fn clone(&self) -> Self {
+        match &self.0 {
+            Repr::Hex(hex) => Token(Repr::Hex(*hex)),
+            Repr::Text(text) => Token(Repr::Text(text.clone())),
+            Repr::Deferred(cell) => Token(Repr::Hex(*cell.get_or_init(Self::drawn))),
+        }
+    }
+}
+
+impl PartialEq for Token {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl Eq for Token {}
+
+impl std::hash::Hash for Token {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.as_bytes().hash(state);
     }
 }
 
@@ -424,6 +463,36 @@ forward_through_pointers! {
 #[cfg(test)]
 mod tests {
     use super::Token;
+
+    /// The draws of this thread's `Token`s from the operating system.
+    fn draws() -> u64 {
+        crate::random::DRAWS.with(std::cell::Cell::get)
+    }
+
+    #[test]
+    fn memory_deferred_tokens_draw_once_when_first_read() {
+        let before = draws();
+        let (a, b) = (Token::deferred(), Token::deferred());
+        assert_eq!(draws(), before, "nothing drawn before a read");
+        #[cfg(feature = "redis")]
+        {
+            assert!(a.is_hex32());
+            assert_eq!(draws(), before, "its form is known without a draw");
+        }
+        let text = a.as_str().to_owned();
+        assert_eq!(draws(), before + 1);
+        assert_eq!(text.len(), 32);
+        assert!(text.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)), "{text}");
+        assert_eq!(a.as_str(), text, "drawn once, then kept");
+        // A clone is the same token: drawn first if it was not yet.
+        assert_eq!(a.clone(), a);
+        let c = b.clone();
+        assert_eq!(draws(), before + 2);
+        assert_eq!(c.as_str(), b.as_str());
+        assert_ne!(a, b);
+        assert_eq!(Token::from_stored(&text), a, "equal to the same digits read back from a store");
+        assert_eq!(draws(), before + 2);
+    }
 
     #[test]
     fn memory_tokens_are_32_hex_digits_and_distinct_across_threads() {

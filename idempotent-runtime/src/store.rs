@@ -268,9 +268,10 @@ impl Token {
     /// each token, not from state in this process's memory, which a `fork` child or a virtual
     /// machine restored twice from one snapshot would continue from: two such copies claiming one
     /// key with the same token would each take the other's claim for their own. This costs a
-    /// system call per token where glibc is older than 2.41 (about 0.22 µs with Debian 12's
-    /// 2.36), less where `getrandom` is served by the vDSO. Should the source fail, the token is
-    /// counted as a process-local store's calls count theirs, and a warning is logged.
+    /// system call per token where glibc is older than 2.41 (0.22 to 0.55 µs with Debian 12's
+    /// 2.36, on the machines it was measured on), less where `getrandom` is served by the vDSO.
+    /// Should the source fail, the token is counted as a process-local store's calls count
+    /// theirs, and a warning is logged.
     #[must_use]
     pub fn new() -> Self {
         Token(Repr::Hex(Self::drawn()))

@@ -1033,6 +1033,88 @@ mod postgres {
         fresh.cleanup().await;
     }
 
+    /// `Call::run_with`'s documented limit (RELIABILITY row 19), made to happen: a call dropped
+    /// while its claim waits on a row lock (another transaction's uncommitted claim of the key)
+    /// leaves that statement to the server. Its background release, on another connection, finds
+    /// nothing of its own; when the lock goes, the dropped claim lands, held by nobody. Retries
+    /// then get `InProgress` until that lease ends, and after it the body runs once: it never runs
+    /// while the dropped claim holds the key, and never twice.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn dropped_claim_in_flight_holds_the_key_one_lease_and_nothing_runs_twice() {
+        use idempotent_runtime::Call;
+
+        let Some(fresh) = fresh("dropclaim").await else { return };
+        let store = fresh.store.clone();
+        let runs = Arc::new(AtomicU32::new(0));
+        let lease = Duration::from_secs(3);
+        let call = |store: Sql| {
+            let runs = Arc::clone(&runs);
+            async move {
+                let body = async { Ok::<_, Error>(runs.fetch_add(1, Ordering::SeqCst)) };
+                Call::new("dropclaim", "k").lease(lease).run(&store, body).await
+            }
+        };
+        let count = |sql: String| {
+            let pool = store.pool().clone();
+            async move { sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql)).fetch_one(&pool).await.unwrap() }
+        };
+        let waiting_on_a_lock = format!(
+            "SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%{}%'",
+            store.table()
+        );
+
+        // Another transaction claims the key and keeps its row locked.
+        let tx = store.begin().await.unwrap();
+        let key = Key::new("dropclaim", &"k").unwrap();
+        let holder = Token::new();
+        assert_eq!(tx.claim(&request(&key, &holder, None, 60_000)).await.unwrap(), Claim::Claimed);
+        // A call's claim waits on that row, and the call is dropped while it waits.
+        let waiting = tokio::spawn(call(store.clone()));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while count(waiting_on_a_lock.clone()).await == 0 {
+            assert!(std::time::Instant::now() < deadline, "the call's claim never waited on the lock");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        waiting.abort();
+        assert!(waiting.await.unwrap_err().is_cancelled());
+        // Its background release finds nothing of its own while the other claim is uncommitted.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        tx.rollback().await.unwrap();
+
+        // The dropped claim lands once the lock is gone, held by nobody.
+        let landed = std::time::Instant::now();
+        let held = format!(
+            "SELECT COUNT(*) FROM {} WHERE idempotency_key = 'dropclaim:k' AND token <> '{}'",
+            store.table(),
+            holder.as_str()
+        );
+        while count(held.clone()).await == 0 {
+            assert!(landed.elapsed() < Duration::from_secs(5), "the dropped claim never landed");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let retry = call(store.clone()).await;
+        // The documented limit: should the release learn to wait for the dropped claim, the key
+        // would be free here, and this assertion would change with that fix.
+        assert!(matches!(retry, Err(Error::InProgress { .. })), "the key is held until the lease ends: {retry:?}");
+        assert_eq!(runs.load(Ordering::SeqCst), 0, "no body ran");
+
+        // After that lease, the body runs, once.
+        let ran = loop {
+            match call(store.clone()).await {
+                Ok(ran) => break ran,
+                Err(Error::InProgress { .. }) if landed.elapsed() < lease * 2 => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                other => panic!("the key was not freed a lease after the dropped claim: {other:?}"),
+            }
+        };
+        assert_eq!(ran, 0, "the first run of the body");
+        assert!(landed.elapsed() >= lease.saturating_sub(Duration::from_millis(500)), "freed only at the lease's end");
+        assert_eq!(call(store.clone()).await.unwrap(), 0, "replayed, not run again");
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        fresh.cleanup().await;
+    }
+
     sql_tests!();
     network_tests!();
 }

@@ -1041,19 +1041,48 @@ mod postgres {
     /// while the dropped claim holds the key, and never twice.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn dropped_claim_in_flight_holds_the_key_one_lease_and_nothing_runs_twice() {
-        use idempotent_runtime::Call;
+        use idempotent_runtime::{Call, ClaimRequest, Completion, Detached};
+
+        /// The pooled store, handing over the answer to the release a dropped call left to the
+        /// background.
+        struct Watched {
+            inner: Sql,
+            released: tokio::sync::mpsc::UnboundedSender<Result<(), StoreError>>,
+        }
+        impl Store for Watched {
+            async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+                self.inner.claim(request).await
+            }
+            async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
+                self.inner.complete(completion).await
+            }
+            async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
+                self.inner.release(key, token).await
+            }
+            async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
+                self.inner.extend(key, token, lease).await
+            }
+            fn detach(&self, step: Detached) {
+                let (inner, released) = (self.inner.clone(), self.released.clone());
+                let release = matches!(step, Detached::Release { .. });
+                tokio::spawn(async move {
+                    let answer = step.finish(&inner).await;
+                    if release {
+                        let _ = released.send(answer);
+                    }
+                });
+            }
+        }
+
+        async fn call(store: &impl Store, lease: Duration, runs: &AtomicU32) -> Result<u32, Error> {
+            let body = async { Ok::<_, Error>(runs.fetch_add(1, Ordering::SeqCst)) };
+            Call::new("dropclaim", "k").lease(lease).run(store, body).await
+        }
 
         let Some(fresh) = fresh("dropclaim").await else { return };
         let store = fresh.store.clone();
         let runs = Arc::new(AtomicU32::new(0));
         let lease = Duration::from_secs(3);
-        let call = |store: Sql| {
-            let runs = Arc::clone(&runs);
-            async move {
-                let body = async { Ok::<_, Error>(runs.fetch_add(1, Ordering::SeqCst)) };
-                Call::new("dropclaim", "k").lease(lease).run(&store, body).await
-            }
-        };
         let count = |sql: String| {
             let pool = store.pool().clone();
             async move { sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql)).fetch_one(&pool).await.unwrap() }
@@ -1069,7 +1098,10 @@ mod postgres {
         let holder = Token::new();
         assert_eq!(tx.claim(&request(&key, &holder, None, 60_000)).await.unwrap(), Claim::Claimed);
         // A call's claim waits on that row, and the call is dropped while it waits.
-        let waiting = tokio::spawn(call(store.clone()));
+        let (released, mut release_answers) = tokio::sync::mpsc::unbounded_channel();
+        let watched = Watched { inner: store.clone(), released };
+        let dropped_runs = Arc::clone(&runs);
+        let waiting = tokio::spawn(async move { call(&watched, lease, &dropped_runs).await });
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while count(waiting_on_a_lock.clone()).await == 0 {
             assert!(std::time::Instant::now() < deadline, "the call's claim never waited on the lock");
@@ -1077,8 +1109,11 @@ mod postgres {
         }
         waiting.abort();
         assert!(waiting.await.unwrap_err().is_cancelled());
-        // Its background release finds nothing of its own while the other claim is uncommitted.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Its background release finds nothing of its own while the other claim is uncommitted;
+        // the transaction ends only once that release has been answered.
+        let answered = tokio::time::timeout(Duration::from_secs(10), release_answers.recv()).await;
+        let answer = answered.expect("the dropped call's release was answered").expect("a release was detached");
+        assert!(matches!(answer, Err(StoreError::NotOwner)), "{answer:?}");
         tx.rollback().await.unwrap();
 
         // The dropped claim lands once the lock is gone, held by nobody.
@@ -1092,7 +1127,7 @@ mod postgres {
             assert!(landed.elapsed() < Duration::from_secs(5), "the dropped claim never landed");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        let retry = call(store.clone()).await;
+        let retry = call(&store, lease, &runs).await;
         // The documented limit: should the release learn to wait for the dropped claim, the key
         // would be free here, and this assertion would change with that fix.
         assert!(matches!(retry, Err(Error::InProgress { .. })), "the key is held until the lease ends: {retry:?}");
@@ -1100,7 +1135,7 @@ mod postgres {
 
         // After that lease, the body runs, once.
         let ran = loop {
-            match call(store.clone()).await {
+            match call(&store, lease, &runs).await {
                 Ok(ran) => break ran,
                 Err(Error::InProgress { .. }) if landed.elapsed() < lease * 2 => {
                     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -1110,7 +1145,7 @@ mod postgres {
         };
         assert_eq!(ran, 0, "the first run of the body");
         assert!(landed.elapsed() >= lease.saturating_sub(Duration::from_millis(500)), "freed only at the lease's end");
-        assert_eq!(call(store.clone()).await.unwrap(), 0, "replayed, not run again");
+        assert_eq!(call(&store, lease, &runs).await.unwrap(), 0, "replayed, not run again");
         assert_eq!(runs.load(Ordering::SeqCst), 1);
         fresh.cleanup().await;
     }

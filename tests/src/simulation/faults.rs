@@ -187,13 +187,11 @@ impl<S: Store + 'static> FaultStore<S> {
 
 impl<S: Store + 'static> Store for FaultStore<S> {
     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        // The store counts the lease from when the claim reaches it: a claim the simulated network
-        // held arrives later than its caller's clock reading, which only a store in the caller's
-        // process, with nothing in between, may take for the claim's moment (`sent_at`).
+        // The store counts the lease from when the claim reaches it, as a store behind a network
+        // does: the simulated network may hold a claim, and only a store with nothing between it
+        // and the caller may take the caller's clock reading for the claim's moment (`sent_at`).
         let run = async {
-            let arrived = tokio::time::Instant::now();
-            let request =
-                if request.sent.is_some_and(|sent| sent < arrived) { request.sent_at(arrived) } else { *request };
+            let request = if request.sent.is_some() { request.sent_at(tokio::time::Instant::now()) } else { *request };
             self.shared.store.claim(&request).await
         };
         self.step(Op::Claim, request.key, request.token, request.lease, None, run, |r| reply_of(r, claim_reply)).await

@@ -7,7 +7,8 @@
 Each run's estimate is criterion's median time per call (target/criterion/<group>/<bench>/new/
 estimates.json); the table gives the median of those over the runs, their range, and the
 overhead of `#[idempotent]` and of the naive approach over the bare fn, computed within each run.
-Standard library only.
+A second table gives `#[idempotent]` over the naive map, taken within each run: each run's value
+and their median (the ratio issue 23 sets its targets in). Standard library only.
 """
 
 import json
@@ -56,6 +57,14 @@ def main(argv):
                 d, dlo, dhi = med(lambda r: r[(g, b)] - r[(g, "bare")])
                 over = f"{d:.1f} ns ({dlo:.1f} to {dhi:.1f})"
             print(f"| {g} | {b} | {m:.1f} | {lo:.1f} to {hi:.1f} | {over} |")
+
+    print()
+    print("| group | `#[idempotent]` ÷ naive map (median) | per run |")
+    print("|---|---:|---|")
+    for g in GROUPS:
+        ratios = [r[(g, "idempotent_memory")] / r[(g, "naive_check_execute_insert")] for r in results]
+        per_run = ", ".join(f"{x:.2f}" for x in ratios)
+        print(f"| {g} | {statistics.median(ratios):.2f} | {per_run} |")
 
 
 if __name__ == "__main__":

@@ -389,33 +389,54 @@ impl Default for Token {
 /// for a target whose futures borrow `self` and the arguments for one lifetime (`AnyStore`'s
 /// boxed futures), which the trait's signatures cannot name. Each method listed is written once
 /// here, so a wrapper names what it forwards and writes only what it changes.
+///
+/// Exported, hidden, for the test crate's store wrappers (a store that drops a step, delays a
+/// reply, watches a release), which forward everything else unchanged:
+///
+/// ```
+/// use idempotent_runtime::{MemoryStore, Store};
+///
+/// struct Watched(MemoryStore);
+///
+/// impl Watched {
+///     fn inner(&self) -> &MemoryStore {
+///         &self.0
+///     }
+/// }
+///
+/// impl Store for Watched {
+///     idempotent_runtime::forward_store!(direct Watched::inner; claim complete release extend detach);
+/// }
+/// ```
+#[doc(hidden)]
+#[macro_export]
 macro_rules! forward_store {
     ($mode:ident $target:path; $($method:ident)+) => {$(
-        $crate::store::forward_store!(@$method $mode $target);
+        $crate::forward_store!(@$method $mode $target);
     )+};
     (@claim $mode:ident $target:path) => {
         fn claim(&self, request: &$crate::ClaimRequest<'_>) -> impl ::core::future::Future<Output = Result<$crate::Claim, $crate::StoreError>> + Send {
-            $crate::store::forward_store!(@future $mode $target(self).claim(request))
+            $crate::forward_store!(@future $mode $target(self).claim(request))
         }
     };
     (@complete $mode:ident $target:path) => {
         fn complete(&self, completion: &$crate::Completion<'_>) -> impl ::core::future::Future<Output = Result<(), $crate::StoreError>> + Send {
-            $crate::store::forward_store!(@future $mode $target(self).complete(completion))
+            $crate::forward_store!(@future $mode $target(self).complete(completion))
         }
     };
     (@release $mode:ident $target:path) => {
         fn release(&self, key: &$crate::Key, token: &$crate::Token) -> impl ::core::future::Future<Output = Result<(), $crate::StoreError>> + Send {
-            $crate::store::forward_store!(@future $mode $target(self).release(key, token))
+            $crate::forward_store!(@future $mode $target(self).release(key, token))
         }
     };
     (@extend $mode:ident $target:path) => {
         fn extend(&self, key: &$crate::Key, token: &$crate::Token, lease: ::core::time::Duration) -> impl ::core::future::Future<Output = Result<(), $crate::StoreError>> + Send {
-            $crate::store::forward_store!(@future $mode $target(self).extend(key, token, lease))
+            $crate::forward_store!(@future $mode $target(self).extend(key, token, lease))
         }
     };
     (@purge_expired $mode:ident $target:path) => {
         fn purge_expired(&self) -> impl ::core::future::Future<Output = Result<u64, $crate::StoreError>> + Send {
-            $crate::store::forward_store!(@future $mode $target(self).purge_expired())
+            $crate::forward_store!(@future $mode $target(self).purge_expired())
         }
     };
     (@detach $mode:ident $target:path) => {
@@ -441,7 +462,7 @@ macro_rules! forward_store {
     (@future direct $future:expr) => { $future };
     (@future awaited $future:expr) => { async move { $future.await } };
 }
-pub(crate) use forward_store;
+pub(crate) use crate::forward_store;
 
 /// Every method of `Store`, through a pointer type, to the store it points to.
 macro_rules! forward_through_pointers {

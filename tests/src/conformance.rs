@@ -602,25 +602,17 @@ struct NoHeartbeat<S> {
     inner: Arc<S>,
 }
 
+impl<S> NoHeartbeat<S> {
+    fn inner(&self) -> &S {
+        &self.inner
+    }
+}
+
 impl<S: Store> Store for NoHeartbeat<S> {
-    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        self.inner.claim(request).await
-    }
-
-    async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
-        self.inner.complete(completion).await
-    }
-
-    async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
-        self.inner.release(key, token).await
-    }
+    idempotent_runtime::forward_store!(direct NoHeartbeat::inner; claim complete release detach);
 
     async fn extend(&self, _: &Key, _: &Token, _: Duration) -> Result<(), StoreError> {
         Err(StoreError::backend("test", "the heartbeat cannot reach the store"))
-    }
-
-    fn detach(&self, step: Detached) {
-        self.inner.detach(step);
     }
 }
 

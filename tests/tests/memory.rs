@@ -252,7 +252,7 @@ async fn memory_claim_answered_after_its_lease_does_not_start_the_body() {
     use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
     use std::time::Duration;
 
-    use idempotent_runtime::{Call, Claim, ClaimRequest, Completion, Detached, Error, Key, StoreError, Token};
+    use idempotent_runtime::{Call, Claim, ClaimRequest, Error, StoreError};
 
     /// The memory store, whose first claim is applied at once but answered `lease + 10 ms` later.
     struct LateFirstReply {
@@ -267,17 +267,11 @@ async fn memory_claim_answered_after_its_lease_does_not_start_the_body() {
             }
             claim
         }
-        async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
-            self.inner.complete(completion).await
-        }
-        async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
-            self.inner.release(key, token).await
-        }
-        async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
-            self.inner.extend(key, token, lease).await
-        }
-        fn detach(&self, step: Detached) {
-            self.inner.detach(step);
+        idempotent_runtime::forward_store!(direct LateFirstReply::inner; complete release extend detach);
+    }
+    impl LateFirstReply {
+        fn inner(&self) -> &MemoryStore {
+            &self.inner
         }
     }
 

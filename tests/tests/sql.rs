@@ -1041,7 +1041,7 @@ mod postgres {
     /// while the dropped claim holds the key, and never twice.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn dropped_claim_in_flight_holds_the_key_one_lease_and_nothing_runs_twice() {
-        use idempotent_runtime::{Call, ClaimRequest, Completion, Detached};
+        use idempotent_runtime::{Call, Detached};
 
         /// The pooled store, handing over the answer to the release a dropped call left to the
         /// background.
@@ -1049,19 +1049,13 @@ mod postgres {
             inner: Sql,
             released: tokio::sync::mpsc::UnboundedSender<Result<(), StoreError>>,
         }
+        impl Watched {
+            fn inner(&self) -> &Sql {
+                &self.inner
+            }
+        }
         impl Store for Watched {
-            async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
-                self.inner.claim(request).await
-            }
-            async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
-                self.inner.complete(completion).await
-            }
-            async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
-                self.inner.release(key, token).await
-            }
-            async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
-                self.inner.extend(key, token, lease).await
-            }
+            idempotent_runtime::forward_store!(direct Watched::inner; claim complete release extend);
             fn detach(&self, step: Detached) {
                 let (inner, released) = (self.inner.clone(), self.released.clone());
                 let release = matches!(step, Detached::Release { .. });

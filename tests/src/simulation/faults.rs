@@ -191,7 +191,7 @@ impl<S: Store + 'static> Store for FaultStore<S> {
         // does: the simulated network may hold a claim, and only a store with nothing between it
         // and the caller may take the caller's clock reading for the claim's moment (`sent_at`).
         let run = async {
-            let request = if request.sent.is_some() { request.sent_at(tokio::time::Instant::now()) } else { *request };
+            let request = request.sent_at(tokio::time::Instant::now());
             self.shared.store.claim(&request).await
         };
         self.step(Op::Claim, request.key, request.token, request.lease, None, run, |r| reply_of(r, claim_reply)).await

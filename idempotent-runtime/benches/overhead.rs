@@ -5,7 +5,8 @@
 //! `Mutex<HashMap>` looked up before the body and written after it: not atomic, shown for its cost):
 //!
 //! - `first_execution`: every call has a new key. The stores are replaced every
-//!   10,000 calls (`KEYS_PER_STORE` in `support/timing.rs`), outside the timed region, so they hold 0 to 10,000 keys.
+//!   10,000 calls (`KEYS_PER_STORE` in `support/timing.rs`), outside the timed region, so they hold 0 to 10,000 keys;
+//!   each is dropped once the next is full, so that the next reuses its memory (see `time_first_executions`).
 //! - `replay`: every call hits one of 1,024 completed keys.
 //! - `contention`: 64 tasks on a 2-thread runtime share 4 keys; the body yields once, as real
 //!   work awaits something. Most callers meet a running call and get `InProgress` (about 950 of

@@ -11,7 +11,7 @@ use serde::de::DeserializeOwned;
 use tokio::time::Instant;
 
 use crate::context::{self, CallContext};
-use crate::observe::{CallObserver, Outcome, timed};
+use crate::observe::{CallObserver, Outcome, Replied, StoreStep, timed, timed_since};
 use crate::outcome::{self, ErrorPolicy, ReleaseErrors, Replayed};
 use crate::scope::Site;
 use crate::setters::setters;
@@ -236,21 +236,22 @@ impl Call {
                 span: observer.span(),
             };
             let deadline = wait.map(|wait| Instant::now() + wait);
-            let mut backoff = FIRST_BACKOFF;
-            let mut late_replies = 0;
+            // `replied`: when the last claim's reply came (read for its latency metric, or when asked).
+            let (mut backoff, mut late_replies, mut replied) = (FIRST_BACKOFF, 0, Replied::default());
             let lease_end = loop {
                 // The lease is counted from before the request, so our estimate of its end is never late.
                 let sent = Instant::now();
                 guard.phase = Phase::Claiming;
-                let claim = timed(store.name(), "claim", store.claim(&request.sent_at(sent)))
-                    .await
-                    .map_err(|source| observer.error(store_error(key, "claim", source)))?;
+                let claim =
+                    timed_since(store, StoreStep::Claim, sent, &mut replied, store.claim(&request.sent_at(sent)))
+                        .await
+                        .map_err(|source| observer.error(store_error(key, "claim", source)))?;
                 guard.phase = Phase::Idle;
                 match claim {
                     // A reply that took longer than the lease: the claim may have ended already and
                     // another caller may be running the body. Asked again with the same token, the
                     // store renews the claim if it is still ours, or says who holds the key now.
-                    Claim::Claimed if Instant::now() >= sent + lease => {
+                    Claim::Claimed if replied.at() >= sent + lease => {
                         late_replies += 1;
                         if late_replies == MAX_LATE_CLAIM_REPLIES {
                             let source = StoreError::backend(
@@ -454,7 +455,7 @@ async fn heartbeat<S: Store + ?Sized>(
     loop {
         tokio::time::sleep_until(next).await;
         let sent = Instant::now();
-        match timed(store.name(), "extend", store.extend(key, token, lease)).await {
+        match timed(store.name(), StoreStep::Extend, store.extend(key, token, lease)).await {
             Ok(()) => {
                 *lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = sent + lease;
                 next = sent + period;
@@ -499,7 +500,7 @@ where
         None => {
             observer.outcome(Outcome::Released);
             guard.phase = Phase::Releasing;
-            match timed(store.name(), "release", store.release(key, token)).await {
+            match timed(store.name(), StoreStep::Release, store.release(key, token)).await {
                 Ok(()) => tracing::debug!(target: "idempotent", "released after an error"),
                 Err(e) => tracing::warn!(
                     target: "idempotent", error = %e,
@@ -575,7 +576,7 @@ pub(crate) async fn complete_within_lease<S: Store + ?Sized>(
     let mut attempts = 0u32;
     loop {
         attempts += 1;
-        match timed(store.name(), "complete", store.complete(completion)).await {
+        match timed(store.name(), StoreStep::Complete, store.complete(completion)).await {
             Ok(()) => return Completed::Recorded { attempts },
             Err(StoreError::NotOwner) => return Completed::LeaseLost,
             Err(e) if e.is_transient() && Instant::now() + backoff < lease_end => {

@@ -207,6 +207,53 @@ fn memory_metrics_time_each_store_step() {
     assert_eq!(steps, expected, "{metrics:#?}");
 }
 
+/// A step's latency runs from when the call sent it to its reply: claims answered 100 ms late are
+/// recorded as taking at least that, and the completion, not slowed, as taking less. (A claim's
+/// start is the clock reading its lease is counted from, and its end the one the call checks the
+/// lease against: the metric reads the clock once per claim.)
+#[test]
+fn memory_metrics_time_a_slow_claim_from_its_sending_to_its_reply() {
+    use idempotent_runtime::{Claim, ClaimRequest, Store, StoreError};
+
+    struct SlowClaims(MemoryStore);
+    impl SlowClaims {
+        fn inner(&self) -> &MemoryStore {
+            &self.0
+        }
+    }
+    impl Store for SlowClaims {
+        async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            self.0.claim(request).await
+        }
+        idempotent_runtime::forward_store!(direct SlowClaims::inner; complete release extend detach);
+    }
+
+    let metrics = metrics_of(async {
+        let store = SlowClaims(MemoryStore::new());
+        for _ in 0..2 {
+            Call::new("slow", "a").run(&store, async { Ok::<_, Error>(1) }).await.unwrap(); // executed, replayed
+        }
+    });
+    let samples = |step: &str| -> Vec<f64> {
+        metrics
+            .iter()
+            .filter(|(name, labels, _)| {
+                name == "idempotent_store_step_seconds" && labels.contains(&("step".into(), step.into()))
+            })
+            .flat_map(|(.., value)| {
+                let DebugValue::Histogram(samples) = value else { panic!("not a histogram: {value:?}") };
+                samples.iter().map(|s| s.into_inner()).collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let (claims, completions) = (samples("claim"), samples("complete"));
+    assert_eq!(claims.len(), 2, "{metrics:#?}");
+    assert!(claims.iter().all(|s| (0.100..10.0).contains(s)), "claims answered 100 ms late: {claims:?}");
+    assert_eq!(completions.len(), 1, "{metrics:#?}");
+    assert!(completions[0] < 0.100, "a completion not slowed: {completions:?}");
+}
+
 /// A `CachedStore` counts its lookups by result: a claim answered from the cache is a hit, one that
 /// went to the store a miss (the first call, and the first replay, which finds the record in the
 /// store only when this process did not complete it; here it did, so the replays all hit).

@@ -211,13 +211,8 @@ fn run(args: &Args, sig: &Signature, output: &Type, body: &TokenStream, renamed:
     };
     let (scope, site) = match (&args.scope, sig.receiver()) {
         (Some(scope), _) => (scope.to_token_stream(), None),
-        (None, None) => {
-            (quote!(&#private::fn_scope(::core::module_path!(), #name)), Some(quote!(.site(&__IDEMPOTENT_SITE))))
-        }
-        (None, Some(_)) => (
-            quote!(&#private::fn_scope(::core::module_path!(), #name)),
-            Some(quote!(.site_for::<Self>(&__IDEMPOTENT_SITE))),
-        ),
+        (None, None) => (quote!(__IDEMPOTENT_SITE.scope()), Some(quote!(.site(&__IDEMPOTENT_SITE)))),
+        (None, Some(_)) => (quote!(__IDEMPOTENT_SITE.scope()), Some(quote!(.site_for::<Self>(&__IDEMPOTENT_SITE)))),
     };
     let key = user(&args.key);
     let mut call = quote_spanned!(args.key.span()=> #private::Call::new(#scope, &(#key))#site);
@@ -275,8 +270,11 @@ fn run(args: &Args, sig: &Signature, output: &Type, body: &TokenStream, renamed:
     let checked = respan(output.to_token_stream(), span);
     let site = site.map(|_| {
         quote! {
-            static __IDEMPOTENT_SITE: #private::Site =
-                #private::Site::new(::core::concat!(::core::file!(), ":", ::core::line!(), ":", ::core::column!()));
+            static __IDEMPOTENT_SITE: #private::Site = #private::Site::new(
+                ::core::concat!(::core::file!(), ":", ::core::line!(), ":", ::core::column!()),
+                ::core::module_path!(),
+                #name,
+            );
         }
     });
     quote_spanned!(span=> {
@@ -347,11 +345,11 @@ mod tests {
         assert!(out.starts_with("# [doc = r\" Docs.\"] # [allow (dead_code)] pub async fn pay (& self , id : & str) -> Result < u32 , E >"), "{out}");
         assert!(
             out.contains(
-                "Call :: new (& :: idempotent_runtime :: __private :: fn_scope (:: core :: module_path ! () , \"pay\") , & (id)) . site_for :: < Self > (& __IDEMPOTENT_SITE)"
+                "Call :: new (__IDEMPOTENT_SITE . scope () , & (id)) . site_for :: < Self > (& __IDEMPOTENT_SITE)"
             ),
             "{out}"
         );
-        assert!(out.contains("static __IDEMPOTENT_SITE : :: idempotent_runtime :: __private :: Site = :: idempotent_runtime :: __private :: Site :: new (:: core :: concat ! (:: core :: file ! () , \":\" , :: core :: line ! () , \":\" , :: core :: column ! ()))"), "{out}");
+        assert!(out.contains("static __IDEMPOTENT_SITE : :: idempotent_runtime :: __private :: Site = :: idempotent_runtime :: __private :: Site :: new (:: core :: concat ! (:: core :: file ! () , \":\" , :: core :: line ! () , \":\" , :: core :: column ! ()) , :: core :: module_path ! () , \"pay\" ,)"), "{out}");
         assert!(
             out.contains(". lease (:: idempotent_runtime :: __private :: Duration :: from_millis (2000u64))"),
             "{out}"
@@ -396,9 +394,7 @@ mod tests {
         )
         .to_string();
         let bindings = out.find("let __self = self ;").expect(&out);
-        let call = out
-            .find("Call :: new (& :: idempotent_runtime :: __private :: fn_scope (:: core :: module_path ! () , \"pay\") , & (id))")
-            .expect(&out);
+        let call = out.find("Call :: new (__IDEMPOTENT_SITE . scope () , & (id))").expect(&out);
         let body = out.find("async { let __ret : Result < u32 , E > = { Ok (__self . n) } ;").expect(&out);
         assert!(bindings < call && call < body, "{out}");
         assert!(out.contains("fingerprint (& (self :: helper (__self)))"), "{out}");
@@ -418,7 +414,7 @@ mod tests {
         )
         .to_string();
         assert!(
-            free.contains("Call :: new (& :: idempotent_runtime :: __private :: fn_scope (:: core :: module_path ! () , \"pay\") , & (id)) . site (& __IDEMPOTENT_SITE) . on_cancel (:: idempotent_runtime :: __private :: OnCancel :: Release)"),
+            free.contains("Call :: new (__IDEMPOTENT_SITE . scope () , & (id)) . site (& __IDEMPOTENT_SITE) . on_cancel (:: idempotent_runtime :: __private :: OnCancel :: Release)"),
             "{free}"
         );
         let named = super::idempotent(

@@ -3,7 +3,9 @@
 //! across runs on a busy machine, where wall-clock figures cannot.
 //!
 //! `cargo bench -p idempotent-runtime --bench instructions -- <case> <calls>` runs `calls` calls of
-//! one case after a fixed warm-up: `memory_replay`, `memory_first`, `naive_replay`, `naive_first`.
+//! one case after a fixed warm-up: `memory_replay`, `memory_first`, `naive_replay`, `naive_first`,
+//! and `memory_replay_default_scope` and `memory_first_default_scope` (the function without
+//! `scope = "..."`, on a store of its own).
 //! The per-call count is the difference between two runs with different `calls`, divided by the
 //! difference, so the warm-up and start-up cancel out.
 
@@ -17,6 +19,13 @@ const KEYS: u64 = 2_000;
 
 #[idempotent(key = id, store = store, scope = "bench")]
 async fn wrapped(store: &MemoryStore, id: u64) -> Result<u64, Error> {
+    Ok(black_box(id))
+}
+
+/// The same function without `scope`: its default scope, the module path and the name, is what
+/// most users get.
+#[idempotent(key = id, store = store)]
+async fn wrapped_default_scope(store: &MemoryStore, id: u64) -> Result<u64, Error> {
     Ok(black_box(id))
 }
 
@@ -43,22 +52,28 @@ fn main() {
     // `cargo bench` passes `--bench`; skip flags.
     let mut rest = args.iter().skip(1).filter(|a| !a.starts_with("--"));
     let (Some(case), Some(calls)) = (rest.next(), rest.next()) else {
-        eprintln!("usage: instructions <memory_replay|memory_first|naive_replay|naive_first> <calls>");
+        eprintln!(
+            "usage: instructions <memory_replay|memory_first|memory_replay_default_scope|memory_first_default_scope|\
+             naive_replay|naive_first> <calls>"
+        );
         return;
     };
     let calls: u64 = calls.parse().expect("a number of calls");
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
-    let store = MemoryStore::new();
+    let (store, default_store) = (MemoryStore::new(), MemoryStore::new());
     let naive = Naive::default();
     runtime.block_on(async {
         for id in 0..KEYS {
             wrapped(&store, id).await.unwrap();
+            wrapped_default_scope(&default_store, id).await.unwrap();
             naive.call(id).unwrap();
         }
         for i in 0..calls {
             match case.as_str() {
                 "memory_replay" => drop(black_box(wrapped(&store, i % KEYS).await)),
                 "memory_first" => drop(black_box(wrapped(&store, KEYS + i).await)),
+                "memory_replay_default_scope" => drop(black_box(wrapped_default_scope(&default_store, i % KEYS).await)),
+                "memory_first_default_scope" => drop(black_box(wrapped_default_scope(&default_store, KEYS + i).await)),
                 "naive_replay" => drop(black_box(naive.call(i % KEYS))),
                 "naive_first" => drop(black_box(naive.call(KEYS + i))),
                 other => panic!("unknown case {other}"),

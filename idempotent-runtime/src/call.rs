@@ -216,7 +216,7 @@ impl Call {
         // wrapper into this one: it is about 2 KB).
         let protocol = pin!(async move {
             if let Some((site, self_type)) = site {
-                site.check(key.scope(), self_type).map_err(|e| observer.error(e))?;
+                site.check(key, self_type).map_err(|e| observer.error(e))?;
             }
             check_durations(key, lease, retention, wait).map_err(|e| observer.error(e))?;
             // Unique among every caller of the store: drawn from the operating system for a

@@ -290,7 +290,6 @@ impl Key {
     }
 
     /// The scope as bytes, without the UTF-8 check `scope` makes of an inline key.
-    #[cfg(feature = "metrics")]
     pub(crate) fn scope_bytes(&self) -> &[u8] {
         &self.as_bytes()[..self.scope_len()]
     }

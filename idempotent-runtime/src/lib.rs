@@ -152,7 +152,7 @@ pub use idempotent_macros::idempotent;
 #[doc(hidden)]
 pub mod __private {
     pub use crate::expansion::{AsStore, CarriesErrors, Output, RecordsErrors, ResultType, check_result};
-    pub use crate::scope::{Site, fn_scope};
+    pub use crate::scope::Site;
     pub use crate::{Call, OnCancel, RecordErrors, RecordErrorsIf, ReleaseErrors};
     pub use core::time::Duration;
 }

@@ -17,14 +17,7 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
-use crate::Error;
-
-/// The default scope of a function without a receiver: `module_path` and `name`, dotted.
-#[doc(hidden)]
-#[must_use]
-pub fn fn_scope(module_path: &str, name: &str) -> String {
-    dotted([module_path, name])
-}
+use crate::{Error, Key};
 
 fn dotted<const N: usize>(parts: [&str; N]) -> String {
     let mut scope = String::with_capacity(parts.iter().map(|p| p.len() + 1).sum());
@@ -37,11 +30,17 @@ fn dotted<const N: usize>(parts: [&str; N]) -> String {
     scope
 }
 
-/// Where an `#[idempotent]` function is defined; one `static` per expansion.
+/// Where an `#[idempotent]` function without `scope` is defined, and its default scope; one
+/// `static` per expansion.
 #[doc(hidden)]
 #[derive(Debug)]
 pub struct Site {
     location: &'static str,
+    module_path: &'static str,
+    name: &'static str,
+    /// The default scope, made from `module_path` and `name` by the first call: made per call, it
+    /// cost a replay on the memory store more than the rest of the call (three allocations).
+    scope: OnceLock<Box<str>>,
     /// The scope (and `Self` type) this site registered first: later calls with them skip the
     /// registry.
     registered: OnceLock<(Box<str>, Option<&'static str>)>,
@@ -54,18 +53,31 @@ type Owner = (&'static str, Option<&'static str>);
 static REGISTRY: Mutex<Option<HashMap<Box<str>, Owner>>> = Mutex::new(None);
 
 impl Site {
-    /// A site at `location` (`file:line:column`).
+    /// The site at `location` (`file:line:column`) of the function `name` (with its `Self` type's
+    /// name before it, dotted, for a method of an impl marked `#[idempotent]`) in the module
+    /// `module_path`.
     #[must_use]
-    pub const fn new(location: &'static str) -> Self {
-        Site { location, registered: OnceLock::new() }
+    pub const fn new(location: &'static str, module_path: &'static str, name: &'static str) -> Self {
+        Site { location, module_path, name, scope: OnceLock::new(), registered: OnceLock::new() }
     }
 
-    /// Registers `scope` for this site and, for a method, its `Self` type (`self_type`, compared
-    /// only within this process), or reports the other site or type that uses it.
-    pub(crate) fn check(&'static self, scope: &str, self_type: Option<&'static str>) -> Result<(), Error> {
-        if self.registered.get().is_some_and(|(registered, ty)| **registered == *scope && *ty == self_type) {
+    /// The function's default scope: its module path and name, dotted (`shop.payments.pay`).
+    pub fn scope(&'static self) -> &'static str {
+        self.scope.get_or_init(|| dotted([self.module_path, self.name]).into_boxed_str())
+    }
+
+    /// Registers the scope of `key` for this site and, for a method, its `Self` type (`self_type`,
+    /// compared only within this process), or reports the other site or type that uses it.
+    pub(crate) fn check(&'static self, key: &Key, self_type: Option<&'static str>) -> Result<(), Error> {
+        // Compared as bytes: the scope's text is needed (and checked for UTF-8) only the first time.
+        if self
+            .registered
+            .get()
+            .is_some_and(|(registered, ty)| registered.as_bytes() == key.scope_bytes() && *ty == self_type)
+        {
             return Ok(());
         }
+        let scope = key.scope();
         let mut registry = REGISTRY.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let (owner, owner_type) =
             *registry.get_or_insert_with(HashMap::new).entry(scope.into()).or_insert((self.location, self_type));
@@ -90,33 +102,42 @@ impl Site {
 mod tests {
     use super::*;
 
+    /// A key in `scope`.
+    fn key(scope: &str) -> Key {
+        Key::new(scope, &"k").unwrap()
+    }
+
     #[test]
     fn memory_default_scopes_are_dotted_paths() {
-        assert_eq!(fn_scope("shop::payments", "pay"), "shop.payments.pay");
-        assert_eq!(fn_scope("shop::payments", "Orders.create"), "shop.payments.Orders.create");
-        assert!(crate::Key::new(&fn_scope(module_path!(), "pay"), &"k").is_ok());
+        static PAY: Site = Site::new("p.rs:1:1", "shop::payments", "pay");
+        static CREATE: Site = Site::new("o.rs:1:1", "shop::payments", "Orders.create");
+        static HERE: Site = Site::new("h.rs:1:1", module_path!(), "pay");
+        assert_eq!(PAY.scope(), "shop.payments.pay");
+        assert!(std::ptr::eq(PAY.scope(), PAY.scope()), "made once");
+        assert_eq!(CREATE.scope(), "shop.payments.Orders.create");
+        assert!(crate::Key::new(HERE.scope(), &"k").is_ok());
     }
 
     #[test]
     fn memory_sites_refuse_a_scope_another_site_registered() {
-        static FIRST: Site = Site::new("a.rs:1:1");
-        static SECOND: Site = Site::new("b.rs:2:2");
-        FIRST.check("scope-test.shared", None).unwrap();
-        FIRST.check("scope-test.shared", None).unwrap();
-        let Err(Error::ScopeCollision { scope, first, second }) = SECOND.check("scope-test.shared", None) else {
+        static FIRST: Site = Site::new("a.rs:1:1", "a", "f");
+        static SECOND: Site = Site::new("b.rs:2:2", "b", "f");
+        FIRST.check(&key("scope-test.shared"), None).unwrap();
+        FIRST.check(&key("scope-test.shared"), None).unwrap();
+        let Err(Error::ScopeCollision { scope, first, second }) = SECOND.check(&key("scope-test.shared"), None) else {
             panic!("a second site was allowed the same scope")
         };
         assert_eq!((scope.as_str(), first.as_str(), second.as_str()), ("scope-test.shared", "a.rs:1:1", "b.rs:2:2"));
-        SECOND.check("scope-test.other", None).unwrap();
+        SECOND.check(&key("scope-test.other"), None).unwrap();
     }
 
     #[test]
     fn memory_a_site_refuses_a_second_self_type() {
-        static DEFAULT_METHOD: Site = Site::new("t.rs:3:3");
-        DEFAULT_METHOD.check("scope-test.method", Some("a::Stripe")).unwrap();
-        DEFAULT_METHOD.check("scope-test.method", Some("a::Stripe")).unwrap();
+        static DEFAULT_METHOD: Site = Site::new("t.rs:3:3", "t", "f");
+        DEFAULT_METHOD.check(&key("scope-test.method"), Some("a::Stripe")).unwrap();
+        DEFAULT_METHOD.check(&key("scope-test.method"), Some("a::Stripe")).unwrap();
         let Err(Error::ScopeCollision { first, second, .. }) =
-            DEFAULT_METHOD.check("scope-test.method", Some("a::Adyen"))
+            DEFAULT_METHOD.check(&key("scope-test.method"), Some("a::Adyen"))
         else {
             panic!("a second Self type shared the default method's scope")
         };

@@ -342,10 +342,10 @@ fn metadata() -> &'static metrics::Metadata<'static> {
 }
 
 /// The keys of `idempotent_store_step_seconds` for the store named `store`, one per [`StoreStep`],
-/// made (and hashed) once per store name and kept for the process's life, so that timing a step
-/// allocates and hashes nothing. Store names are `'static` and few. Each thread remembers the
-/// store it timed last, compared by text, not address: one name's literal can sit at two
-/// addresses (a copy per codegen unit), as a first HTTP request's claim and completion showed.
+/// made once per store name ([`leaked_keys`]). Store names are `'static` and few. Each thread
+/// remembers the store it timed last, compared by text, not address: one name can come at more
+/// than one address (a first HTTP request's claim and completion passed `"memory"` at two, and a
+/// comparison by address missed on every step).
 #[cfg(feature = "metrics")]
 fn latency_keys(store: &'static str) -> &'static [metrics::Key; 4] {
     use std::cell::Cell;
@@ -363,17 +363,31 @@ fn latency_keys(store: &'static str) -> &'static [metrics::Key; 4] {
     }
     let known = STORES.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(store).copied();
     let keys = known.unwrap_or_else(|| {
-        let keys: Keys = Box::leak(Box::new(StoreStep::ALL.map(|step| {
-            let labels: &'static [metrics::Label; 2] = Box::leak(Box::new([
-                metrics::Label::from_static_parts("store", store),
-                metrics::Label::from_static_parts("step", step.as_str()),
-            ]));
-            metrics::Key::from_static_parts("idempotent_store_step_seconds", labels)
-        })));
+        let steps = StoreStep::ALL.map(StoreStep::as_str);
+        let keys = leaked_keys("idempotent_store_step_seconds", ("store", store), "step", steps);
         *STORES.write().unwrap_or_else(std::sync::PoisonError::into_inner).entry(store).or_insert(keys)
     });
     LAST.set(Some((store, keys)));
     keys
+}
+
+/// The keys of metric `name` labelled `first` and, each, `label` with one of `values`: made and
+/// hashed once, and kept for the process's life, so that recording with them allocates and
+/// hashes nothing.
+#[cfg(feature = "metrics")]
+fn leaked_keys<const N: usize>(
+    name: &'static str,
+    first: (&'static str, &'static str),
+    label: &'static str,
+    values: [&'static str; N],
+) -> &'static [metrics::Key; N] {
+    Box::leak(Box::new(values.map(|value| {
+        let labels: &'static [metrics::Label; 2] = Box::leak(Box::new([
+            metrics::Label::from_static_parts(first.0, first.1),
+            metrics::Label::from_static_parts(label, value),
+        ]));
+        metrics::Key::from_static_parts(name, labels)
+    })))
 }
 
 /// The keys of `idempotent_calls_total` for one scope, one per [`Outcome`] (in `Outcome::ALL`'s
@@ -413,13 +427,8 @@ fn interned(scope: &[u8]) -> Option<&'static CallKeys> {
             return None;
         } else {
             let leaked: &'static str = Box::leak(scope.to_owned().into_boxed_str());
-            let keys: &'static CallKeys = Box::leak(Box::new(Outcome::ALL.map(|outcome| {
-                let labels: &'static [metrics::Label; 2] = Box::leak(Box::new([
-                    metrics::Label::from_static_parts("scope", leaked),
-                    metrics::Label::from_static_parts("outcome", outcome.as_str()),
-                ]));
-                metrics::Key::from_static_parts("idempotent_calls_total", labels)
-            })));
+            let outcomes = Outcome::ALL.map(Outcome::as_str);
+            let keys = leaked_keys("idempotent_calls_total", ("scope", leaked), "outcome", outcomes);
             scopes.insert(leaked, keys);
             (leaked, keys)
         }

@@ -4,8 +4,9 @@
 //!
 //! `cargo bench -p idempotent-runtime --bench instructions -- <case> <calls>` runs `calls` calls of
 //! one case after a fixed warm-up: `memory_replay`, `memory_first`, `naive_replay`, `naive_first`,
-//! and `memory_replay_default_scope` and `memory_first_default_scope` (the function without
-//! `scope = "..."`, on a store of its own).
+//! `memory_replay_default_scope` and `memory_first_default_scope` (the function without
+//! `scope = "..."`, on a store of its own), and `memory_replay_uuid` and `memory_first_uuid` (that
+//! function's form with a UUID string for its key, as a `request_id: &str` usually is).
 //! The per-call count is the difference between two runs with different `calls`, divided by the
 //! difference, so the warm-up and start-up cancel out.
 
@@ -17,6 +18,9 @@ use idempotent_runtime::{Error, MemoryStore, idempotent};
 
 const KEYS: u64 = 2_000;
 
+/// The most calls the UUID cases take: their keys are all made before the first call.
+const UUID_CALLS: u64 = 10_000;
+
 #[idempotent(key = id, store = store, scope = "bench")]
 async fn wrapped(store: &MemoryStore, id: u64) -> Result<u64, Error> {
     Ok(black_box(id))
@@ -27,6 +31,18 @@ async fn wrapped(store: &MemoryStore, id: u64) -> Result<u64, Error> {
 #[idempotent(key = id, store = store)]
 async fn wrapped_default_scope(store: &MemoryStore, id: u64) -> Result<u64, Error> {
     Ok(black_box(id))
+}
+
+/// The same with a UUID string for its key: under its default scope
+/// (`instructions.wrapped_uuid`), `scope:key` is 65 bytes long.
+#[idempotent(key = id, store = store)]
+async fn wrapped_uuid(store: &MemoryStore, id: &str) -> Result<usize, Error> {
+    Ok(black_box(id.len()))
+}
+
+/// A UUID-shaped key (36 characters) for call `i`.
+fn uuid(i: u64) -> String {
+    format!("{:08x}-0000-4000-8000-{:012x}", i >> 16, i & 0xffff)
 }
 
 /// The design notes' naive approach, as in the `overhead` bench.
@@ -54,18 +70,30 @@ fn main() {
     let (Some(case), Some(calls)) = (rest.next(), rest.next()) else {
         eprintln!(
             "usage: instructions <memory_replay|memory_first|memory_replay_default_scope|memory_first_default_scope|\
-             naive_replay|naive_first> <calls>"
+             memory_replay_uuid|memory_first_uuid|naive_replay|naive_first> <calls>"
         );
         return;
     };
     let calls: u64 = calls.parse().expect("a number of calls");
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
-    let (store, default_store) = (MemoryStore::new(), MemoryStore::new());
+    let (store, default_store, uuid_store) = (MemoryStore::new(), MemoryStore::new(), MemoryStore::new());
+    // Made before the calls and as many whatever `calls` is, so that formatting them is not
+    // counted (the per-call count is a difference of two runs).
+    let uuids: Vec<String> = if case.ends_with("_uuid") {
+        assert!(calls <= UUID_CALLS, "the UUID cases take at most {UUID_CALLS} calls");
+        (0..KEYS + UUID_CALLS).map(uuid).collect()
+    } else {
+        Vec::new()
+    };
     let naive = Naive::default();
+    let uuid_key = |n: u64| uuids[usize::try_from(n).unwrap()].as_str();
     runtime.block_on(async {
         for id in 0..KEYS {
             wrapped(&store, id).await.unwrap();
             wrapped_default_scope(&default_store, id).await.unwrap();
+            if let Some(key) = uuids.get(usize::try_from(id).unwrap()) {
+                wrapped_uuid(&uuid_store, key).await.unwrap();
+            }
             naive.call(id).unwrap();
         }
         for i in 0..calls {
@@ -74,6 +102,8 @@ fn main() {
                 "memory_first" => drop(black_box(wrapped(&store, KEYS + i).await)),
                 "memory_replay_default_scope" => drop(black_box(wrapped_default_scope(&default_store, i % KEYS).await)),
                 "memory_first_default_scope" => drop(black_box(wrapped_default_scope(&default_store, KEYS + i).await)),
+                "memory_replay_uuid" => drop(black_box(wrapped_uuid(&uuid_store, uuid_key(i % KEYS)).await)),
+                "memory_first_uuid" => drop(black_box(wrapped_uuid(&uuid_store, uuid_key(KEYS + i)).await)),
                 "naive_replay" => drop(black_box(naive.call(i % KEYS))),
                 "naive_first" => drop(black_box(naive.call(KEYS + i))),
                 other => panic!("unknown case {other}"),

@@ -155,15 +155,17 @@ pub enum KeyError {
 /// The scope holds no `:`, so the first `:` always separates the two parts and no user key can
 /// reach into another scope.
 ///
-/// A key of up to 61 bytes (`scope:key` together: a UUID in a scope of up to 24 bytes) is held
-/// inline, so making, copying and storing one allocates nothing; longer keys are boxed.
+/// A key of up to 77 bytes (`scope:key` together) is held inline, so making, copying and storing
+/// one allocates nothing; longer keys are boxed. 77 bytes hold a UUID in a scope of up to 40
+/// bytes, which covers most default scopes (`shop.payments.deduct_balance`), and the HTTP layer's
+/// caller-bound UUID keys in its default scope `http`.
 #[derive(Clone)]
 pub struct Key {
     repr: Repr,
 }
 
 /// The longest `scope:key` held inline.
-const INLINE: usize = 61;
+const INLINE: usize = 77;
 
 #[derive(Clone)]
 enum Repr {
@@ -292,6 +294,12 @@ impl Key {
     /// The scope as bytes, without the UTF-8 check `scope` makes of an inline key.
     pub(crate) fn scope_bytes(&self) -> &[u8] {
         &self.as_bytes()[..self.scope_len()]
+    }
+
+    /// Held inline, without an allocation of its own.
+    #[cfg(test)]
+    pub(crate) fn is_inline(&self) -> bool {
+        matches!(self.repr, Repr::Inline { .. })
     }
 
     /// The caller's key part.
@@ -447,6 +455,17 @@ mod tests {
     }
 
     #[test]
+    fn memory_a_uuid_in_a_scope_of_up_to_40_bytes_is_held_inline() {
+        let uuid = uuid::Uuid::from_u128(0x0123_4567_89ab_cdef_0123_4567_89ab_cdef);
+        let text = uuid.to_string();
+        for scope in ["shop.payments.deduct_balance", &"s".repeat(40)] {
+            assert!(Key::new(scope, &uuid).unwrap().is_inline(), "{scope}");
+            assert!(Key::new(scope, &text).unwrap().is_inline(), "{scope}");
+        }
+        assert!(!Key::new(&"s".repeat(41), &text).unwrap().is_inline());
+    }
+
+    #[test]
     fn memory_keys_inline_and_boxed_read_the_same() {
         // A key type that makes a key while it writes itself (checked at the end).
         struct Nested;
@@ -455,7 +474,8 @@ mod tests {
                 out.push_str(Key::new("inner", &"1").unwrap().key());
             }
         }
-        for len in [1, 50, 54, 55, 56, 60, 200, MAX_KEY_BYTES] {
+        // `scope:` is 6 bytes: the last inline key and the first boxed one are among these.
+        for len in [1, 50, INLINE - 7, INLINE - 6, INLINE - 5, 200, MAX_KEY_BYTES] {
             let text = "k".repeat(len);
             let key = Key::new("scope", &text).unwrap();
             assert_eq!(key.as_str(), format!("scope:{text}"));

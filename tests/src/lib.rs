@@ -15,6 +15,7 @@ pub mod replicated;
 pub mod services;
 pub mod simulation;
 pub mod stress;
+pub mod unrecorded;
 
 use std::future::Future;
 use std::time::Duration;

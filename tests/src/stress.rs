@@ -622,6 +622,10 @@ pub struct StressReport {
     pub timed_out_after_body: u64,
     /// `complete` calls that failed with a backend error (retried or not).
     pub failed_completions: u64,
+    /// Completions finished in the background (a caller dropped while recording) that ended
+    /// without a record, from the log ([`crate::unrecorded`]); `None` if another global `tracing`
+    /// subscriber kept the harness from counting them.
+    pub failed_detached_completions: Option<u64>,
     /// Commits beyond the first that break a promise ([`BrokenPromises::total`]).
     pub double_executions: u64,
     /// The same, by promise.
@@ -719,9 +723,10 @@ impl fmt::Display for StressReport {
             d.panic_after_effect,
             d.after_kept_lease
         )?;
+        let detached = self.failed_detached_completions.map_or_else(|| "not counted".to_owned(), |n| n.to_string());
         write!(
             f,
-            "  lost records {}, stuck keys {}, wrong results {}, overlapping bodies {}, failed completion attempts {}",
+            "  lost records {}, stuck keys {}, wrong results {}, overlapping bodies {}, failed completion attempts {}, failed background completions {detached}",
             self.lost_records, self.stuck_keys, self.wrong_results, self.overlapping_bodies, self.failed_completions
         )?;
         for problem in &self.problems {
@@ -993,6 +998,7 @@ where
     F: Future<Output = u64> + Send + 'static,
 {
     quiet_injected_panics();
+    crate::unrecorded::watch();
     let scope = format!("stress-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
     let shared = Arc::new(Shared {
         store: Counted::new(store),
@@ -1182,6 +1188,7 @@ async fn check<S: Store + 'static>(shared: &Arc<Shared<S>>, seen_per_key: &[Vec<
         + report.background_steps.1;
     report.store_errors = load(&ops.backend_errors);
     report.failed_completions = load(&ops.failed_completions);
+    report.failed_detached_completions = crate::unrecorded::failed_in(&shared.scope);
     report.dropped_while_claiming = (load(&ops.dropped_while_claiming), load(&ops.dropped_holding_claim));
     report.dropped_while_recording = (load(&ops.dropped_while_recording), load(&ops.dropped_after_recorded));
     for plan in Plan::ALL {

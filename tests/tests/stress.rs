@@ -69,6 +69,29 @@ async fn stress_memory_harness_catches_lost_background_completions() {
     assert!(report.double_executions >= report.broken.cancel_while_recording, "{report}");
 }
 
+/// A completion finished in the background that never gets its record in is counted, per scope,
+/// from `spawn_detached`'s log event: the failover test relies on that count to tell such a re-run
+/// from a broken promise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_failed_background_completions_are_counted() {
+    use std::time::Duration;
+
+    use idempotent_runtime::{Call, Error};
+    use idempotent_tests::unrecorded;
+
+    assert!(unrecorded::watch(), "no other global tracing subscriber in this test binary");
+    let store = broken::CompletionsFail(MemoryStore::new());
+    let scope = "unrecorded-self-test";
+    // The caller gives up while its completion is in flight (an application's timeout): the
+    // completion goes on in the background, fails until the 300 ms lease ends, and is dropped.
+    let call = Call::new(scope, &1u32).lease(Duration::from_millis(300)).run(&store, async { Ok::<_, Error>(1) });
+    assert!(tokio::time::timeout(Duration::from_millis(100), call).await.is_err(), "the call was dropped");
+    assert_eq!(unrecorded::failed_in(scope), Some(0), "still retrying within the lease");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(unrecorded::failed_in(scope), Some(1));
+    assert_eq!(unrecorded::failed_in("another-scope"), Some(0));
+}
+
 /// The real memory store behind a wrapper that gives every claim a tenth of the lease it was
 /// asked for: claims kept by cancelled bodies end early, and the harness must count the re-runs
 /// under "cancelled (keep) within the lease".
@@ -246,6 +269,34 @@ mod broken {
 
         fn detach(&self, step: Detached) {
             drop(step);
+        }
+    }
+
+    /// A shared store (its steps detached to a task, as Redis and SQL stores do) whose
+    /// completions never succeed: each waits 200 ms and fails as a store that is down would.
+    #[derive(Clone)]
+    pub struct CompletionsFail(pub MemoryStore);
+
+    impl Store for CompletionsFail {
+        async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+            self.0.claim(request).await
+        }
+
+        async fn complete(&self, _: &Completion<'_>) -> Result<(), StoreError> {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            Err(StoreError::backend("completions-fail", "the store is down"))
+        }
+
+        async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
+            self.0.release(key, token).await
+        }
+
+        async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
+            self.0.extend(key, token, lease).await
+        }
+
+        fn detach(&self, step: Detached) {
+            idempotent_runtime::stores::spawn_detached(self.clone(), step);
         }
     }
 

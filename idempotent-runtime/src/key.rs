@@ -155,17 +155,19 @@ pub enum KeyError {
 /// The scope holds no `:`, so the first `:` always separates the two parts and no user key can
 /// reach into another scope.
 ///
-/// A key of up to 77 bytes (`scope:key` together) is held inline, so making, copying and storing
-/// one allocates nothing; longer keys are boxed. 77 bytes hold a UUID in a scope of up to 40
-/// bytes, which covers most default scopes (`shop.payments.deduct_balance`), and the HTTP layer's
-/// caller-bound UUID keys in its default scope `http`.
+/// A key of up to 69 bytes (`scope:key` together) is held inline, so making, copying and storing
+/// one allocates nothing; longer keys are boxed. 69 bytes hold a UUID in a scope of up to 32
+/// bytes, which covers most default scopes (`shop.payments.deduct_balance`).
 #[derive(Clone)]
 pub struct Key {
     repr: Repr,
 }
 
-/// The longest `scope:key` held inline.
-const INLINE: usize = 77;
+/// The longest `scope:key` held inline (a 72-byte `Key`). Not more: with 77 (an 80-byte `Key`),
+/// the HTTP layer's request future was copied twice more per request, 3,568 bytes each (about
+/// 750 instructions per first request and 1,000 per replay, BENCHMARKS.md), which cost more than
+/// the caller-bound keys (74 bytes with a UUID) it would have held inline saved.
+const INLINE: usize = 69;
 
 #[derive(Clone)]
 enum Repr {
@@ -456,14 +458,14 @@ mod tests {
     }
 
     #[test]
-    fn memory_a_uuid_in_a_scope_of_up_to_40_bytes_is_held_inline() {
+    fn memory_a_uuid_in_a_scope_of_up_to_32_bytes_is_held_inline() {
         let uuid = uuid::Uuid::from_u128(0x0123_4567_89ab_cdef_0123_4567_89ab_cdef);
         let text = uuid.to_string();
-        for scope in ["shop.payments.deduct_balance", &"s".repeat(40)] {
+        for scope in ["shop.payments.deduct_balance", &"s".repeat(32)] {
             assert!(Key::new(scope, &uuid).unwrap().is_inline(), "{scope}");
             assert!(Key::new(scope, &text).unwrap().is_inline(), "{scope}");
         }
-        assert!(!Key::new(&"s".repeat(41), &text).unwrap().is_inline());
+        assert!(!Key::new(&"s".repeat(33), &text).unwrap().is_inline());
     }
 
     #[test]

@@ -168,7 +168,7 @@ mod bounded {
         assert_eq!(store.len(), 100);
     }
 
-    /// Full by bytes: each entry is charged its key, its outcome and 416 bytes.
+    /// Full by bytes: each entry is charged its key, its outcome and 400 bytes.
     #[tokio::test]
     async fn memory_store_full_by_bytes_refuses_new_keys() {
         let store = MemoryStore::with_limits(MemoryLimits::default().max_bytes(64 * 1024));
@@ -235,7 +235,7 @@ mod bounded {
         assert_eq!((store.len(), store.bytes()), (0, 0));
         run(&store, 1, Duration::from_secs(10)).await.unwrap();
         let one = store.bytes();
-        assert!(one > 416, "{one}");
+        assert!(one > 400, "{one}");
         let _ = Call::new("bounded", &2u32).run(&store, async { Err::<u32, _>(Error::Fingerprint("x".into())) }).await;
         assert_eq!((store.len(), store.bytes()), (1, one), "a released claim is gone from the counters");
         tokio::time::sleep(Duration::from_secs(11)).await;

@@ -203,10 +203,4 @@ mod tests {
         let shorter = "k".repeat(MAX_KEY_BYTES - 1);
         assert_ne!(scoped, Key::new("s", &CallerKey::new("alice", &shorter)).unwrap());
     }
-
-    #[test]
-    fn http_a_caller_bound_uuid_key_in_the_default_scope_is_held_inline() {
-        let uuid = "0123abcd-89ab-4def-8123-456789abcdef";
-        assert!(Key::new("http", &CallerKey::new("user-1", uuid)).unwrap().is_inline());
-    }
 }

@@ -34,7 +34,7 @@ async fn wrapped_default_scope(store: &MemoryStore, id: u64) -> Result<u64, Erro
 }
 
 /// The same with a UUID string for its key: under its default scope
-/// (`instructions.wrapped_uuid`), `scope:key` is 65 bytes long.
+/// (`instructions.wrapped_uuid`), `scope:key` is 62 bytes long.
 #[idempotent(key = id, store = store)]
 async fn wrapped_uuid(store: &MemoryStore, id: &str) -> Result<usize, Error> {
     Ok(black_box(id.len()))

@@ -243,7 +243,7 @@ impl Key {
         if user.len() > MAX_KEY_BYTES {
             return Err(KeyError::TooLong { len: user.len() });
         }
-        // Printable ASCII, the usual key, is checked byte by byte; other text by character.
+        // Printable ASCII, the usual key, is checked a word at a time; other text by character.
         if !printable_ascii(user.as_bytes(), None)
             && let Some((at, ch)) = user.char_indices().find(|(_, c)| c.is_control())
         {

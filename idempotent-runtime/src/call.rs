@@ -243,7 +243,7 @@ impl Call {
                 let sent = Instant::now();
                 guard.phase = Phase::Claiming;
                 let claim =
-                    timed_since(store, StoreStep::Claim, sent, &mut replied, store.claim(&request.sent_at(sent)))
+                    timed_since(store, StoreStep::Claim, sent, Some(&mut replied), store.claim(&request.sent_at(sent)))
                         .await
                         .map_err(|source| observer.error(store_error(key, "claim", source)))?;
                 guard.phase = Phase::Idle;
@@ -455,7 +455,7 @@ async fn heartbeat<S: Store + ?Sized>(
     loop {
         tokio::time::sleep_until(next).await;
         let sent = Instant::now();
-        match timed(store.name(), StoreStep::Extend, store.extend(key, token, lease)).await {
+        match timed_since(store, StoreStep::Extend, sent, None, store.extend(key, token, lease)).await {
             Ok(()) => {
                 *lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = sent + lease;
                 next = sent + period;
@@ -500,7 +500,7 @@ where
         None => {
             observer.outcome(Outcome::Released);
             guard.phase = Phase::Releasing;
-            match timed(store.name(), StoreStep::Release, store.release(key, token)).await {
+            match timed(store, StoreStep::Release, store.release(key, token)).await {
                 Ok(()) => tracing::debug!(target: "idempotent", "released after an error"),
                 Err(e) => tracing::warn!(
                     target: "idempotent", error = %e,
@@ -576,7 +576,7 @@ pub(crate) async fn complete_within_lease<S: Store + ?Sized>(
     let mut attempts = 0u32;
     loop {
         attempts += 1;
-        match timed(store.name(), StoreStep::Complete, store.complete(completion)).await {
+        match timed(store, StoreStep::Complete, store.complete(completion)).await {
             Ok(()) => return Completed::Recorded { attempts },
             Err(StoreError::NotOwner) => return Completed::LeaseLost,
             Err(e) if e.is_transient() && Instant::now() + backoff < lease_end => {

@@ -497,32 +497,36 @@ impl StoreStep {
     }
 }
 
-/// Times `step` of the store named `store` into `idempotent_store_step_seconds` (feature
-/// `metrics`). The protocol sends every step through it, or through [`timed_since`].
+/// Times `step` of `store` into `idempotent_store_step_seconds` (feature `metrics`). The
+/// protocol sends every step through it, or through [`timed_since`].
 #[cfg(feature = "metrics")]
-pub(crate) fn timed<F: Future>(store: &'static str, step: StoreStep, future: F) -> impl Future<Output = F::Output> {
-    time(store, step, Instant::now(), None, future)
+pub(crate) fn timed<S: Store + ?Sized, F: Future>(
+    store: &S,
+    step: StoreStep,
+    future: F,
+) -> impl Future<Output = F::Output> {
+    time(store.name(), step, Instant::now(), None, future)
 }
 
 /// Without the feature `metrics`, `step` itself (no wrapper future around it).
 #[cfg(not(feature = "metrics"))]
-pub(crate) fn timed<F: Future>(_store: &'static str, _step: StoreStep, future: F) -> F {
+pub(crate) fn timed<S: Store + ?Sized, F: Future>(_store: &S, _step: StoreStep, future: F) -> F {
     future
 }
 
-/// Like [`timed`], for a step the protocol sent at `sent`, a clock reading it took anyway (the
-/// lease is counted from it), and noting in `replied` the reading taken when the reply came: the
-/// clock is read once for the metric, where `timed` reads it twice, and the protocol reads it no
-/// more after the reply.
+/// Like [`timed`], for a step the protocol sent at `sent`, a clock reading it took anyway (a
+/// lease is counted from it), and noting in `replied`, if given, the reading taken when the reply
+/// came: the clock is read once for the metric, where `timed` reads it twice, and the protocol
+/// reads it no more after the reply.
 #[cfg(feature = "metrics")]
 pub(crate) fn timed_since<'a, S: Store + ?Sized, F: Future + 'a>(
     store: &S,
     step: StoreStep,
     sent: Instant,
-    replied: &'a mut Replied,
+    replied: Option<&'a mut Replied>,
     future: F,
 ) -> impl Future<Output = F::Output> + 'a {
-    time(store.name(), step, sent, Some(replied), future)
+    time(store.name(), step, sent, replied, future)
 }
 
 /// What [`timed`] and [`timed_since`] do: awaits `future`, then records the time since `sent`.
@@ -552,7 +556,7 @@ pub(crate) fn timed_since<S: Store + ?Sized, F: Future>(
     _store: &S,
     _step: StoreStep,
     _sent: Instant,
-    _replied: &mut Replied,
+    _replied: Option<&mut Replied>,
     future: F,
 ) -> F {
     future
@@ -572,7 +576,7 @@ impl Replied {
 
 #[cfg(test)]
 mod tests {
-    use super::Outcome;
+    use super::{Outcome, StoreStep};
 
     /// A scope's counter keys are indexed by `outcome as usize`: `ALL` lists the outcomes in
     /// their declaration order.
@@ -580,6 +584,15 @@ mod tests {
     fn outcomes_are_listed_in_declaration_order() {
         for (index, outcome) in Outcome::ALL.into_iter().enumerate() {
             assert_eq!(outcome as usize, index, "{outcome}");
+        }
+    }
+
+    /// A store's latency keys are indexed by `step as usize`: `ALL` lists the steps in their
+    /// declaration order.
+    #[test]
+    fn store_steps_are_listed_in_declaration_order() {
+        for (index, step) in StoreStep::ALL.into_iter().enumerate() {
+            assert_eq!(step as usize, index, "{step:?}");
         }
     }
 }

@@ -21,7 +21,7 @@ use tokio::time::Instant;
 
 use crate::call::{Completed, check_fingerprint, complete_within_lease};
 use crate::context;
-use crate::observe::{CallObserver, StoreStep, timed};
+use crate::observe::{CallObserver, StoreStep, timed, timed_since};
 use crate::outcome::{self, ReleaseErrors, Replayed};
 use crate::{Claim, ClaimRequest, Completion, Error, Fingerprint, Key, Store, StoreError, Token};
 
@@ -254,8 +254,7 @@ impl<S: Store + ?Sized> Steps<'_, S> {
                 let _ = reply.send(self.record(&key, &outcome).await);
             }
             Job::Release { key } => {
-                let released = timed(self.store.name(), StoreStep::Release, self.store.release(&key, self.token)).await;
-                if let Err(error) = released {
+                if let Err(error) = timed(self.store, StoreStep::Release, self.store.release(&key, self.token)).await {
                     tracing::warn!(target: "idempotent", %error, "could not release a failed step's key; it frees itself when its lease ends");
                 }
             }
@@ -269,7 +268,7 @@ impl<S: Store + ?Sized> Steps<'_, S> {
     async fn lookup(&self, key: &Key) -> Result<Option<Bytes>, Error> {
         let request = ClaimRequest::new(key, self.token, self.fingerprint, self.lease);
         loop {
-            let claim = timed(self.store.name(), StoreStep::Claim, self.store.claim(&request))
+            let claim = timed(self.store, StoreStep::Claim, self.store.claim(&request))
                 .await
                 .map_err(|source| step_error(key, source))?;
             match claim {
@@ -292,7 +291,8 @@ impl<S: Store + ?Sized> Steps<'_, S> {
     /// Renews the call's claim (the fence), then records the step.
     async fn record(&self, key: &Key, outcome: &[u8]) -> Result<(), Error> {
         let sent = Instant::now();
-        match timed(self.store.name(), StoreStep::Extend, self.store.extend(self.call, self.token, self.lease)).await {
+        let extend = self.store.extend(self.call, self.token, self.lease);
+        match timed_since(self.store, StoreStep::Extend, sent, None, extend).await {
             Ok(()) => *self.lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = sent + self.lease,
             Err(StoreError::NotOwner) => {
                 tracing::error!(target: "idempotent", "a step finished after the call lost its claim; not recorded");

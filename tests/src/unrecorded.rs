@@ -24,18 +24,21 @@ const FAILED: &str = "detached step failed; the claim ends with its lease";
 /// Failed detached completions, by scope.
 static FAILED_BY_SCOPE: Mutex<Option<HashMap<String, u64>>> = Mutex::new(None);
 
+/// Whether [`watch`] installed the counting layer (set by its first call).
+static INSTALLED: OnceLock<bool> = OnceLock::new();
+
 /// Installs the counting log layer as this process's global `tracing` subscriber, once; `false`
 /// if another global subscriber was installed first (then nothing is counted).
 pub fn watch() -> bool {
-    static INSTALLED: OnceLock<bool> = OnceLock::new();
     *INSTALLED
         .get_or_init(|| tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Counter)).is_ok())
 }
 
-/// How many detached completions of keys in `scope` failed so far, if [`watch`] is counting.
+/// How many detached completions of keys in `scope` failed so far; `None` unless [`watch`] is
+/// counting.
 #[must_use]
 pub fn failed_in(scope: &str) -> Option<u64> {
-    watch().then(|| {
+    (INSTALLED.get() == Some(&true)).then(|| {
         let counts = FAILED_BY_SCOPE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         counts.as_ref().and_then(|counts| counts.get(scope).copied()).unwrap_or(0)
     })

@@ -83,11 +83,12 @@ async fn memory_failed_background_completions_are_counted() {
     let store = broken::CompletionsFail(MemoryStore::new());
     let scope = "unrecorded-self-test";
     // The caller gives up while its completion is in flight (an application's timeout): the
-    // completion goes on in the background, fails until the 300 ms lease ends, and is dropped.
-    let call = Call::new(scope, &1u32).lease(Duration::from_millis(300)).run(&store, async { Ok::<_, Error>(1) });
+    // completion goes on in the background, fails until the 1 s lease ends (each attempt takes
+    // 500 ms, so not before 600 ms), and is dropped.
+    let call = Call::new(scope, &1u32).lease(Duration::from_secs(1)).run(&store, async { Ok::<_, Error>(1) });
     assert!(tokio::time::timeout(Duration::from_millis(100), call).await.is_err(), "the call was dropped");
     assert_eq!(unrecorded::failed_in(scope), Some(0), "still retrying within the lease");
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     assert_eq!(unrecorded::failed_in(scope), Some(1));
     assert_eq!(unrecorded::failed_in("another-scope"), Some(0));
 }
@@ -273,7 +274,7 @@ mod broken {
     }
 
     /// A shared store (its steps detached to a task, as Redis and SQL stores do) whose
-    /// completions never succeed: each waits 200 ms and fails as a store that is down would.
+    /// completions never succeed: each waits 500 ms and fails as a store that is down would.
     #[derive(Clone)]
     pub struct CompletionsFail(pub MemoryStore);
 
@@ -283,7 +284,7 @@ mod broken {
         }
 
         async fn complete(&self, _: &Completion<'_>) -> Result<(), StoreError> {
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            tokio::time::sleep(Duration::from_millis(500)).await;
             Err(StoreError::backend("completions-fail", "the store is down"))
         }
 

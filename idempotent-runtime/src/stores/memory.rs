@@ -209,7 +209,7 @@ impl Hashed<'_> {
 /// One shard's entries, looked up by a [`Hashed`] key: a step hashes its key once (`SipHash`,
 /// seeded per store: keys come from clients, so collisions must not be cheap to make), however
 /// many lookups it makes. Each slot keeps its key's hash, so growing the table hashes nothing,
-/// and the key itself (held inline up to 77 bytes: see [`Key`]).
+/// and the key itself (held inline up to 69 bytes: see [`Key`]).
 #[derive(Default)]
 struct Entries(hashbrown::HashTable<Slot>);
 

@@ -286,7 +286,10 @@ pub(crate) enum Read {
 /// Reads `body` up to `limit` bytes; past it, stops reading and hands back the body whole. Only
 /// data is kept: trailers (rare on responses) are neither recorded nor passed on.
 pub(crate) async fn read_response(mut body: Body, limit: usize) -> Read {
-    let mut chunks: Vec<Bytes> = Vec::new();
+    // The first chunk is kept apart: a body of one chunk, the usual response, is kept as it is,
+    // with no list of chunks to allocate.
+    let mut first = Bytes::new();
+    let mut more: Vec<Bytes> = Vec::new();
     let mut len = 0usize;
     loop {
         let frame = match AssertUnwindSafe(body.frame()).catch_unwind().await {
@@ -296,17 +299,28 @@ pub(crate) async fn read_response(mut body: Body, limit: usize) -> Read {
             Err(_) => return Read::Failed("the response body's stream panicked".to_owned()),
         };
         let Ok(data) = frame.into_data() else { continue };
+        if data.is_empty() {
+            continue;
+        }
         len = len.saturating_add(data.len());
-        chunks.push(data);
+        if first.is_empty() {
+            first = data;
+        } else {
+            more.push(data);
+        }
         if len > limit {
-            let read = futures_util::stream::iter(chunks.into_iter().map(Ok));
+            let read = futures_util::stream::iter(std::iter::once(first).chain(more).map(Ok));
             return Read::TooLarge(Body::from_stream(read.chain(body.into_data_stream())));
         }
     }
-    Read::Whole(match <[Bytes; 1]>::try_from(chunks) {
-        Ok([one]) => one,
-        Err(chunks) => chunks.concat().into(),
-    })
+    if more.is_empty() {
+        return Read::Whole(first);
+    }
+    let mut whole = Vec::with_capacity(len);
+    for chunk in std::iter::once(&first).chain(&more) {
+        whole.extend_from_slice(chunk);
+    }
+    Read::Whole(whole.into())
 }
 
 fn rebuild(status: u16, headers: Vec<(String, Data)>, body: Data) -> Option<Response> {
@@ -422,6 +436,39 @@ mod tests {
         ] {
             let json = serde_json::to_string(damaged).unwrap();
             assert!(matches!(serde_json::from_str(&json), Ok(Recorded::Unreadable)), "{damaged:?}");
+        }
+    }
+
+    /// A response body streamed in `chunks` (empty ones included), as a handler may send it.
+    fn chunked(chunks: &[&[u8]]) -> Body {
+        let chunks: Vec<Result<Bytes, std::io::Error>> = chunks.iter().map(|c| Ok(Bytes::copy_from_slice(c))).collect();
+        Body::from_stream(futures_util::stream::iter(chunks))
+    }
+
+    #[tokio::test]
+    async fn http_response_bodies_are_read_whole_within_the_limit_and_passed_on_whole_past_it() {
+        // A body of one chunk is kept as it is, not copied.
+        let one = Bytes::from_static(br#"{"id":1}"#);
+        let Read::Whole(read) = read_response(Body::from(one.clone()), 64).await else { panic!("one chunk") };
+        assert_eq!((read.as_ptr(), read.len()), (one.as_ptr(), one.len()));
+        let Read::Whole(read) = read_response(Body::empty(), 5).await else { panic!("no chunk") };
+        assert!(read.is_empty());
+        // Several chunks, empty ones among them, are joined in order, up to the limit exactly.
+        let within: [&[&[u8]]; 4] = [&[b"ab", b"", b"cd", b"e"], &[b"", b"abcde"], &[b"abc", b"de", b""], &[b"", b""]];
+        for chunks in within {
+            let Read::Whole(read) = read_response(chunked(chunks), 5).await else { panic!("{chunks:?}") };
+            assert_eq!(read, chunks.concat(), "{chunks:?}");
+        }
+        // Past the limit at the first, a middle or the last chunk: the client gets every byte, in order.
+        let past: [&[&[u8]]; 4] = [
+            &[b"abcdef", b"gh"],
+            &[b"abc", b"def", b"gh"],
+            &[b"", b"abcd", b"", b"ef"],
+            &[b"a", b"b", b"c", b"d", b"e", b"f"],
+        ];
+        for chunks in past {
+            let Read::TooLarge(body) = read_response(chunked(chunks), 5).await else { panic!("{chunks:?}") };
+            assert_eq!(body.collect().await.unwrap().to_bytes(), chunks.concat(), "{chunks:?}");
         }
     }
 

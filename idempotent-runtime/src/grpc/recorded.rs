@@ -12,7 +12,7 @@ use tonic::Code;
 use tonic::body::Body;
 
 use super::status::{self, NOT_PROCESSED_HEADER};
-use crate::http::{Data, IDEMPOTENT_REPLAYED};
+use crate::http::{Data, IDEMPOTENT_REPLAYED, joined};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -55,7 +55,10 @@ where
 {
     let (parts, body) = response.into_parts();
     let mut body = Box::pin(body);
-    let mut chunks: Vec<Bytes> = Vec::new();
+    // The first chunk is kept apart: a body of one chunk, the usual answer, is kept as it is,
+    // with no list of chunks to allocate (as the HTTP layer reads a response).
+    let mut first = Bytes::new();
+    let mut more: Vec<Bytes> = Vec::new();
     let mut len = 0usize;
     let mut trailers = None;
     loop {
@@ -74,19 +77,23 @@ where
                 continue;
             }
         };
+        if frame.is_empty() {
+            continue;
+        }
         len = len.saturating_add(frame.len());
-        chunks.push(frame);
+        if first.is_empty() {
+            first = frame;
+        } else {
+            more.push(frame);
+        }
         if len > limit {
-            let read = futures_util::stream::iter(chunks.into_iter().map(|chunk| Ok(Frame::data(chunk))));
+            let chunks = std::iter::once(first).chain(more);
+            let read = futures_util::stream::iter(chunks.map(|chunk| Ok(Frame::data(chunk))));
             let rest = TryStreamExt::map_err(BodyStream::new(body), Into::into);
             return Read::TooLarge(http::Response::from_parts(parts, Body::new(StreamBody::new(read.chain(rest)))));
         }
     }
-    let body = match <[Bytes; 1]>::try_from(chunks) {
-        Ok([one]) => one,
-        Err(chunks) => chunks.concat().into(),
-    };
-    Read::Whole(Answer { parts, body, trailers })
+    Read::Whole(Answer { parts, body: joined(first, &more, len), trailers })
 }
 
 impl Answer {
@@ -187,4 +194,52 @@ fn body(data: Bytes, trailers: Option<HeaderMap>) -> Body {
     let data = (!data.is_empty()).then(|| Frame::data(data));
     let frames = data.into_iter().chain(trailers.map(Frame::trailers));
     Body::new(StreamBody::new(futures_util::stream::iter(frames.map(Ok::<_, std::convert::Infallible>))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::http::recorded_tests::{PAST_5, WITHIN_5};
+
+    /// An answer whose body sends `chunks` (empty ones included), then `trailers` if any.
+    fn answer(chunks: &[&[u8]], trailers: Option<HeaderMap>) -> http::Response<Body> {
+        let data = chunks.iter().map(|c| Frame::data(Bytes::copy_from_slice(c)));
+        let frames = data.chain(trailers.map(Frame::trailers)).map(Ok::<_, std::convert::Infallible>);
+        http::Response::new(Body::new(StreamBody::new(futures_util::stream::iter(frames.collect::<Vec<_>>()))))
+    }
+
+    fn status(code: &'static str) -> HeaderMap {
+        HeaderMap::from_iter([(GRPC_STATUS, HeaderValue::from_static(code))])
+    }
+
+    #[tokio::test]
+    async fn grpc_answers_are_read_whole_within_the_limit_and_passed_on_whole_past_it() {
+        // A body of one chunk is kept as it is, not copied.
+        let one = Bytes::from_static(b"\0\0\0\0\x02\x08\x01");
+        let single = http::Response::new(Body::new(StreamBody::new(futures_util::stream::iter([
+            Ok::<_, std::convert::Infallible>(Frame::data(one.clone())),
+            Ok(Frame::trailers(status("0"))),
+        ]))));
+        let Read::Whole(read) = read_answer(single, 64).await else { panic!("one chunk") };
+        assert_eq!((read.body.as_ptr(), read.body.len()), (one.as_ptr(), one.len()));
+        assert_eq!(read.code(), Code::Ok);
+        // Several chunks, empty ones among them, are joined in order, up to the limit exactly.
+        for chunks in WITHIN_5 {
+            let Read::Whole(read) = read_answer(answer(chunks, Some(status("5"))), 5).await else {
+                panic!("{chunks:?}")
+            };
+            assert_eq!(read.body, chunks.concat(), "{chunks:?}");
+            assert_eq!(read.code(), Code::NotFound, "{chunks:?}: the trailers are kept");
+        }
+        // Past the limit at the first, a middle or the last chunk: the call gets every byte, in
+        // order, and the trailers after them.
+        for chunks in PAST_5 {
+            let Read::TooLarge(response) = read_answer(answer(chunks, Some(status("0"))), 5).await else {
+                panic!("{chunks:?}")
+            };
+            let collected = response.into_body().collect().await.unwrap();
+            assert_eq!(collected.trailers().and_then(|t| t.get(GRPC_STATUS)), Some(&HeaderValue::from_static("0")));
+            assert_eq!(collected.to_bytes(), chunks.concat(), "{chunks:?}");
+        }
+    }
 }

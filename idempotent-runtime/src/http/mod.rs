@@ -110,5 +110,7 @@ pub use spawn::{RunToCompletion, RunToCompletionLayer};
 pub use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 
 // What the gRPC layer shares with this one.
+#[cfg(all(test, feature = "tonic"))]
+pub(crate) use recorded::tests as recorded_tests;
 #[cfg(feature = "tonic")]
-pub(crate) use {key_header::KeyHeaderError, recorded::Data, spawn::run_to_completion};
+pub(crate) use {key_header::KeyHeaderError, recorded::Data, recorded::joined, spawn::run_to_completion};

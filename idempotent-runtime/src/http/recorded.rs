@@ -313,14 +313,20 @@ pub(crate) async fn read_response(mut body: Body, limit: usize) -> Read {
             return Read::TooLarge(Body::from_stream(read.chain(body.into_data_stream())));
         }
     }
+    Read::Whole(joined(first, &more, len))
+}
+
+/// The chunks `first` and then `more`, `len` bytes in all, as one buffer: `first` itself when
+/// there is no more (the gRPC layer reads an answer's body the same way).
+pub(crate) fn joined(first: Bytes, more: &[Bytes], len: usize) -> Bytes {
     if more.is_empty() {
-        return Read::Whole(first);
+        return first;
     }
     let mut whole = Vec::with_capacity(len);
-    for chunk in std::iter::once(&first).chain(&more) {
+    for chunk in std::iter::once(&first).chain(more) {
         whole.extend_from_slice(chunk);
     }
-    Read::Whole(whole.into())
+    whole.into()
 }
 
 fn rebuild(status: u16, headers: Vec<(String, Data)>, body: Data) -> Option<Response> {
@@ -335,8 +341,20 @@ fn rebuild(status: u16, headers: Vec<(String, Data)>, body: Data) -> Option<Resp
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// Bodies in chunks, for a limit of 5 bytes: within it (empty chunks among them) ...
+    pub(crate) const WITHIN_5: [&[&[u8]]; 4] =
+        [&[b"ab", b"", b"cd", b"e"], &[b"", b"abcde"], &[b"abc", b"de", b""], &[b"", b""]];
+    /// ... and past it at the first, a middle or the last chunk. The gRPC layer's reader is
+    /// tested with them too.
+    pub(crate) const PAST_5: [&[&[u8]]; 4] = [
+        &[b"abcdef", b"gh"],
+        &[b"abc", b"def", b"gh"],
+        &[b"", b"abcd", b"", b"ef"],
+        &[b"a", b"b", b"c", b"d", b"e", b"f"],
+    ];
 
     /// A test case: status, the response's headers, body.
     type Case = (u16, &'static [(&'static str, &'static [u8])], &'static [u8]);
@@ -454,19 +472,12 @@ mod tests {
         let Read::Whole(read) = read_response(Body::empty(), 5).await else { panic!("no chunk") };
         assert!(read.is_empty());
         // Several chunks, empty ones among them, are joined in order, up to the limit exactly.
-        let within: [&[&[u8]]; 4] = [&[b"ab", b"", b"cd", b"e"], &[b"", b"abcde"], &[b"abc", b"de", b""], &[b"", b""]];
-        for chunks in within {
+        for chunks in WITHIN_5 {
             let Read::Whole(read) = read_response(chunked(chunks), 5).await else { panic!("{chunks:?}") };
             assert_eq!(read, chunks.concat(), "{chunks:?}");
         }
         // Past the limit at the first, a middle or the last chunk: the client gets every byte, in order.
-        let past: [&[&[u8]]; 4] = [
-            &[b"abcdef", b"gh"],
-            &[b"abc", b"def", b"gh"],
-            &[b"", b"abcd", b"", b"ef"],
-            &[b"a", b"b", b"c", b"d", b"e", b"f"],
-        ];
-        for chunks in past {
+        for chunks in PAST_5 {
             let Read::TooLarge(body) = read_response(chunked(chunks), 5).await else { panic!("{chunks:?}") };
             assert_eq!(body.collect().await.unwrap().to_bytes(), chunks.concat(), "{chunks:?}");
         }

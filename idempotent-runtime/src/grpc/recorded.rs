@@ -12,7 +12,7 @@ use tonic::Code;
 use tonic::body::Body;
 
 use super::status::{self, NOT_PROCESSED_HEADER};
-use crate::http::{Data, IDEMPOTENT_REPLAYED, joined};
+use crate::http::{Chunks, Data, IDEMPOTENT_REPLAYED};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -55,11 +55,7 @@ where
 {
     let (parts, body) = response.into_parts();
     let mut body = Box::pin(body);
-    // The first chunk is kept apart: a body of one chunk, the usual answer, is kept as it is,
-    // with no list of chunks to allocate (as the HTTP layer reads a response).
-    let mut first = Bytes::new();
-    let mut more: Vec<Bytes> = Vec::new();
-    let mut len = 0usize;
+    let mut chunks = Chunks::default();
     let mut trailers = None;
     loop {
         let frame = match AssertUnwindSafe(body.frame()).catch_unwind().await {
@@ -77,23 +73,14 @@ where
                 continue;
             }
         };
-        if frame.is_empty() {
-            continue;
-        }
-        len = len.saturating_add(frame.len());
-        if first.is_empty() {
-            first = frame;
-        } else {
-            more.push(frame);
-        }
-        if len > limit {
-            let chunks = std::iter::once(first).chain(more);
-            let read = futures_util::stream::iter(chunks.map(|chunk| Ok(Frame::data(chunk))));
+        chunks.push(frame);
+        if chunks.len() > limit {
+            let read = futures_util::stream::iter(chunks.into_chunks().map(|chunk| Ok(Frame::data(chunk))));
             let rest = TryStreamExt::map_err(BodyStream::new(body), Into::into);
             return Read::TooLarge(http::Response::from_parts(parts, Body::new(StreamBody::new(read.chain(rest)))));
         }
     }
-    Read::Whole(Answer { parts, body: joined(first, &more, len), trailers })
+    Read::Whole(Answer { parts, body: chunks.into_bytes(), trailers })
 }
 
 impl Answer {
@@ -199,7 +186,7 @@ fn body(data: Bytes, trailers: Option<HeaderMap>) -> Body {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::http::recorded_tests::{PAST_5, WITHIN_5};
+    use crate::http::chunk_cases::{PAST_5, WITHIN_5};
 
     /// An answer whose body sends `chunks` (empty ones included), then `trailers` if any.
     fn answer(chunks: &[&[u8]], trailers: Option<HeaderMap>) -> http::Response<Body> {

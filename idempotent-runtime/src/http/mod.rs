@@ -86,6 +86,7 @@
 //! the caller, two users sending the same key never see each other's responses.
 
 mod canonical_json;
+mod chunks;
 mod extractor;
 mod json;
 pub(crate) mod key_header;
@@ -111,6 +112,6 @@ pub use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 
 // What the gRPC layer shares with this one.
 #[cfg(all(test, feature = "tonic"))]
-pub(crate) use recorded::tests as recorded_tests;
+pub(crate) use chunks::tests as chunk_cases;
 #[cfg(feature = "tonic")]
-pub(crate) use {key_header::KeyHeaderError, recorded::Data, recorded::joined, spawn::run_to_completion};
+pub(crate) use {chunks::Chunks, key_header::KeyHeaderError, recorded::Data, spawn::run_to_completion};

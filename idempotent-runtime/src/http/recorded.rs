@@ -13,6 +13,7 @@ use http_body_util::BodyExt as _;
 use serde::{Deserialize, Serialize};
 
 use super::IDEMPOTENT_REPLAYED;
+use super::chunks::Chunks;
 use super::problem::Problem;
 
 /// The response headers recorded and replayed by default: those that describe the body or point
@@ -286,11 +287,7 @@ pub(crate) enum Read {
 /// Reads `body` up to `limit` bytes; past it, stops reading and hands back the body whole. Only
 /// data is kept: trailers (rare on responses) are neither recorded nor passed on.
 pub(crate) async fn read_response(mut body: Body, limit: usize) -> Read {
-    // The first chunk is kept apart: a body of one chunk, the usual response, is kept as it is,
-    // with no list of chunks to allocate.
-    let mut first = Bytes::new();
-    let mut more: Vec<Bytes> = Vec::new();
-    let mut len = 0usize;
+    let mut chunks = Chunks::default();
     loop {
         let frame = match AssertUnwindSafe(body.frame()).catch_unwind().await {
             Ok(None) => break,
@@ -299,34 +296,13 @@ pub(crate) async fn read_response(mut body: Body, limit: usize) -> Read {
             Err(_) => return Read::Failed("the response body's stream panicked".to_owned()),
         };
         let Ok(data) = frame.into_data() else { continue };
-        if data.is_empty() {
-            continue;
-        }
-        len = len.saturating_add(data.len());
-        if first.is_empty() {
-            first = data;
-        } else {
-            more.push(data);
-        }
-        if len > limit {
-            let read = futures_util::stream::iter(std::iter::once(first).chain(more).map(Ok));
+        chunks.push(data);
+        if chunks.len() > limit {
+            let read = futures_util::stream::iter(chunks.into_chunks().map(Ok));
             return Read::TooLarge(Body::from_stream(read.chain(body.into_data_stream())));
         }
     }
-    Read::Whole(joined(first, &more, len))
-}
-
-/// The chunks `first` and then `more`, `len` bytes in all, as one buffer: `first` itself when
-/// there is no more (the gRPC layer reads an answer's body the same way).
-pub(crate) fn joined(first: Bytes, more: &[Bytes], len: usize) -> Bytes {
-    if more.is_empty() {
-        return first;
-    }
-    let mut whole = Vec::with_capacity(len);
-    for chunk in std::iter::once(&first).chain(more) {
-        whole.extend_from_slice(chunk);
-    }
-    whole.into()
+    Read::Whole(chunks.into_bytes())
 }
 
 fn rebuild(status: u16, headers: Vec<(String, Data)>, body: Data) -> Option<Response> {
@@ -341,20 +317,9 @@ fn rebuild(status: u16, headers: Vec<(String, Data)>, body: Data) -> Option<Resp
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
-
-    /// Bodies in chunks, for a limit of 5 bytes: within it (empty chunks among them) ...
-    pub(crate) const WITHIN_5: [&[&[u8]]; 4] =
-        [&[b"ab", b"", b"cd", b"e"], &[b"", b"abcde"], &[b"abc", b"de", b""], &[b"", b""]];
-    /// ... and past it at the first, a middle or the last chunk. The gRPC layer's reader is
-    /// tested with them too.
-    pub(crate) const PAST_5: [&[&[u8]]; 4] = [
-        &[b"abcdef", b"gh"],
-        &[b"abc", b"def", b"gh"],
-        &[b"", b"abcd", b"", b"ef"],
-        &[b"a", b"b", b"c", b"d", b"e", b"f"],
-    ];
+    use crate::http::chunks::tests::{PAST_5, WITHIN_5};
 
     /// A test case: status, the response's headers, body.
     type Case = (u16, &'static [(&'static str, &'static [u8])], &'static [u8]);

@@ -429,3 +429,89 @@ async fn grpc_limits_and_callers_memory() {
     assert_eq!(other.get_ref().seq, 2);
     assert_eq!(ledger.len(), 2);
 }
+
+// ---- Records of earlier versions ------------------------------------------------------------
+
+/// Records the layer wrote before its compact record form (JSON objects, `{"Ok":{"Answer":..}}`)
+/// still replay from `store` after an upgrade: an answer, `TooLarge` and `Failed`.
+async fn legacy_records_replay<St: Store + Clone + 'static>(store: St) {
+    use idempotent_runtime::{Claim, ClaimRequest, Completion, Key, Token};
+
+    let ledger = Ledger::default();
+    let server = TestServer::start(layer(store.clone()).scope("legacy"), Bank::new(ledger.clone(), None)).await;
+    let mut client = client(server.addr).await;
+    // A call run now gives the fingerprint the layer computes for this message, and its record
+    // is in the compact form.
+    let now = uuid::Uuid::new_v4().to_string();
+    client.pay(pay(Some(&now), "legacy", 3, "")).await.expect("the call runs");
+    let probe = Key::new("legacy", now.as_str()).expect("a valid key");
+    let token = Token::new();
+    let Claim::Completed(record) = store
+        .claim(&ClaimRequest::new(&probe, &token, None, Duration::from_secs(60)))
+        .await
+        .expect("the store answers")
+    else {
+        panic!("the first call's record is not there")
+    };
+    assert!(record.outcome.starts_with(br#"{"Ok":"a"#), "{:?}", String::from_utf8_lossy(&record.outcome));
+    let fingerprint = record.fingerprint.clone();
+    assert!(fingerprint.is_some());
+    let write = async |outcome: &[u8]| {
+        let key = uuid::Uuid::new_v4().to_string();
+        let stored = Key::new("legacy", key.as_str()).expect("a valid key");
+        let token = Token::new();
+        let claim =
+            store.claim(&ClaimRequest::new(&stored, &token, fingerprint.as_ref(), Duration::from_secs(60))).await;
+        assert_eq!(claim.expect("the store answers"), Claim::Claimed);
+        let completion = Completion::new(&stored, &token, fingerprint.as_ref(), outcome, Duration::from_secs(600));
+        store.complete(&completion).await.expect("the record is written");
+        key
+    };
+
+    // The answer an earlier version recorded: a receipt (user "legacy", amount 3, seq 41) as a
+    // length-prefixed message, its metadata and its status, each field in the form it used.
+    let message = b"\x0a\x06legacy\x10\x03\x18\x29";
+    let mut frame = vec![0, 0, 0, 0, u8::try_from(message.len()).unwrap()];
+    frame.extend_from_slice(message);
+    let legacy = serde_json::json!({"Ok": {"Answer": {
+        "headers": [["content-type", {"Text": "application/grpc"}], ["x-ledger-seq", {"Text": "41"}]],
+        "body": {"Text": String::from_utf8(frame).unwrap()},
+        "trailers": [["grpc-status", {"Text": "0"}], ["x-note-bin", {"Base64": "/3Rlc3Q="}]],
+    }}});
+    let old = write(legacy.to_string().as_bytes()).await;
+    let replay = client.pay(pay(Some(&old), "legacy", 3, "")).await.expect("the recorded answer");
+    assert!(replayed(&replay));
+    assert_eq!(replay.metadata().get("x-ledger-seq").unwrap(), "41");
+    assert_eq!((replay.get_ref().user.as_str(), replay.get_ref().amount, replay.get_ref().seq), ("legacy", 3, 41));
+    // A recorded error status replays as that status.
+    let failure = serde_json::json!({"Ok": {"Answer": {
+        "headers": [["content-type", {"Text": "application/grpc"}]],
+        "body": {"Text": ""},
+        "trailers": [["grpc-status", {"Text": "14"}], ["grpc-message", {"Text": "receipt service timed out"}]],
+    }}});
+    let old = write(failure.to_string().as_bytes()).await;
+    let status = client.pay(pay(Some(&old), "legacy", 3, "")).await.unwrap_err();
+    assert_eq!((status.code(), status.message()), (Code::Unavailable, "receipt service timed out"));
+    for outcome in [&br#"{"Ok":{"TooLarge":{"limit":2048}}}"#[..], br#"{"Ok":{"Failed":{"reason":"the body broke"}}}"#]
+    {
+        let old = write(outcome).await;
+        let status = client.pay(pay(Some(&old), "legacy", 3, "")).await.unwrap_err();
+        assert_eq!(status.code(), Code::DataLoss, "{status:?}");
+    }
+    assert_eq!(ledger.len(), 1, "only the call run now paid");
+    drop(server);
+}
+
+#[tokio::test]
+async fn grpc_legacy_records_replay_memory() {
+    legacy_records_replay(MemoryStore::new()).await;
+}
+
+#[tokio::test]
+async fn grpc_legacy_records_replay_redis() {
+    let Some((store, cleanup)) = idempotent_tests::fresh::redis("grpc_legacy_records_replay_redis").await else {
+        return;
+    };
+    legacy_records_replay(store).await;
+    cleanup.run().await;
+}

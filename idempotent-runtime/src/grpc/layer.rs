@@ -268,9 +268,7 @@ impl<St: Store> Config<St> {
                     if answer.take_not_processed() || !(self.record_code)(answer.code()) {
                         return Err(Failure::NotRecorded(answer.into_response()));
                     }
-                    let recorded = answer.record();
-                    first = Some(answer.into_response());
-                    recorded
+                    Recorded::Fresh(answer)
                 }
                 Read::TooLarge(answer) => {
                     tracing::warn!(
@@ -292,7 +290,7 @@ impl<St: Store> Config<St> {
             Ok(recorded)
         };
         Ok(match call.run_with(&*self.edge.store, ReleaseErrors, body).await {
-            Ok(recorded) => first.unwrap_or_else(|| recorded.into_replay()),
+            Ok(recorded) => first.unwrap_or_else(|| recorded.into_response()),
             Err(Failure::Inner(error)) => return Err(error),
             Err(Failure::Panicked) => status::panicked().into_http(),
             Err(Failure::NotRecorded(answer)) => answer,

@@ -12,7 +12,7 @@ use tonic::Code;
 use tonic::body::Body;
 
 use super::status::{self, NOT_PROCESSED_HEADER};
-use crate::http::{Chunks, Data, IDEMPOTENT_REPLAYED};
+use crate::http::{Chunks, Data, IDEMPOTENT_REPLAYED, compact};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -20,13 +20,28 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 
 /// A recorded outcome of a covered RPC.
-#[derive(Debug, Serialize, Deserialize)]
+///
+/// Recorded as one JSON string in a compact form (see [`Compact`]): `{"Ok":"a..."}` in the store.
+/// Records written before it, JSON objects (`{"Ok":{"Answer":{...}}}`), are still read and
+/// replayed: a record's first byte after `{"Ok":` tells the two apart (`"` or `{`).
 pub(crate) enum Recorded {
-    /// The answer: initial metadata, the body (its length-prefixed messages) and the trailers.
-    Answer { headers: Vec<(String, Data)>, body: Data, trailers: Option<Vec<(String, Data)>> },
+    /// The answer of the call that ran, to record and then to send to that call as it is.
+    Fresh(Answer),
+    /// A recorded answer, read back and rebuilt, not yet marked as a replay.
+    Answer(http::Response<Body>),
     /// The handler answered with a body over the layer's limit (sent to the call that ran it).
     TooLarge { limit: usize },
     /// The handler's answer failed mid-way (an error or a panic of its body); for the log.
+    Failed { reason: String },
+    /// A record that was read back but cannot be replayed (edited by hand, or damaged).
+    Unreadable,
+}
+
+/// The record format before the compact one, read for the records it wrote.
+#[derive(Deserialize)]
+enum Legacy {
+    Answer { headers: Vec<(String, Data)>, body: Data, trailers: Option<Vec<(String, Data)>> },
+    TooLarge { limit: usize },
     Failed { reason: String },
 }
 
@@ -99,35 +114,27 @@ impl Answer {
         in_headers || in_trailers
     }
 
-    /// The record of this answer: every header but those of one exchange (`date`,
-    /// `content-length`), the body, the trailers.
-    pub(crate) fn record(&self) -> Recorded {
-        let headers = self
-            .parts
-            .headers
-            .iter()
-            .filter(|(name, _)| *name != header::DATE && *name != header::CONTENT_LENGTH)
-            .map(entry)
-            .collect();
-        let trailers = self.trailers.as_ref().map(|t| t.iter().map(entry).collect());
-        Recorded::Answer { headers, body: Data::from_bytes(&self.body), trailers }
-    }
-
     /// The answer, to send.
     pub(crate) fn into_response(self) -> http::Response<Body> {
         http::Response::from_parts(self.parts, body(self.body, self.trailers))
     }
 }
 
-fn entry((name, value): (&HeaderName, &HeaderValue)) -> (String, Data) {
-    (name.as_str().to_owned(), Data::from_bytes(value.as_bytes()))
-}
-
 impl Recorded {
+    /// The answer this call sends: the one that ran, as it is; a recorded one with
+    /// `idempotent-replayed: true`.
+    pub(crate) fn into_response(self) -> http::Response<Body> {
+        match self {
+            Recorded::Fresh(answer) => answer.into_response(),
+            replayed => replayed.into_replay(),
+        }
+    }
+
     /// The answer a replay sends: the recorded one with `idempotent-replayed: true`.
-    pub(crate) fn into_replay(self) -> http::Response<Body> {
+    fn into_replay(self) -> http::Response<Body> {
         let rebuilt = match self {
-            Recorded::Answer { headers, body, trailers } => rebuild(headers, body, trailers),
+            Recorded::Fresh(answer) => Some(answer.into_response()),
+            Recorded::Answer(answer) => Some(answer),
             Recorded::TooLarge { limit } => Some(status::replay_impossible(&format!(
                 "a call with this idempotency-key was processed, but its response was over the {limit}-byte recording \
                  limit, so it cannot be replayed; it will not run again under this key"
@@ -136,6 +143,7 @@ impl Recorded {
                 "a call with this idempotency-key was processed, but its response failed while it was sent, so it \
                  cannot be replayed; it will not run again under this key",
             ).into_http()),
+            Recorded::Unreadable => None,
         };
         let Some(mut response) = rebuilt else {
             tracing::error!(target: "idempotent", "a recorded RPC answer is malformed and cannot be replayed");
@@ -149,6 +157,117 @@ impl Recorded {
     }
 }
 
+/// The compact form of a record, one string (JSON-escaped where it is stored):
+///
+/// ```text
+/// record   = "a" header* ["t" header*] body   an answer: its headers, "t" and its trailers if it
+///                                            has trailers, its body (its length-prefixed messages)
+///          / "l" limit                       TooLarge: the limit in decimal
+///          / "f" reason                      Failed: the reason, as text
+/// ```
+///
+/// `header` and `body` are the fields of module `http::compact`. Every header is kept but those
+/// of one exchange (`date`, `content-length`). Written straight into the serializer and read from
+/// the string the deserializer hands over, without an intermediate structure.
+struct Compact<'r>(&'r Recorded);
+
+impl std::fmt::Display for Compact<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Recorded::Fresh(answer) => {
+                f.write_str("a")?;
+                for (name, value) in &answer.parts.headers {
+                    if name != header::DATE && name != header::CONTENT_LENGTH {
+                        compact::write_header(f, name, value)?;
+                    }
+                }
+                if let Some(trailers) = &answer.trailers {
+                    f.write_str("t")?;
+                    for (name, value) in trailers {
+                        compact::write_header(f, name, value)?;
+                    }
+                }
+                compact::write_body(f, &answer.body)
+            }
+            Recorded::TooLarge { limit } => {
+                f.write_str("l")?;
+                f.write_str(itoa::Buffer::new().format(*limit))
+            }
+            Recorded::Failed { reason } => {
+                f.write_str("f")?;
+                f.write_str(reason)
+            }
+            // Never recorded (`Serialize` refuses them before writing).
+            Recorded::Answer(_) | Recorded::Unreadable => Ok(()),
+        }
+    }
+}
+
+impl Serialize for Recorded {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        if matches!(self, Recorded::Answer(_) | Recorded::Unreadable) {
+            return Err(serde::ser::Error::custom("a record read back is never recorded again"));
+        }
+        serializer.collect_str(&Compact(self))
+    }
+}
+
+impl<'de> Deserialize<'de> for Recorded {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(RecordedVisitor)
+    }
+}
+
+struct RecordedVisitor;
+
+impl<'de> serde::de::Visitor<'de> for RecordedVisitor {
+    type Value = Recorded;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a recorded RPC answer")
+    }
+
+    /// The compact form.
+    fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Self::Value, E> {
+        Ok(read_compact(text.as_bytes()).unwrap_or(Recorded::Unreadable))
+    }
+
+    /// The form before it.
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        Ok(match Legacy::deserialize(serde::de::value::MapAccessDeserializer::new(map))? {
+            Legacy::Answer { headers, body, trailers } => {
+                rebuild(headers, body, trailers).map_or(Recorded::Unreadable, Recorded::Answer)
+            }
+            Legacy::TooLarge { limit } => Recorded::TooLarge { limit },
+            Legacy::Failed { reason } => Recorded::Failed { reason },
+        })
+    }
+}
+
+/// Reads a record in the [`Compact`] form; `None` if it is not one.
+fn read_compact(record: &[u8]) -> Option<Recorded> {
+    let (&tag, rest) = record.split_first()?;
+    match tag {
+        b'a' => {
+            let (headers, rest) = compact::read_headers(rest)?;
+            let (trailers, rest) = match rest.split_first() {
+                Some((b't', rest)) => {
+                    let (trailers, rest) = compact::read_headers(rest)?;
+                    (Some(trailers), rest)
+                }
+                _ => (None, rest),
+            };
+            let mut answer = http::Response::new(body(compact::read_body(rest)?, trailers));
+            *answer.headers_mut() = headers;
+            Some(Recorded::Answer(answer))
+        }
+        b'l' => Some(Recorded::TooLarge { limit: std::str::from_utf8(rest).ok()?.parse().ok()? }),
+        b'f' => Some(Recorded::Failed { reason: String::from_utf8(rest.to_vec()).ok()? }),
+        _ => None,
+    }
+}
+
+/// An answer of the [`Legacy`] form.
 fn rebuild(
     headers: Vec<(String, Data)>,
     body_data: Data,
@@ -197,6 +316,153 @@ mod tests {
 
     fn status(code: &'static str) -> HeaderMap {
         HeaderMap::from_iter([(GRPC_STATUS, HeaderValue::from_static(code))])
+    }
+
+    /// An answer as the handler gave it: `headers`, `body`, `trailers` if any.
+    fn fresh(headers: &[(&'static str, &[u8])], body: &[u8], trailers: Option<&[(&'static str, &[u8])]>) -> Recorded {
+        let map = |entries: &[(&'static str, &[u8])]| -> HeaderMap {
+            entries
+                .iter()
+                .map(|(name, value)| (HeaderName::from_static(name), HeaderValue::from_bytes(value).unwrap()))
+                .collect()
+        };
+        let (parts, ()) = http::Response::new(()).into_parts();
+        let mut answer = Answer { parts, body: Bytes::copy_from_slice(body), trailers: trailers.map(map) };
+        answer.parts.headers = map(headers);
+        Recorded::Fresh(answer)
+    }
+
+    /// An answer's headers, body and trailers, read to its end.
+    type Sent = (Vec<(String, Vec<u8>)>, Vec<u8>, Option<Vec<(String, Vec<u8>)>>);
+
+    async fn sent(answer: http::Response<Body>) -> Sent {
+        let list = |map: &HeaderMap| map.iter().map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec())).collect();
+        let headers = list(answer.headers());
+        let collected = answer.into_body().collect().await.unwrap();
+        let trailers = collected.trailers().map(list);
+        (headers, collected.to_bytes().to_vec(), trailers)
+    }
+
+    /// What a store keeps of `recorded` (inside `{"Ok":..}`), read back as a replay reads it.
+    fn round_trip(recorded: &Recorded) -> (String, Recorded) {
+        let json = serde_json::to_string(recorded).unwrap();
+        let read = serde_json::from_str::<Recorded>(&json).unwrap();
+        (json, read)
+    }
+
+    /// The pairs of `entries`, owned, for comparing with what was sent.
+    fn owned(entries: &[(&str, &[u8])]) -> Vec<(String, Vec<u8>)> {
+        entries.iter().map(|(n, v)| ((*n).to_owned(), v.to_vec())).collect()
+    }
+
+    #[tokio::test]
+    async fn grpc_recorded_compact_form_round_trips_headers_body_and_trailers() {
+        type Case =
+            (&'static [(&'static str, &'static [u8])], &'static [u8], Option<&'static [(&'static str, &'static [u8])]>);
+        let cases: [Case; 6] = [
+            // The usual answer: a message (a zero byte and its length first), then the status.
+            (&[("content-type", b"application/grpc")], b"\0\0\0\0\x02\x08\x01", Some(&[("grpc-status", b"0")])),
+            // An error with metadata and binary details, and a value that is not UTF-8.
+            (
+                &[("content-type", b"application/grpc"), ("x-ledger-seq", b"7"), ("x-raw", b"caf\xe9 \x80")],
+                b"\0\0\0\0\x03\xff\xfe\x00",
+                Some(&[
+                    ("grpc-status", b"13"),
+                    ("grpc-message", b"ledger closed"),
+                    ("grpc-status-details-bin", b"AJ+Slgc"),
+                ]),
+            ),
+            // Trailers-only: the status in the headers, no body, no trailers.
+            (
+                &[("content-type", b"application/grpc"), ("grpc-status", b"5"), ("grpc-message", b"not found")],
+                b"",
+                None,
+            ),
+            // Trailers with nothing in them, a value and a body with the form's own separators.
+            (&[("x-sep", b"1:a;2t:")], b"t12:x:;", Some(&[])),
+            // No headers at all, and a repeated trailer.
+            (&[], b"\0\0\0\0\x01a", Some(&[("x-seen", b"1"), ("x-seen", b"2")])),
+            // An empty body followed by trailers.
+            (&[("content-type", b"application/grpc")], b"", Some(&[("grpc-status", b"0")])),
+        ];
+        for (headers, body, trailers) in cases {
+            let (json, read) = round_trip(&fresh(headers, body, trailers));
+            assert!(json.starts_with("\"a"), "{json}");
+            let Recorded::Answer(_) = &read else { panic!("not read back: {json}") };
+            let mut expected_headers = owned(headers);
+            expected_headers.push(("idempotent-replayed".to_owned(), b"true".to_vec()));
+            assert_eq!(
+                sent(read.into_response()).await,
+                (expected_headers, body.to_vec(), trailers.map(owned)),
+                "{json}"
+            );
+        }
+        // The call that ran gets its answer as it is: not marked as a replay.
+        let ran = fresh(&[("content-type", b"application/grpc")], b"\0\0\0\0\0", Some(&[("grpc-status", b"0")]));
+        assert!(!sent(ran.into_response()).await.0.iter().any(|(name, _)| name == "idempotent-replayed"));
+        // Headers of one exchange are not recorded.
+        let (json, _) = round_trip(&fresh(
+            &[("date", b"Fri, 04 Dec 2026 22:00:00 GMT"), ("content-length", b"7"), ("x-kept", b"k")],
+            b"",
+            None,
+        ));
+        assert_eq!(json, r#""a6:x-kept1:k:""#);
+        let (json, read) = round_trip(&Recorded::TooLarge { limit: 4096 });
+        assert_eq!(json, r#""l4096""#);
+        assert!(matches!(read, Recorded::TooLarge { limit: 4096 }));
+        let (json, read) = round_trip(&Recorded::Failed { reason: "stream \"broke\"".into() });
+        assert!(matches!(read, Recorded::Failed { reason } if reason == "stream \"broke\""), "{json}");
+    }
+
+    #[tokio::test]
+    async fn grpc_recorded_legacy_json_records_still_replay() {
+        // What the layer wrote before the compact form, as stores keep it (the value inside `{"Ok":..}`).
+        let legacy = r#"{"Answer":{"headers":[["content-type",{"Text":"application/grpc"}],["x-ledger-seq",{"Text":"3"}]],"body":{"Text":"\u0000\u0000\u0000\u0000\u0002\b\u0001"},"trailers":[["grpc-status",{"Text":"0"}],["x-bin",{"Base64":"/3Rlc3Q="}]]}}"#;
+        let Ok(read @ Recorded::Answer(_)) = serde_json::from_str::<Recorded>(legacy) else { panic!() };
+        let expected = (
+            owned(&[("content-type", b"application/grpc"), ("x-ledger-seq", b"3"), ("idempotent-replayed", b"true")]),
+            b"\0\0\0\0\x02\x08\x01".to_vec(),
+            Some(owned(&[("grpc-status", b"0"), ("x-bin", b"\xfftest")])),
+        );
+        assert_eq!(sent(read.into_response()).await, expected);
+        let trailers_only =
+            r#"{"Answer":{"headers":[["grpc-status",{"Text":"5"}]],"body":{"Text":""},"trailers":null}}"#;
+        let Ok(read @ Recorded::Answer(_)) = serde_json::from_str::<Recorded>(trailers_only) else { panic!() };
+        let expected = (owned(&[("grpc-status", b"5"), ("idempotent-replayed", b"true")]), vec![], None);
+        assert_eq!(sent(read.into_response()).await, expected);
+        assert!(matches!(serde_json::from_str(r#"{"TooLarge":{"limit":9}}"#), Ok(Recorded::TooLarge { limit: 9 })));
+        assert!(
+            matches!(serde_json::from_str(r#"{"Failed":{"reason":"r"}}"#), Ok(Recorded::Failed { reason }) if reason == "r")
+        );
+        // A legacy record with a header no answer can carry is unreadable, not a decoding error.
+        let broken = r#"{"Answer":{"headers":[["bad name",{"Text":"v"}]],"body":{"Text":""},"trailers":null}}"#;
+        assert!(matches!(serde_json::from_str(broken), Ok(Recorded::Unreadable)));
+    }
+
+    #[tokio::test]
+    async fn grpc_recorded_damaged_compact_records_are_unreadable() {
+        for damaged in [
+            "",
+            "x",
+            "a",
+            "a12:content-type",
+            "a5:x-bin5;ab",
+            "a5:x-bin99:v:",
+            "at",
+            "at1:",
+            "a1:a1:vt1:b",
+            "a;%%",
+            "lten",
+            "t:",
+        ] {
+            let json = serde_json::to_string(damaged).unwrap();
+            let read = serde_json::from_str::<Recorded>(&json);
+            assert!(matches!(read, Ok(Recorded::Unreadable)), "{damaged:?}");
+            // Replayed as INTERNAL, never as an answer the handler did not give.
+            let answer = read.unwrap().into_response();
+            let status = tonic::Status::from_header_map(answer.headers()).expect("a trailers-only status");
+            assert_eq!(status.code(), Code::Internal, "{damaged:?}");
+        }
     }
 
     #[tokio::test]

@@ -87,6 +87,7 @@
 
 mod canonical_json;
 mod chunks;
+pub(crate) mod compact;
 mod extractor;
 mod json;
 pub(crate) mod key_header;

@@ -8,12 +8,13 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use bytes::Bytes;
 use futures_util::{FutureExt as _, StreamExt as _};
-use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use http::{HeaderName, HeaderValue, StatusCode, header};
 use http_body_util::BodyExt as _;
 use serde::{Deserialize, Serialize};
 
 use super::IDEMPOTENT_REPLAYED;
 use super::chunks::Chunks;
+use super::compact;
 use super::problem::Problem;
 
 /// The response headers recorded and replayed by default: those that describe the body or point
@@ -60,24 +61,16 @@ enum Legacy {
     Failed { reason: String },
 }
 
-/// Bytes as JSON: text when they are UTF-8 (compact and readable), base64 otherwise (the standard
-/// alphabet with canonical padding, RFC 4648 section 4).
-#[derive(Debug, Serialize, Deserialize)]
+/// Bytes in the legacy forms (the HTTP layer's before its compact one, and the gRPC layer's):
+/// text when they were UTF-8, base64 otherwise (the standard alphabet with canonical padding, RFC
+/// 4648 section 4).
+#[derive(Debug, Deserialize)]
 pub(crate) enum Data {
     Text(String),
     Base64(String),
 }
 
 impl Data {
-    /// The gRPC layer's records still use this form.
-    #[cfg(any(feature = "tonic", test))]
-    pub(crate) fn from_bytes(bytes: &[u8]) -> Self {
-        match std::str::from_utf8(bytes) {
-            Ok(text) => Data::Text(text.to_owned()),
-            Err(_) => Data::Base64(BASE64.encode(bytes)),
-        }
-    }
-
     pub(crate) fn into_bytes(self) -> Option<Vec<u8>> {
         match self {
             Data::Text(text) => Some(text.into_bytes()),
@@ -124,15 +117,11 @@ impl Recorded<'_> {
 /// record   = "h" status header* body      a response: 3-digit status, headers in order, body
 ///          / "l" limit                    TooLarge: the limit in decimal
 ///          / "f" reason                   Failed: the reason, as text
-/// header   = len ":" name  value          the name, its byte length before it
-/// value    = len ":" text / len ";" base64
-/// body     = ":" text / ";" base64        to the end of the record
 /// ```
 ///
-/// Text is kept as it is when it is UTF-8, base64 (standard alphabet, padded) otherwise. A header
-/// starts with a digit and the body with `:` or `;`, so the body ends the list without a count.
-/// Written straight into the serializer (no string is built first) and read from the string the
-/// deserializer hands over, without an intermediate structure.
+/// `header` and `body` are the fields of module `compact`. Written straight into the serializer
+/// (no string is built first) and read from the string the deserializer hands over, without an
+/// intermediate structure.
 struct Compact<'r>(&'r Recorded<'r>);
 
 impl std::fmt::Display for Compact<'_> {
@@ -142,13 +131,9 @@ impl std::fmt::Display for Compact<'_> {
                 f.write_str("h")?;
                 f.write_str(parts.status.as_str())?;
                 for (name, value) in parts.headers.iter().filter(|(name, _)| allowed.contains(name)) {
-                    let name = name.as_str();
-                    f.write_str(itoa::Buffer::new().format(name.len()))?;
-                    f.write_str(":")?;
-                    f.write_str(name)?;
-                    write_data(f, value.as_bytes(), true)?;
+                    compact::write_header(f, name, value)?;
                 }
-                write_data(f, body, false)
+                compact::write_body(f, body)
             }
             Recorded::TooLarge { limit } => {
                 f.write_str("l")?;
@@ -162,24 +147,6 @@ impl std::fmt::Display for Compact<'_> {
             Recorded::Response(_) | Recorded::Unreadable => Ok(()),
         }
     }
-}
-
-/// `bytes` as text (`:`) or base64 (`;`), length-prefixed if `counted`.
-fn write_data(f: &mut std::fmt::Formatter<'_>, bytes: &[u8], counted: bool) -> std::fmt::Result {
-    if let Ok(text) = std::str::from_utf8(bytes) {
-        if counted {
-            f.write_str(itoa::Buffer::new().format(text.len()))?;
-        }
-        f.write_str(":")?;
-        return f.write_str(text);
-    }
-    if counted {
-        // At most 4/3 of a header value's length: it cannot overflow.
-        let len = base64::encoded_len(bytes.len(), true).unwrap_or(usize::MAX);
-        f.write_str(itoa::Buffer::new().format(len))?;
-    }
-    f.write_str(";")?;
-    std::fmt::Display::fmt(&base64::display::Base64Display::new(bytes, &BASE64), f)
 }
 
 impl Serialize for Recorded<'_> {
@@ -228,27 +195,10 @@ fn read_compact(record: &[u8]) -> Option<Recorded<'static>> {
     let (&tag, rest) = record.split_first()?;
     match tag {
         b'h' => {
-            let (status, mut rest) = rest.split_at_checked(3)?;
+            let (status, rest) = rest.split_at_checked(3)?;
             let status = StatusCode::from_bytes(status).ok()?;
-            let mut headers = HeaderMap::new();
-            let body = loop {
-                let (&kind, data) = rest.split_first()?;
-                match kind {
-                    b':' => break Bytes::copy_from_slice(data),
-                    b';' => break Bytes::from(BASE64.decode(data).ok()?),
-                    _ => {
-                        let (b':', name, after) = counted(rest)? else { return None };
-                        let (kind, value, after) = counted(after)?;
-                        let value = match kind {
-                            b':' => HeaderValue::from_bytes(value),
-                            _ => HeaderValue::from_bytes(&BASE64.decode(value).ok()?),
-                        };
-                        headers.append(HeaderName::from_bytes(name).ok()?, value.ok()?);
-                        rest = after;
-                    }
-                }
-            };
-            let mut response = Response::new(Body::from(body));
+            let (headers, rest) = compact::read_headers(rest)?;
+            let mut response = Response::new(Body::from(compact::read_body(rest)?));
             *response.status_mut() = status;
             *response.headers_mut() = headers;
             Some(Recorded::Response(response))
@@ -257,21 +207,6 @@ fn read_compact(record: &[u8]) -> Option<Recorded<'static>> {
         b'f' => Some(Recorded::Failed { reason: String::from_utf8(rest.to_vec()).ok()? }),
         _ => None,
     }
-}
-
-/// Splits `len kind data rest` (`kind` being `:` or `;`, `data` `len` bytes long) into its parts.
-fn counted(field: &[u8]) -> Option<(u8, &[u8], &[u8])> {
-    let digits = field.iter().take_while(|b| b.is_ascii_digit()).count();
-    if digits == 0 || digits > 9 {
-        return None;
-    }
-    let len: usize = std::str::from_utf8(&field[..digits]).ok()?.parse().ok()?;
-    let (&kind, rest) = field[digits..].split_first()?;
-    if kind != b':' && kind != b';' {
-        return None;
-    }
-    let (data, rest) = rest.split_at_checked(len)?;
-    Some((kind, data, rest))
 }
 
 /// A response body, read for recording.
@@ -449,15 +384,11 @@ mod tests {
     }
 
     #[test]
-    fn http_recorded_bytes_are_text_when_utf8_and_base64_otherwise() {
-        for len in 0..40 {
-            let bytes: Vec<u8> = (0..len).map(|i: u8| i.wrapping_mul(37).wrapping_add(200)).collect();
-            let data = Data::from_bytes(&bytes);
-            assert_eq!(matches!(data, Data::Text(_)), std::str::from_utf8(&bytes).is_ok(), "{data:?}");
-            assert_eq!(data.into_bytes().as_deref(), Some(&bytes[..]));
-        }
-        assert!(matches!(Data::from_bytes(b"caf\xc3\xa9"), Data::Text(t) if t == "caf\u{e9}"));
-        assert!(matches!(Data::from_bytes(b"\xfftest"), Data::Base64(t) if t == "/3Rlc3Q="));
+    fn http_recorded_legacy_data_is_text_or_canonical_base64() {
+        let read = |json: &str| serde_json::from_str::<Data>(json).unwrap().into_bytes();
+        assert_eq!(read(r#"{"Text":"caf\u00e9"}"#).as_deref(), Some("caf\u{e9}".as_bytes()));
+        assert_eq!(read(r#"{"Base64":"/3Rlc3Q="}"#).as_deref(), Some(&b"\xfftest"[..]));
+        assert_eq!(read(r#"{"Base64":""}"#).as_deref(), Some(&b""[..]));
         // A record edited by hand: non-canonical or broken base64 is refused, not guessed at.
         for broken in ["/3Rlc3Q", "/3Rlc3R=", "/3Rl!3Q=", "/3=lc3Q="] {
             assert_eq!(Data::Base64(broken.to_owned()).into_bytes(), None, "{broken}");

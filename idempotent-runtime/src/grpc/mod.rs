@@ -68,6 +68,9 @@ mod layer;
 mod recorded;
 mod status;
 
+#[cfg(test)]
+pub(crate) use recorded::recorded_for_tests;
+
 pub use client::IdempotencyKeys;
 pub use layer::{DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, GrpcIdempotencyLayer, GrpcIdempotencyService};
 pub use status::{NOT_PROCESSED, not_processed};

@@ -302,6 +302,17 @@ fn body(data: Bytes, trailers: Option<HeaderMap>) -> Body {
     Body::new(StreamBody::new(futures_util::stream::iter(frames.map(Ok::<_, std::convert::Infallible>))))
 }
 
+/// What a store keeps for an answer with `headers`, `body` and `trailers`, as this layer records
+/// it (for the tests of `http::LayerRecord`).
+#[cfg(test)]
+pub(crate) fn recorded_for_tests(
+    headers: &[(&'static str, &[u8])],
+    body: &[u8],
+    trailers: Option<&[(&'static str, &[u8])]>,
+) -> Vec<u8> {
+    serde_json::to_vec(&Ok::<_, ()>(tests::fresh(headers, body, trailers))).expect("a record")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -319,7 +330,11 @@ mod tests {
     }
 
     /// An answer as the handler gave it: `headers`, `body`, `trailers` if any.
-    fn fresh(headers: &[(&'static str, &[u8])], body: &[u8], trailers: Option<&[(&'static str, &[u8])]>) -> Recorded {
+    pub(super) fn fresh(
+        headers: &[(&'static str, &[u8])],
+        body: &[u8],
+        trailers: Option<&[(&'static str, &[u8])]>,
+    ) -> Recorded {
         let map = |entries: &[(&'static str, &[u8])]| -> HeaderMap {
             entries
                 .iter()

@@ -56,16 +56,51 @@ fn write_data(f: &mut Formatter<'_>, bytes: &[u8], counted: bool) -> fmt::Result
 pub(crate) fn read_headers(mut record: &[u8]) -> Option<(HeaderMap, &[u8])> {
     let mut headers = HeaderMap::new();
     while record.first().is_some_and(u8::is_ascii_digit) {
-        let (b':', name, after) = counted(record)? else { return None };
-        let (kind, value, after) = counted(after)?;
-        let value = match kind {
-            b':' => HeaderValue::from_bytes(value),
-            _ => HeaderValue::from_bytes(&BASE64.decode(value).ok()?),
+        let (name, value, after) = read_header(record)?;
+        let value = match value {
+            Data::Text(text) => HeaderValue::from_bytes(text),
+            Data::Base64(base64) => HeaderValue::from_bytes(&BASE64.decode(base64).ok()?),
         };
         headers.append(HeaderName::from_bytes(name).ok()?, value.ok()?);
         record = after;
     }
     Some((headers, record))
+}
+
+/// Reads the headers at the start of `record` as they were written, names and values as bytes;
+/// returns them and what follows them. `None` if one is malformed.
+pub(crate) fn read_header_list(mut record: &[u8]) -> Option<(HeaderList, &[u8])> {
+    let mut headers = Vec::new();
+    while record.first().is_some_and(u8::is_ascii_digit) {
+        let (name, value, after) = read_header(record)?;
+        let value = match value {
+            Data::Text(text) => text.to_vec(),
+            Data::Base64(base64) => BASE64.decode(base64).ok()?,
+        };
+        headers.push((String::from_utf8(name.to_vec()).ok()?, value));
+        record = after;
+    }
+    Some((headers, record))
+}
+
+/// Headers as written: names and values as bytes, in order.
+pub(crate) type HeaderList = Vec<(String, Vec<u8>)>;
+
+/// A header at the start of a record: its name, its value, what follows it.
+type Header<'r> = (&'r [u8], Data<'r>, &'r [u8]);
+
+/// A value as written: text, or base64 still to decode.
+enum Data<'r> {
+    Text(&'r [u8]),
+    Base64(&'r [u8]),
+}
+
+/// The header at the start of `record`, which starts with a digit; `None` if it is malformed.
+fn read_header(record: &[u8]) -> Option<Header<'_>> {
+    let (b':', name, after) = counted(record)? else { return None };
+    let (kind, value, after) = counted(after)?;
+    let value = if kind == b':' { Data::Text(value) } else { Data::Base64(value) };
+    Some((name, value, after))
 }
 
 /// Reads the body that ends a record; `None` if `record` does not start one.

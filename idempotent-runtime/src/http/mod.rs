@@ -89,6 +89,7 @@ mod canonical_json;
 mod chunks;
 pub(crate) mod compact;
 mod extractor;
+mod inspect;
 mod json;
 pub(crate) mod key_header;
 mod layer;
@@ -98,6 +99,7 @@ mod recorded;
 mod spawn;
 
 pub use extractor::IdempotencyKeyHeader;
+pub use inspect::LayerRecord;
 pub use json::JsonResponse;
 pub use key_header::CallerKey;
 pub use layer::{

@@ -4,6 +4,7 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use idempotent_runtime::admin::{Entry, Page, Released, State, Stats};
+use idempotent_runtime::http::LayerRecord;
 use serde_json::{Value, json};
 
 /// `1h2m`, `4m10s`, `41.2s`, `350ms`.
@@ -63,8 +64,12 @@ pub fn entry_text(entry: &Entry) -> String {
     out
 }
 
-/// A recorded outcome: an HTTP response as status, headers and body; other JSON pretty-printed.
+/// A recorded outcome: a record of the HTTP or gRPC layer as status, headers and body; other JSON
+/// pretty-printed.
 pub fn outcome_text(outcome: &[u8]) -> String {
+    if let Some(record) = LayerRecord::from_outcome(outcome) {
+        return layer_record_text(&record, outcome);
+    }
     let Ok(value) = serde_json::from_slice::<Value>(outcome) else {
         return String::from_utf8_lossy(outcome).into_owned();
     };
@@ -74,8 +79,77 @@ pub fn outcome_text(outcome: &[u8]) -> String {
     serde_json::to_string_pretty(&value).unwrap_or_default()
 }
 
-/// The HTTP layer's recorded response: `{"status": 201, "headers": [[name, data]...], "body": data}`
-/// where data is `{"Text": ...}` or `{"Base64": ...}`.
+/// A record of the layers' compact form.
+fn layer_record_text(record: &LayerRecord, outcome: &[u8]) -> String {
+    let headers = |out: &mut String, headers: &[(String, Vec<u8>)]| {
+        for (name, value) in headers {
+            let _ = writeln!(out, "{name}: {}", String::from_utf8_lossy(value));
+        }
+    };
+    let mut out = String::new();
+    match record {
+        LayerRecord::Response { status, headers: list, body } => {
+            let _ = writeln!(out, "HTTP {status}");
+            headers(&mut out, list);
+            out.push('\n');
+            out.push_str(&body_text(body));
+        }
+        LayerRecord::Answer { headers: list, body, trailers } => {
+            out.push_str("gRPC answer\n");
+            headers(&mut out, list);
+            let _ = writeln!(out, "\n{}", body_text(body));
+            if let Some(trailers) = trailers {
+                out.push_str("\ntrailers:\n");
+                headers(&mut out, trailers);
+            }
+        }
+        LayerRecord::TooLarge { limit } => {
+            let _ = writeln!(
+                out,
+                "the handler ran; its response was over the {limit}-byte recording limit, so retries get an error \
+                 and nothing runs again"
+            );
+            let _ = write!(out, "stored: {}", String::from_utf8_lossy(outcome));
+        }
+        LayerRecord::Failed { reason } => {
+            let _ = writeln!(
+                out,
+                "the handler ran; its response failed while it was sent ({reason}), so retries get an error and \
+                 nothing runs again"
+            );
+            let _ = write!(out, "stored: {}", String::from_utf8_lossy(outcome));
+        }
+        _ => out.push_str(&String::from_utf8_lossy(outcome)),
+    }
+    out
+}
+
+/// A body: JSON indented, other text as it is, bytes in hex (the first 64).
+fn body_text(body: &[u8]) -> String {
+    match std::str::from_utf8(body) {
+        Ok(text) if !text.contains(|c: char| c.is_control() && c != '\n' && c != '\t' && c != '\r') => {
+            match serde_json::from_str::<Value>(text) {
+                Ok(json) if json.is_object() || json.is_array() => {
+                    serde_json::to_string_pretty(&json).unwrap_or_else(|_| text.to_owned())
+                }
+                _ => text.to_owned(),
+            }
+        }
+        _ => {
+            let mut out = format!("<{} bytes>", body.len());
+            for byte in body.iter().take(64) {
+                let _ = write!(out, " {byte:02x}");
+            }
+            if body.len() > 64 {
+                out.push_str(" ...");
+            }
+            out
+        }
+    }
+}
+
+/// The HTTP layer's recorded response in its earlier form: `{"status": 201, "headers": [[name,
+/// data]...], "body": data}` where data is `{"Text": ...}` or `{"Base64": ...}`.
 fn response_text(response: &Value) -> String {
     let data = |value: &Value| match (value.get("Text"), value.get("Base64")) {
         (Some(Value::String(text)), _) => text.clone(),
@@ -158,6 +232,28 @@ mod tests {
         assert!(text.starts_with("HTTP 201\ncontent-type: application/json\n\n{\n  \"id\": 7\n}"), "{text}");
         assert_eq!(outcome_text(br#"{"Ok":3}"#), "{\n  \"Ok\": 3\n}");
         assert_eq!(outcome_text(b"\xffraw"), "\u{fffd}raw");
+    }
+
+    #[test]
+    fn cli_layer_records_of_the_compact_form_show_as_responses() {
+        let http = br#"{"Ok":"h20112:content-type16:application/json8:location4:/o/1:{\"id\":7}"}"#;
+        let text = outcome_text(http);
+        assert_eq!(text, "HTTP 201\ncontent-type: application/json\nlocation: /o/1\n\n{\n  \"id\": 7\n}", "{text}");
+        let grpc =
+            br#"{"Ok":"a12:content-type16:application/grpct11:grpc-status1:0:\u0000\u0000\u0000\u0000\u0002\b\u0001"}"#;
+        let text = outcome_text(grpc);
+        assert_eq!(
+            text,
+            "gRPC answer\ncontent-type: application/grpc\n\n<7 bytes> 00 00 00 00 02 08 01\n\ntrailers:\ngrpc-status: 0\n",
+            "{text}"
+        );
+        let text = outcome_text(br#"{"Ok":"l2048"}"#);
+        assert!(
+            text.contains("over the 2048-byte recording limit") && text.ends_with(r#"stored: {"Ok":"l2048"}"#),
+            "{text}"
+        );
+        let text = outcome_text(br#"{"Ok":"fthe stream broke"}"#);
+        assert!(text.contains("failed while it was sent (the stream broke)"), "{text}");
     }
 
     #[test]

@@ -38,7 +38,41 @@ pub fn entry_json(entry: &Entry) -> Value {
         "fingerprint": entry.fingerprint,
         "remaining_ms": millis(entry.remaining),
         "outcome": outcome,
+        "layer_record": entry.outcome.as_deref().and_then(LayerRecord::from_outcome).map(|r| layer_record_json(&r)),
     })
+}
+
+/// A record of the HTTP or gRPC layer as JSON: header values as text, a body as text when it is
+/// UTF-8 (`body`) and in hex otherwise (`body_hex`).
+fn layer_record_json(record: &LayerRecord) -> Value {
+    let headers = |list: &[(String, Vec<u8>)]| -> Value {
+        list.iter().map(|(name, value)| json!([name, String::from_utf8_lossy(value)])).collect()
+    };
+    let body = |bytes: &[u8]| match std::str::from_utf8(bytes) {
+        Ok(text) => json!({ "body": text }),
+        Err(_) => json!({ "body_hex": bytes.iter().fold(String::new(), |mut hex, b| {
+            let _ = write!(hex, "{b:02x}");
+            hex
+        }) }),
+    };
+    let with_body = |mut value: Value, bytes: &[u8]| {
+        if let (Some(fields), Value::Object(more)) = (value.as_object_mut(), body(bytes)) {
+            fields.extend(more);
+        }
+        value
+    };
+    match record {
+        LayerRecord::Response { status, headers: list, body } => {
+            with_body(json!({ "kind": "http_response", "status": status, "headers": headers(list) }), body)
+        }
+        LayerRecord::Answer { headers: list, body, trailers } => with_body(
+            json!({ "kind": "grpc_answer", "headers": headers(list), "trailers": trailers.as_deref().map(headers) }),
+            body,
+        ),
+        LayerRecord::TooLarge { limit } => json!({ "kind": "too_large", "limit": limit }),
+        LayerRecord::Failed { reason } => json!({ "kind": "failed", "reason": reason }),
+        _ => Value::Null,
+    }
 }
 
 /// An entry for people: one field a line, then the outcome.
@@ -254,6 +288,26 @@ mod tests {
         );
         let text = outcome_text(br#"{"Ok":"fthe stream broke"}"#);
         assert!(text.contains("failed while it was sent (the stream broke)"), "{text}");
+        // As JSON, for scripts.
+        let shown = |outcome: &[u8]| {
+            LayerRecord::from_outcome(outcome).map(|record| layer_record_json(&record)).unwrap_or_default()
+        };
+        assert_eq!(
+            shown(http),
+            json!({"kind": "http_response", "status": 201, "body": r#"{"id":7}"#,
+                   "headers": [["content-type", "application/json"], ["location", "/o/1"]]})
+        );
+        assert_eq!(
+            shown(grpc),
+            json!({"kind": "grpc_answer", "headers": [["content-type", "application/grpc"]],
+                   "body": "\u{0}\u{0}\u{0}\u{0}\u{2}\u{8}\u{1}", "trailers": [["grpc-status", "0"]]})
+        );
+        assert_eq!(
+            shown(br#"{"Ok":"a;/w=="}"#),
+            json!({"kind": "grpc_answer", "headers": [], "trailers": null, "body_hex": "ff"})
+        );
+        assert_eq!(shown(br#"{"Ok":"l2048"}"#), json!({"kind": "too_large", "limit": 2048}));
+        assert_eq!(shown(br#"{"Ok":3}"#), Value::Null);
     }
 
     #[test]

@@ -126,6 +126,9 @@ async fn commands(name: &str) {
         "{text}"
     );
     assert!(text.contains("\"id\": 7"), "the JSON body is indented: {text}");
+    let seen = json(&url, &["--json", "inspect", &scope, "done"]);
+    assert_eq!(seen["layer_record"]["status"], 201, "{seen}");
+    assert_eq!(seen["layer_record"]["body"], r#"{"id":7}"#, "{seen}");
     assert_eq!(code(&cli(&url, &["inspect", &scope, "absent"])), 1);
 
     // list: filtered by state, and paged one entry at a time through every record of the scope.

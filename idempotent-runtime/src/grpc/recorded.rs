@@ -71,7 +71,7 @@ where
     let (parts, body) = response.into_parts();
     let mut body = Box::pin(body);
     let mut chunks = Chunks::default();
-    let mut trailers = None;
+    let mut trailers: Option<HeaderMap> = None;
     loop {
         let frame = match AssertUnwindSafe(body.frame()).catch_unwind().await {
             Ok(None) => break,
@@ -82,8 +82,12 @@ where
         let frame = match frame.into_data() {
             Ok(data) => data,
             Err(frame) => {
+                // Kept as they come (one map, the usual case), or added to those before them.
                 if let Ok(more) = frame.into_trailers() {
-                    trailers.get_or_insert_with(HeaderMap::new).extend(more);
+                    match &mut trailers {
+                        Some(before) => before.extend(more),
+                        None => trailers = Some(more),
+                    }
                 }
                 continue;
             }
@@ -491,6 +495,19 @@ mod tests {
         let Read::Whole(read) = read_answer(single, 64).await else { panic!("one chunk") };
         assert_eq!((read.body.as_ptr(), read.body.len()), (one.as_ptr(), one.len()));
         assert_eq!(read.code(), Code::Ok);
+        // Trailers that come in two frames are both kept.
+        let more = HeaderMap::from_iter([(HeaderName::from_static("x-more"), HeaderValue::from_static("1"))]);
+        let split = http::Response::new(Body::new(StreamBody::new(futures_util::stream::iter([
+            Ok::<_, std::convert::Infallible>(Frame::data(one.clone())),
+            Ok(Frame::trailers(status("0"))),
+            Ok(Frame::trailers(more)),
+        ]))));
+        let Read::Whole(read) = read_answer(split, 64).await else { panic!("two trailer frames") };
+        let trailers = read.trailers.as_ref().expect("trailers");
+        assert_eq!(
+            (trailers.get(GRPC_STATUS), trailers.get("x-more")),
+            (Some(&status("0")[GRPC_STATUS]), Some(&HeaderValue::from_static("1")))
+        );
         // Several chunks, empty ones among them, are joined in order, up to the limit exactly.
         for chunks in WITHIN_5 {
             let Read::Whole(read) = read_answer(answer(chunks, Some(status("5"))), 5).await else {

@@ -128,16 +128,8 @@ impl Recorded {
     /// The answer this call sends: the one that ran, as it is; a recorded one with
     /// `idempotent-replayed: true`.
     pub(crate) fn into_response(self) -> http::Response<Body> {
-        match self {
-            Recorded::Fresh(answer) => answer.into_response(),
-            replayed => replayed.into_replay(),
-        }
-    }
-
-    /// The answer a replay sends: the recorded one with `idempotent-replayed: true`.
-    fn into_replay(self) -> http::Response<Body> {
         let rebuilt = match self {
-            Recorded::Fresh(answer) => Some(answer.into_response()),
+            Recorded::Fresh(answer) => return answer.into_response(),
             Recorded::Answer(answer) => Some(answer),
             Recorded::TooLarge { limit } => Some(status::replay_impossible(&format!(
                 "a call with this idempotency-key was processed, but its response was over the {limit}-byte recording \
@@ -254,13 +246,7 @@ fn read_compact(record: &[u8]) -> Option<Recorded> {
     match tag {
         b'a' => {
             let (headers, rest) = compact::read_headers(rest)?;
-            let (trailers, rest) = match rest.split_first() {
-                Some((b't', rest)) => {
-                    let (trailers, rest) = compact::read_headers(rest)?;
-                    (Some(trailers), rest)
-                }
-                _ => (None, rest),
-            };
+            let (trailers, rest) = compact::read_trailers(rest, compact::read_headers)?;
             let mut answer = http::Response::new(body(compact::read_body(rest)?, trailers));
             *answer.headers_mut() = headers;
             Some(Recorded::Answer(answer))

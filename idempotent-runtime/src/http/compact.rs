@@ -83,6 +83,18 @@ pub(crate) fn read_header_list(mut record: &[u8]) -> Option<(HeaderList, &[u8])>
     Some((headers, record))
 }
 
+/// A reader of headers: what it read, and what follows them.
+pub(crate) type Reader<'r, T> = fn(&'r [u8]) -> Option<(T, &'r [u8])>;
+
+/// After a gRPC answer's headers: `t` and its trailers, read by `read`, if it had trailers; and
+/// what follows them. `None` if the trailers are malformed.
+pub(crate) fn read_trailers<'r, T>(record: &'r [u8], read: Reader<'r, T>) -> Option<(Option<T>, &'r [u8])> {
+    match record.split_first() {
+        Some((b't', rest)) => read(rest).map(|(trailers, rest)| (Some(trailers), rest)),
+        _ => Some((None, record)),
+    }
+}
+
 /// Headers as written: names and values as bytes, in order.
 pub(crate) type HeaderList = Vec<(String, Vec<u8>)>;
 

@@ -70,13 +70,7 @@ impl LayerRecord {
             }
             b'a' => {
                 let (headers, rest) = compact::read_header_list(rest)?;
-                let (trailers, rest) = match rest.split_first() {
-                    Some((b't', rest)) => {
-                        let (trailers, rest) = compact::read_header_list(rest)?;
-                        (Some(trailers), rest)
-                    }
-                    _ => (None, rest),
-                };
+                let (trailers, rest) = compact::read_trailers(rest, compact::read_header_list)?;
                 Some(LayerRecord::Answer { headers, body: compact::read_body(rest)?.to_vec(), trailers })
             }
             b'l' => Some(LayerRecord::TooLarge { limit: std::str::from_utf8(rest).ok()?.parse().ok()? }),

@@ -83,16 +83,8 @@ impl Recorded<'_> {
     /// The response this request sends: the one that ran, as it is; a recorded one with
     /// `Idempotent-Replayed: true`.
     pub(crate) fn into_response(self) -> Response {
-        match self {
-            Recorded::Fresh { parts, body, .. } => Response::from_parts(parts, Body::from(body)),
-            replayed => replayed.into_replay(),
-        }
-    }
-
-    /// The response a replay sends: the recorded one plus `Idempotent-Replayed: true`.
-    fn into_replay(self) -> Response {
         let rebuilt = match self {
-            Recorded::Fresh { parts, body, .. } => Some(Response::from_parts(parts, Body::from(body))),
+            Recorded::Fresh { parts, body, .. } => return Response::from_parts(parts, Body::from(body)),
             Recorded::Response(response) => Some(response),
             Recorded::TooLarge { limit } => Some(Problem::response_too_large(limit).into_response()),
             Recorded::Failed { .. } => Some(Problem::response_failed().into_response()),

@@ -28,8 +28,8 @@ pub(super) const DONE: &str = "idempotent/1 done ";
 const MAX_HEX: usize = 128;
 
 /// A record's header, `<state><token> <fp|->\n` with `state` [`RUNNING`] or [`DONE`]: the whole
-/// running record a claim writes, or the start of the completed record a completion writes when the
-/// key no longer holds its claim.
+/// running record a claim writes, or the start of the completed record a completion writes
+/// ([`Completed`]).
 ///
 /// Written straight into the command's buffer, without an intermediate allocation.
 pub(super) struct Header<'a> {
@@ -42,6 +42,21 @@ impl ToRedisArgs for Header<'_> {
     fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
         let fingerprint = self.fingerprint.unwrap_or(b"-");
         write_arg(out, &[self.state.as_bytes(), self.token, b" ", fingerprint, b"\n"]);
+    }
+}
+
+/// A whole completed record, `<header><outcome>`, written as one argument: what a completion
+/// stores.
+pub(super) struct Completed<'a> {
+    pub header: Header<'a>,
+    pub outcome: &'a [u8],
+}
+
+impl ToRedisArgs for Completed<'_> {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        let header = &self.header;
+        let fingerprint = header.fingerprint.unwrap_or(b"-");
+        write_arg(out, &[header.state.as_bytes(), header.token, b" ", fingerprint, b"\n", self.outcome]);
     }
 }
 
@@ -223,6 +238,16 @@ mod tests {
             written(&Owned { state: DONE, token: TOKEN.as_bytes() }),
             format!("idempotent/1 done {TOKEN} ").into_bytes()
         );
+    }
+
+    #[test]
+    fn redis_completed_records_are_the_header_then_the_outcome_in_one_argument() {
+        let fp = "cd".repeat(32);
+        let header = Header { state: DONE, token: TOKEN.as_bytes(), fingerprint: Some(fp.as_bytes()) };
+        let completed = written(&Completed { header, outcome: b"{\"Ok\":7}" });
+        assert_eq!(completed, format!("idempotent/1 done {TOKEN} {fp}\n{{\"Ok\":7}}").into_bytes());
+        let header = Header { state: DONE, token: TOKEN.as_bytes(), fingerprint: None };
+        assert_eq!(written(&Completed { header, outcome: b"" }), format!("idempotent/1 done {TOKEN} -\n").into_bytes());
     }
 
     #[test]

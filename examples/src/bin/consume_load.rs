@@ -26,7 +26,11 @@
 //!
 //! ```text
 //! cargo run --release -p idempotent-examples --bin consume_load -- --runs 5 --messages 20000 --concurrency 16
+//! cargo run --release -p idempotent-examples --bin consume_load -- --brokers amqp --modes plain,redis
 //! ```
+//!
+//! `--brokers` and `--modes` run a part of the table (for a profile of one mode, say); a mode's
+//! ratio needs `plain` in the same run.
 //!
 //! Servers come from `AMQP_URL`, `NATS_URL`, `REDIS_URL` and `POSTGRES_URL` (the test suite's
 //! defaults). The PostgreSQL table is `idempotent_bench_consume`, dropped and created per run.
@@ -51,7 +55,8 @@ use idempotent_runtime::consume::{Disposition, amqp, jetstream as js_consume};
 use idempotent_runtime::stores::sql::{PostgresStore, sqlx};
 use idempotent_runtime::{Error, RedisStore, Store, StoreError, idempotent};
 
-const USAGE: &str = "usage: consume_load [--runs 5] [--messages 20000] [--concurrency 16]";
+const USAGE: &str = "usage: consume_load [--runs 5] [--messages 20000] [--concurrency 16]
+                    [--brokers amqp,jetstream] [--modes plain,redis,postgres,postgres-untested,postgres-tx]";
 
 /// How many JetStream publish acks the fill has pending at most (the context allows 5,000).
 const PUBLISH_WINDOW: usize = 1000;
@@ -67,6 +72,17 @@ enum Broker {
     JetStream,
 }
 
+impl Broker {
+    /// The broker `--brokers` names `name`.
+    fn named(name: &str) -> Option<Broker> {
+        match name {
+            "amqp" => Some(Broker::Amqp),
+            "jetstream" => Some(Broker::JetStream),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
 enum Mode {
     Plain,
@@ -74,6 +90,20 @@ enum Mode {
     Postgres,
     PostgresUntested,
     PostgresTx,
+}
+
+impl Mode {
+    /// The mode `--modes` names `name`.
+    fn named(name: &str) -> Option<Mode> {
+        Some(match name {
+            "plain" => Mode::Plain,
+            "redis" => Mode::Redis,
+            "postgres" => Mode::Postgres,
+            "postgres-untested" => Mode::PostgresUntested,
+            "postgres-tx" => Mode::PostgresTx,
+            _ => return None,
+        })
+    }
 }
 
 /// A mode's handler, as the consumers take it.
@@ -101,16 +131,23 @@ fn env(var: &str, default: &str) -> String {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (mut runs, mut messages, mut concurrency) = (5usize, 20_000usize, 16usize);
+    let mut brokers = vec![Broker::Amqp, Broker::JetStream];
+    let mut modes = vec![Mode::Plain, Mode::Redis, Mode::Postgres, Mode::PostgresUntested, Mode::PostgresTx];
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
-        let value: usize = args.next().and_then(|v| v.parse().ok()).ok_or(USAGE)?;
+        let value = args.next().ok_or(USAGE)?;
+        let number = || value.parse::<usize>().map_err(|_| USAGE);
         match flag.as_str() {
-            "--runs" => runs = value,
-            "--messages" => messages = value,
-            "--concurrency" => concurrency = value,
+            "--runs" => runs = number()?,
+            "--messages" => messages = number()?,
+            "--concurrency" => concurrency = number()?,
+            "--brokers" => brokers = value.split(',').map(Broker::named).collect::<Option<_>>().ok_or(USAGE)?,
+            "--modes" => modes = value.split(',').map(Mode::named).collect::<Option<_>>().ok_or(USAGE)?,
             _ => return Err(USAGE.into()),
         }
     }
+    // A ratio is taken against `plain` of the same run: it runs first whenever it is chosen.
+    modes.sort();
     println!("uptime at start: {}", uptime());
     let redis = RedisStore::connect(&env("REDIS_URL", "redis://127.0.0.1:6379"))
         .await?
@@ -140,9 +177,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for run in 1..=runs {
         sqlx::query("DROP TABLE IF EXISTS idempotent_bench_consume").execute(&pool).await?;
         setup.postgres[0].create_table().await?;
-        for broker in [Broker::Amqp, Broker::JetStream] {
+        for &broker in &brokers {
             let mut plain = f64::NAN;
-            for mode in [Mode::Plain, Mode::Redis, Mode::Postgres, Mode::PostgresUntested, Mode::PostgresTx] {
+            for &mode in &modes {
                 let Measured { rate, cpu: used } = setup.measure(broker, mode, run).await?;
                 eprintln!("run {run}: {broker:?} {mode:?}: {rate:.0} messages/s, CPU µs per message {used:.1?}");
                 for (i, used) in used.iter().enumerate() {

@@ -9,8 +9,9 @@ For each path through the script it runs N completions with the one script, then
 other (their order swapped every round), each on an emptied database 14, and reads Redis's own
 `INFO commandstats` (`usec_per_call` of `evalsha`: the time the server spent in the command,
 without reading or writing the connection). Paths: `claimed` (the key holds this call's claim, a
-completion's usual case), `gone` (the key expired) and `other_fp` (the key holds a claim of this
-token with another fingerprint, which only a direct caller of the `Store` trait can make). Each
+completion's usual case), `gone` (the key expired), `other_fp` (the key holds a claim of this
+token with another fingerprint, which only a direct caller of the `Store` trait can make) and
+`retried` (the key holds this token's record: a completion sent again after a lost reply). Each
 round checks the record both scripts leave, and the table gives each path's median time and the
 median of the per-round ratios. The load average is printed at the start and the end.
 """
@@ -51,10 +52,15 @@ def main():
     # Each script's arguments, as its version of `complete_now` sends them.
     args = {
         "before": (running, done, outcome, 600000, header, 0),
-        "now": (claim, running, done, header + outcome, 600000, 0),
+        "now": (claim, header + outcome, 600000, 0),
     }
-    stored = {"claimed": claim, "gone": None, "other_fp": running + b"-\n"}
-    expected = {"claimed": header + outcome, "gone": header + outcome, "other_fp": done + b"-\n" + outcome}
+    stored = {"claimed": claim, "gone": None, "other_fp": running + b"-\n", "retried": header + outcome}
+    expected = {
+        "claimed": header + outcome,
+        "gone": header + outcome,
+        "other_fp": done + b"-\n" + outcome,
+        "retried": header + outcome,
+    }
 
     def run(which, path):
         r.flushdb()

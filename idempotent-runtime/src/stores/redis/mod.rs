@@ -179,20 +179,21 @@ pub const DEFAULT_STEP_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_EXPIRY_MILLIS: u64 = 1_000_000_000_000_000;
 
 /// `KEYS[1]`: the record. `ARGV`: this call's claim as the claim wrote it
-/// (`idempotent/1 running <token> <fp|->\n`), `idempotent/1 running <token> `,
-/// `idempotent/1 done <token> `, the whole completed record (`idempotent/1 done <token>
-/// <fp|->\n<outcome>`), the retention in ms, and `1` when a `WAIT` follows (else `0`). Returns 1
-/// when recorded (now, or by this token before), 0 if another token holds the key, -1 if the key
-/// holds another type than a string. A key that is gone (its lease ended and Redis dropped it) is
-/// nobody's: the record is written.
+/// (`idempotent/1 running <token> <fp|->\n`), the whole completed record (`idempotent/1 done
+/// <token> <fp|->\n<outcome>`), the retention in ms, and `1` when a `WAIT` follows (else `0`).
+/// Returns 1 when recorded (now, or by this token before), 0 if another token holds the key, -1
+/// if the key holds another type than a string. A key that is gone (its lease ended and Redis
+/// dropped it) is nobody's: the record is written.
 ///
 /// The usual case, the key still holding this call's claim, is one comparison (Lua interns its
-/// strings, so two equal strings are one) and the record is stored as the client sent it: joining
-/// it in Lua from the claim's header and the outcome copied the outcome into a new Lua string,
-/// which cost about 12 % of the script's server time for a 42-byte outcome and 21 % for a 1-KB
-/// one (`scripts/complete_script_bench.py`). A claim made with another fingerprint than the
-/// completion names (a direct caller of the `Store` trait may complete without one) keeps its
-/// own, as before, through that join, which now costs 10 to 20 % more than it did.
+/// strings, so two equal strings are one) and the record is stored as the client sent it. The
+/// script used to join the record in Lua from the claim's header and the outcome, copying the
+/// outcome into a new Lua string, from six arguments; this costs the server 16 % less time for a
+/// 42-byte outcome and 25 % less for a 1-KB one (`scripts/complete_script_bench.py`). The rarer
+/// cases read the completed and running prefixes (`idempotent/1 done <token> `, `idempotent/1
+/// running <token> `) out of the two arguments, and cost 6 to 35 % more than they did. A claim
+/// made with another fingerprint than the completion names (a direct caller of the `Store` trait
+/// may complete without one) keeps its own, as before, through that join.
 ///
 /// A record this token wrote before (an earlier attempt whose reply was lost) is left as it is,
 /// unless a `WAIT` follows. On Redis 8, `WAIT` counts the replicas that have this connection's
@@ -202,18 +203,19 @@ const MAX_EXPIRY_MILLIS: u64 = 1_000_000_000_000_000;
 const COMPLETE_LUA: &str = r"
 local v = redis.pcall('GET', KEYS[1])
 if v == ARGV[1] or v == false then
-  redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5])
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
   return 1
 end
 if type(v) ~= 'string' then return -1 end
-local n = #ARGV[2]
-if string.sub(v, 1, n) == ARGV[2] then
-  local outcome = string.sub(ARGV[4], string.find(ARGV[4], '\n', 1, true) + 1)
-  redis.call('SET', KEYS[1], ARGV[3] .. string.sub(v, n + 1) .. outcome, 'PX', ARGV[5])
+local done = string.match(ARGV[2], '^%S+ %S+ %S+ ')
+if string.sub(v, 1, #done) == done then
+  if ARGV[4] == '1' then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
   return 1
 end
-if string.sub(v, 1, #ARGV[3]) == ARGV[3] then
-  if ARGV[6] == '1' then redis.call('PEXPIRE', KEYS[1], ARGV[5]) end
+local running = string.match(ARGV[1], '^%S+ %S+ %S+ ')
+if string.sub(v, 1, #running) == running then
+  local outcome = string.sub(ARGV[2], string.find(ARGV[2], '\n', 1, true) + 1)
+  redis.call('SET', KEYS[1], done .. string.sub(v, #running + 1) .. outcome, 'PX', ARGV[3])
   return 1
 end
 return 0
@@ -788,8 +790,6 @@ impl<C: RedisConnection> RedisStore<C> {
         let token = completion.token.as_bytes();
         record::check_token(completion.token)?;
         let key = self.key_arg(completion.key);
-        let running = record::Owned { state: record::RUNNING, token };
-        let done = record::Owned { state: record::DONE, token };
         let fingerprint = completion.fingerprint.map(crate::Fingerprint::as_bytes);
         let claimed = record::Header { state: record::RUNNING, token, fingerprint };
         let completed = record::Completed {
@@ -799,7 +799,7 @@ impl<C: RedisConnection> RedisStore<C> {
         let retention = expiry_millis(completion.retention);
         let waits = if self.replica_acks.is_some() { "1" } else { "0" };
         let args = |cmd: &mut Cmd| {
-            cmd.arg(&claimed).arg(&running).arg(&done).arg(&completed).arg(retention).arg(waits);
+            cmd.arg(&claimed).arg(&completed).arg(retention).arg(waits);
         };
         let reply = match self.replica_acks {
             None => self.eval(&COMPLETE, &key, args).await.map_err(backend)?,

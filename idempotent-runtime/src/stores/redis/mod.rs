@@ -186,14 +186,15 @@ const MAX_EXPIRY_MILLIS: u64 = 1_000_000_000_000_000;
 /// dropped it) is nobody's: the record is written.
 ///
 /// The usual case, the key still holding this call's claim, is one comparison (Lua interns its
-/// strings, so two equal strings are one) and the record is stored as the client sent it. The
-/// script used to join the record in Lua from the claim's header and the outcome, copying the
-/// outcome into a new Lua string, from six arguments; this costs the server 16 % less time for a
-/// 42-byte outcome and 25 % less for a 1-KB one (`scripts/complete_script_bench.py`). The rarer
-/// cases read the completed and running prefixes (`idempotent/1 done <token> `, `idempotent/1
-/// running <token> `) out of the two arguments, and cost 6 to 35 % more than they did. A claim
-/// made with another fingerprint than the completion names (a direct caller of the `Store` trait
-/// may complete without one) keeps its own, as before, through that join.
+/// strings, so two equal strings are one) and the record is stored as the client sent it. Until
+/// 2026-12-05 the script took six arguments and joined the record in Lua from the claim's header
+/// and the outcome, which copies the outcome into a new Lua string; the usual case now costs the
+/// server 16 % less time for a 42-byte outcome and 25 % less for a 1-KB one
+/// (`scripts/complete_script_bench.py`). The rarer cases read the completed and running prefixes
+/// (`idempotent/1 done <token> `, `idempotent/1 running <token> `) out of the two arguments, and
+/// cost 6 to 35 % more than they did. A claim made with another fingerprint than the completion
+/// names (a direct caller of the `Store` trait may complete without one) keeps its own, as
+/// before, through that join.
 ///
 /// A record this token wrote before (an earlier attempt whose reply was lost) is left as it is,
 /// unless a `WAIT` follows. On Redis 8, `WAIT` counts the replicas that have this connection's

@@ -38,10 +38,16 @@ pub(super) struct Header<'a> {
     pub fingerprint: Option<&'a [u8]>,
 }
 
+impl Header<'_> {
+    /// The header's pieces, in order.
+    fn parts(&self) -> [&[u8]; 5] {
+        [self.state.as_bytes(), self.token, b" ", self.fingerprint.unwrap_or(b"-"), b"\n"]
+    }
+}
+
 impl ToRedisArgs for Header<'_> {
     fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
-        let fingerprint = self.fingerprint.unwrap_or(b"-");
-        write_arg(out, &[self.state.as_bytes(), self.token, b" ", fingerprint, b"\n"]);
+        write_arg(out, &self.parts());
     }
 }
 
@@ -54,9 +60,8 @@ pub(super) struct Completed<'a> {
 
 impl ToRedisArgs for Completed<'_> {
     fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
-        let header = &self.header;
-        let fingerprint = header.fingerprint.unwrap_or(b"-");
-        write_arg(out, &[header.state.as_bytes(), header.token, b" ", fingerprint, b"\n", self.outcome]);
+        let [state, token, space, fingerprint, newline] = self.header.parts();
+        write_arg(out, &[state, token, space, fingerprint, newline, self.outcome]);
     }
 }
 

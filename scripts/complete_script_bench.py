@@ -11,7 +11,8 @@ other (their order swapped every round), each on an emptied database 14, and rea
 without reading or writing the connection). Paths: `claimed` (the key holds this call's claim, a
 completion's usual case), `gone` (the key expired), `other_fp` (the key holds a claim of this
 token with another fingerprint, which only a direct caller of the `Store` trait can make) and
-`retried` (the key holds this token's record: a completion sent again after a lost reply). Each
+`retried` (the key holds this token's record: a completion sent again after a lost reply) and
+`contested` (another token's claim holds the key: the script refuses and writes nothing). Each
 round checks the record both scripts leave, and the table gives each path's median time and the
 median of the per-round ratios. The load average is printed at the start and the end.
 """
@@ -54,13 +55,23 @@ def main():
         "before": (running, done, outcome, 600000, header, 0),
         "now": (claim, header + outcome, 600000, 0),
     }
-    stored = {"claimed": claim, "gone": None, "other_fp": running + b"-\n", "retried": header + outcome}
+    theirs = b"idempotent/1 running " + b"9" * 32 + b" " + fp + b"\n"
+    stored = {
+        "claimed": claim,
+        "gone": None,
+        "other_fp": running + b"-\n",
+        "retried": header + outcome,
+        "contested": theirs,
+    }
     expected = {
         "claimed": header + outcome,
         "gone": header + outcome,
         "other_fp": done + b"-\n" + outcome,
         "retried": header + outcome,
+        "contested": theirs,
     }
+    # The script's reply: 1 recorded (or recorded before by this token), 0 another token's key.
+    replied = {path: 0 if path == "contested" else 1 for path in stored}
 
     def run(which, path):
         r.flushdb()
@@ -73,7 +84,8 @@ def main():
             pipe.evalsha(scripts[which], 1, key, *args[which])
             if i % 500 == 499 or i == n - 1:
                 replies = pipe.execute()
-                assert all(reply in (True, 1) for reply in replies), replies[:4]
+                scripts_replies = replies if stored[path] is None else replies[1::2]
+                assert all(reply == replied[path] for reply in scripts_replies), replies[:4]
                 pipe = r.pipeline(transaction=False)
         assert r.get(b"k:0") == expected[path], (which, path, r.get(b"k:0"))
         stats = r.info("commandstats")["cmdstat_evalsha"]

@@ -48,16 +48,15 @@ fn layer_record_json(record: &LayerRecord) -> Value {
     let headers = |list: &[(String, Vec<u8>)]| -> Value {
         list.iter().map(|(name, value)| json!([name, String::from_utf8_lossy(value)])).collect()
     };
-    let body = |bytes: &[u8]| match std::str::from_utf8(bytes) {
-        Ok(text) => json!({ "body": text }),
-        Err(_) => json!({ "body_hex": bytes.iter().fold(String::new(), |mut hex, b| {
-            let _ = write!(hex, "{b:02x}");
-            hex
-        }) }),
-    };
     let with_body = |mut value: Value, bytes: &[u8]| {
-        if let (Some(fields), Value::Object(more)) = (value.as_object_mut(), body(bytes)) {
-            fields.extend(more);
+        if let Ok(text) = std::str::from_utf8(bytes) {
+            value["body"] = json!(text);
+        } else {
+            let hex = bytes.iter().fold(String::with_capacity(2 * bytes.len()), |mut hex, b| {
+                let _ = write!(hex, "{b:02x}");
+                hex
+            });
+            value["body_hex"] = json!(hex);
         }
         value
     };

@@ -64,7 +64,7 @@ impl LayerRecord {
         match tag {
             b'h' => {
                 let (status, rest) = rest.split_at_checked(3)?;
-                let status = std::str::from_utf8(status).ok()?.parse().ok().filter(|s| (100..1000).contains(s))?;
+                let status = http::StatusCode::from_bytes(status).ok()?.as_u16();
                 let (headers, rest) = compact::read_header_list(rest)?;
                 Some(LayerRecord::Response { status, headers, body: compact::read_body(rest)?.to_vec() })
             }

@@ -189,10 +189,11 @@ const MAX_EXPIRY_MILLIS: u64 = 1_000_000_000_000_000;
 /// strings, so two equal strings are one) and the record is stored as the client sent it. Until
 /// 2026-12-05 the script took six arguments and joined the record in Lua from the claim's header
 /// and the outcome, which copies the outcome into a new Lua string; the usual case now costs the
-/// server 16 % less time for a 42-byte outcome and 25 % less for a 1-KB one
+/// server 16 % less time for a 42-byte outcome and 27 % less for a 1-KB one
 /// (`scripts/complete_script_bench.py`). The rarer cases read the completed and running prefixes
 /// (`idempotent/1 done <token> `, `idempotent/1 running <token> `) out of the two arguments, and
-/// cost 6 to 35 % more than they did. A claim made with another fingerprint than the completion
+/// cost 5 to 34 % more than they did (a resent completion, another token's key, a claim with
+/// another fingerprint). A claim made with another fingerprint than the completion
 /// names (a direct caller of the `Store` trait may complete without one) keeps its own, as
 /// before, through that join.
 ///

@@ -2,7 +2,8 @@
 //!
 //! `cargo test -p idempotent-tests --test simulation -- --nocapture` prints the counts. A failing
 //! seed prints the one line that replays it; `IDEMPOTENT_SIM_SEED=<n>` replays that history step
-//! by step, `IDEMPOTENT_SIM_HISTORIES=<n>` explores `n` histories on the memory store.
+//! by step, `IDEMPOTENT_SIM_HISTORIES=<n>` explores `n` histories on the memory store (from the
+//! seed `IDEMPOTENT_SIM_FROM`, if set).
 
 use std::time::Duration;
 
@@ -31,7 +32,8 @@ fn simulation_memory() {
         return;
     }
     let histories = simulation::env_histories().unwrap_or(DEFAULT_HISTORIES);
-    let summary = simulation::explore(DEFAULT_SEED..DEFAULT_SEED + histories, None, false);
+    let from = simulation::env_from().unwrap_or(DEFAULT_SEED);
+    let summary = simulation::explore(from..from + histories, None, false);
     println!("simulation_memory: {summary}");
     if summary.violations > 0 {
         fail_with_repro(&summary, None);

@@ -177,6 +177,13 @@ pub fn env_histories() -> Option<u64> {
     std::env::var("IDEMPOTENT_SIM_HISTORIES").ok().map(|v| v.trim().parse().expect("IDEMPOTENT_SIM_HISTORIES is a u64"))
 }
 
+/// `IDEMPOTENT_SIM_FROM`, if set: the first seed an exploration of `IDEMPOTENT_SIM_HISTORIES`
+/// histories takes, for exploring seeds past the ones explored before.
+#[must_use]
+pub fn env_from() -> Option<u64> {
+    std::env::var("IDEMPOTENT_SIM_FROM").ok().map(|v| v.trim().parse().expect("IDEMPOTENT_SIM_FROM is a u64"))
+}
+
 /// `IDEMPOTENT_SIM_BUG`, if set: a name of [`Bug::ALL`].
 #[must_use]
 pub fn env_bug() -> Option<Bug> {

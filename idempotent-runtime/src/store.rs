@@ -291,8 +291,8 @@ impl Token {
         }
     }
 
-    /// A token counted up from 128 random bits drawn once per thread: an increment and its hex,
-    /// no system call. Unique within this process, which is what a
+    /// A token counted up from 128 random bits drawn once per thread, in its hex digits: no
+    /// system call. Unique within this process, which is what a
     /// [process-local](Store::process_local) store's calls need, and what they use.
     pub(crate) fn counted() -> Self {
         Token(Repr::Hex(Self::counted_digits()))
@@ -300,14 +300,16 @@ impl Token {
 
     fn counted_digits() -> [u8; 32] {
         thread_local! {
-            static NEXT: std::cell::Cell<u128> = std::cell::Cell::new(uuid::Uuid::new_v4().as_u128());
+            // The digits of this thread's next token, counted up in place: the last digit is
+            // usually the only one that changes, where encoding a counter wrote all 32.
+            static NEXT: std::cell::RefCell<[u8; 32]> =
+                std::cell::RefCell::new(crate::hex::encode(&uuid::Uuid::new_v4().as_u128().to_be_bytes()));
         }
-        let value = NEXT.with(|next| {
-            let value = next.get();
-            next.set(value.wrapping_add(1));
-            value
-        });
-        crate::hex::encode(&value.to_be_bytes())
+        NEXT.with_borrow_mut(|next| {
+            let digits = *next;
+            hex_plus_one(next);
+            digits
+        })
     }
 
     /// Takes a token read back from a store.
@@ -482,9 +484,26 @@ forward_through_pointers! {
     [S: Store, F: FnOnce() -> S + Send] LazyLock<S, F>;
 }
 
+/// Adds one to the number that lowercase hex `digits` spell (all `f`s wrap to all `0`s).
+fn hex_plus_one(digits: &mut [u8; 32]) {
+    for digit in digits.iter_mut().rev() {
+        match *digit {
+            b'f' => *digit = b'0',
+            b'9' => {
+                *digit = b'a';
+                break;
+            }
+            _ => {
+                *digit += 1;
+                break;
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::Token;
+    use super::{Token, hex_plus_one};
 
     /// The draws of this thread's `Token`s from the operating system.
     fn draws() -> u64 {
@@ -514,6 +533,20 @@ mod tests {
         assert_ne!(a, b);
         assert_eq!(Token::from_stored(&text), a, "equal to the same digits read back from a store");
         assert_eq!(draws(), before + 2);
+    }
+
+    #[test]
+    fn memory_counted_tokens_count_up_in_hex() {
+        let number = |digits: [u8; 32]| u128::from_be_bytes(crate::hex::decode(&digits));
+        for start in [0, 9, 15, 0xff, 0x19f, 0x0fff_ffff_ffff_ffff, u128::MAX - 1, u128::MAX] {
+            let mut digits = crate::hex::encode(&u128::to_be_bytes(start));
+            hex_plus_one(&mut digits);
+            assert_eq!(number(digits), start.wrapping_add(1), "{start:#x}");
+        }
+        // A thread's tokens are successive numbers.
+        let (a, b) = (Token::counted(), Token::counted());
+        let digits = |token: &Token| <[u8; 32]>::try_from(token.as_bytes()).unwrap();
+        assert_eq!(number(digits(&b)), number(digits(&a)).wrapping_add(1));
     }
 
     #[test]

@@ -53,8 +53,14 @@ pub fn memory_history(seed: u64, bug: Option<Bug>) -> Run {
         .start_paused(true)
         .build()
         .expect("a current-thread runtime");
-    let (entries, verdict) =
-        runtime.block_on(scheduler::run_history(seed, MemoryStore::new(), bug, SIM_LEASE, Duration::ZERO, "m"));
+    let (entries, verdict) = runtime.block_on(scheduler::run_history(
+        seed,
+        MemoryStore::new(),
+        bug,
+        SIM_LEASE,
+        (Duration::ZERO, Duration::ZERO),
+        "m",
+    ));
     Run { seed, entries, verdict }
 }
 
@@ -177,8 +183,9 @@ pub fn env_histories() -> Option<u64> {
     std::env::var("IDEMPOTENT_SIM_HISTORIES").ok().map(|v| v.trim().parse().expect("IDEMPOTENT_SIM_HISTORIES is a u64"))
 }
 
-/// `IDEMPOTENT_SIM_FROM`, if set: the first seed an exploration of `IDEMPOTENT_SIM_HISTORIES`
-/// histories takes, for exploring seeds past the ones explored before.
+/// `IDEMPOTENT_SIM_FROM`, if set: the first seed of an exploration (the memory store's
+/// `IDEMPOTENT_SIM_HISTORIES` histories, or the real-server tests' 32), for exploring seeds past
+/// the ones explored before.
 #[must_use]
 pub fn env_from() -> Option<u64> {
     std::env::var("IDEMPOTENT_SIM_FROM").ok().map(|v| v.trim().parse().expect("IDEMPOTENT_SIM_FROM is a u64"))

@@ -57,13 +57,15 @@ pub fn draw(seed: u64, lease: Duration) -> Drawn {
 }
 
 /// Runs the history of `seed` on `inner` (with `bug` planted), keys under `prefix`, and judges it.
-/// `settle` is added to the lease before the end-of-history probe (real servers: clock slack).
+/// `settle` is added to the lease before the end-of-history probe (real servers: clock slack);
+/// `expiry_slack` is how long past its lease the store may still hold a claim (see
+/// [`oracle::judge_with_expiry_slack`]).
 pub async fn run_history<S: Store + 'static>(
     seed: u64,
     inner: S,
     bug: Option<Bug>,
     lease: Duration,
-    settle: Duration,
+    (settle, expiry_slack): (Duration, Duration),
     prefix: &str,
 ) -> (Vec<Entry>, Verdict) {
     let drawn = draw(seed, lease);
@@ -100,6 +102,6 @@ pub async fn run_history<S: Store + 'static>(
         history.log(Event::Probe { key, store: reply });
     }
     let entries = history.entries();
-    let verdict = oracle::judge(&entries);
+    let verdict = oracle::judge_with_expiry_slack(&entries, expiry_slack);
     (entries, verdict)
 }

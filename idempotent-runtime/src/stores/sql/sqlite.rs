@@ -169,9 +169,12 @@ impl Backend for SqliteDialect {
         }
     }
 
-    /// A lease or retention as an SQLite date modifier, such as `+60.000000 seconds`.
+    /// A lease or retention as an SQLite date modifier, one millisecond longer: `+60.001000
+    /// seconds` for 60 s. SQLite's `now` is kept to the millisecond (the current time, cut
+    /// down), so `now + lease` could end a claim up to a millisecond before its request plus its
+    /// lease, where the caller counts the lease from; the extra millisecond keeps it after.
     fn duration(duration: Duration) -> Value {
-        let micros = super::micros(duration);
+        let micros = super::micros(duration).saturating_add(1_000);
         Value::Text(format!("+{}.{:06} seconds", micros / 1_000_000, micros % 1_000_000))
     }
 

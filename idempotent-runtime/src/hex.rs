@@ -1,4 +1,5 @@
-//! Lowercase hex, written into fixed-size arrays (owner tokens, fingerprints) without `fmt`.
+//! Lowercase hex, written into fixed-size arrays (owner tokens, fingerprints) without `fmt`, and
+//! counted up in place (a process-local store's owner tokens).
 
 const DIGITS: &[u8; 16] = b"0123456789abcdef";
 
@@ -39,8 +40,36 @@ pub(crate) fn decode<const M: usize, const N: usize>(digits: &[u8; M]) -> [u8; N
     out
 }
 
+/// Adds one to the number that lowercase hex `digits` spell, in place (all `f`s wrap to all `0`s).
+/// The last digit is usually the only one that changes.
+pub(crate) fn plus_one<const M: usize>(digits: &mut [u8; M]) {
+    for digit in digits.iter_mut().rev() {
+        match *digit {
+            b'f' => *digit = b'0',
+            b'9' => {
+                *digit = b'a';
+                break;
+            }
+            _ => {
+                *digit += 1;
+                break;
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn memory_hex_plus_one_counts_up() {
+        let number = |digits: [u8; 32]| u128::from_be_bytes(super::decode(&digits));
+        for start in [0, 9, 15, 0xff, 0x19f, 0x0fff_ffff_ffff_ffff, u128::MAX - 1, u128::MAX] {
+            let mut digits = super::encode(&u128::to_be_bytes(start));
+            super::plus_one(&mut digits);
+            assert_eq!(number(digits), start.wrapping_add(1), "{start:#x}");
+        }
+    }
+
     #[test]
     fn memory_hex_is_lowercase_and_complete() {
         let bytes: [u8; 4] = [0x00, 0x0f, 0xa5, 0xff];

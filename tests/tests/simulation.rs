@@ -97,8 +97,13 @@ mod servers {
     use super::{Duration, scheduler, simulation};
     use idempotent_runtime::Store;
 
-    pub const LEASE: Duration = Duration::from_millis(1200);
-    pub const SETTLE: Duration = Duration::from_millis(300);
+    /// A 1.2 s lease, 300 ms of clock slack before the end-of-history probe, and
+    /// [`EXPIRY_SLACK`].
+    pub const TIMING: scheduler::Timing = scheduler::Timing {
+        lease: Duration::from_millis(1200),
+        settle: Duration::from_millis(300),
+        expiry_slack: EXPIRY_SLACK,
+    };
     /// How long past its lease a server may still hold a claim. Redis keeps expiry times in whole
     /// milliseconds and drops a key once its millisecond has passed: 300 keys set with `PX 50`
     /// were still there up to 2.1 ms after the reply's 50 ms (median 0.8 ms; redis-py polling
@@ -114,9 +119,7 @@ mod servers {
         let runs = (0..SEEDS).map(|i| {
             let (store, prefix) = (store.clone(), format!("{prefix}s{i}"));
             let seed = from + i;
-            tokio::spawn(async move {
-                (seed, scheduler::run_history(seed, store, None, LEASE, (SETTLE, EXPIRY_SLACK), &prefix).await)
-            })
+            tokio::spawn(async move { (seed, scheduler::run_history(seed, store, None, TIMING, &prefix).await) })
         });
         let runs: Vec<_> = runs.collect();
         let mut summary = simulation::Summary::default();

@@ -57,8 +57,7 @@ pub fn memory_history(seed: u64, bug: Option<Bug>) -> Run {
         seed,
         MemoryStore::new(),
         bug,
-        SIM_LEASE,
-        (Duration::ZERO, Duration::ZERO),
+        scheduler::Timing { lease: SIM_LEASE, settle: Duration::ZERO, expiry_slack: Duration::ZERO },
         "m",
     ));
     Run { seed, entries, verdict }

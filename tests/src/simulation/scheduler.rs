@@ -56,18 +56,27 @@ pub fn draw(seed: u64, lease: Duration) -> Drawn {
     Drawn { keys, callers, rates, fault_rng: rng.fork() }
 }
 
+/// The times a history runs on.
+#[derive(Clone, Copy, Debug)]
+pub struct Timing {
+    /// Every claim's lease; the history's durations are drawn in proportion to it.
+    pub lease: Duration,
+    /// Added to the lease before the end-of-history probe (real servers: clock slack).
+    pub settle: Duration,
+    /// How long past its lease the store may still hold a claim (see
+    /// [`oracle::judge_with_expiry_slack`]).
+    pub expiry_slack: Duration,
+}
+
 /// Runs the history of `seed` on `inner` (with `bug` planted), keys under `prefix`, and judges it.
-/// `settle` is added to the lease before the end-of-history probe (real servers: clock slack);
-/// `expiry_slack` is how long past its lease the store may still hold a claim (see
-/// [`oracle::judge_with_expiry_slack`]).
 pub async fn run_history<S: Store + 'static>(
     seed: u64,
     inner: S,
     bug: Option<Bug>,
-    lease: Duration,
-    (settle, expiry_slack): (Duration, Duration),
+    timing: Timing,
     prefix: &str,
 ) -> (Vec<Entry>, Verdict) {
+    let Timing { lease, settle, expiry_slack } = timing;
     let drawn = draw(seed, lease);
     let history = History::new();
     let store = FaultStore::new(Planted::new(inner, bug), history.clone(), drawn.rates, drawn.fault_rng, lease);

@@ -209,13 +209,18 @@ fn run(args: &Args, sig: &Signature, output: &Type, body: &TokenStream, renamed:
         Some(ty) => format!("{}.{}", ty.value(), sig.ident),
         None => sig.ident.to_string(),
     };
-    let (scope, site) = match (&args.scope, sig.receiver()) {
-        (Some(scope), _) => (scope.to_token_stream(), None),
-        (None, None) => (quote!(__IDEMPOTENT_SITE.scope()), Some(quote!(.site(&__IDEMPOTENT_SITE)))),
-        (None, Some(_)) => (quote!(__IDEMPOTENT_SITE.scope()), Some(quote!(.site_for::<Self>(&__IDEMPOTENT_SITE)))),
-    };
+    // A literal scope was checked above (`args::scope_arg`), so it becomes a `Scope` in a `const`;
+    // a default one is checked by its site's first call.
     let key = user(&args.key);
-    let mut call = quote_spanned!(args.key.span()=> #private::Call::new(#scope, &(#key))#site);
+    let mut call = match (&args.scope, sig.receiver()) {
+        (Some(scope), _) => quote_spanned!(args.key.span()=>
+            #private::Call::in_scope(const { #private::Scope::from_static(#scope) }, &(#key))
+        ),
+        (None, None) => quote_spanned!(args.key.span()=> #private::Call::at_site(&__IDEMPOTENT_SITE, &(#key))),
+        (None, Some(_)) => quote_spanned!(args.key.span()=>
+            #private::Call::at_site(&__IDEMPOTENT_SITE, &(#key)).self_type::<Self>()
+        ),
+    };
     if let Some(fingerprint) = &args.fingerprint {
         let value = user(fingerprint);
         call = quote_spanned!(fingerprint.span()=> #call.fingerprint(&(#value)));
@@ -268,7 +273,7 @@ fn run(args: &Args, sig: &Signature, output: &Type, body: &TokenStream, renamed:
     // Its own check of `E: From<Error>` reports an alias such as `io::Result<T>` in words; spanned
     // like `run_with`'s, rustc reports it once.
     let checked = respan(output.to_token_stream(), span);
-    let site = site.map(|_| {
+    let site = args.scope.is_none().then(|| {
         quote! {
             static __IDEMPOTENT_SITE: #private::Site = #private::Site::new(
                 ::core::concat!(::core::file!(), ":", ::core::line!(), ":", ::core::column!()),
@@ -343,12 +348,7 @@ mod tests {
         )
         .to_string();
         assert!(out.starts_with("# [doc = r\" Docs.\"] # [allow (dead_code)] pub async fn pay (& self , id : & str) -> Result < u32 , E >"), "{out}");
-        assert!(
-            out.contains(
-                "Call :: new (__IDEMPOTENT_SITE . scope () , & (id)) . site_for :: < Self > (& __IDEMPOTENT_SITE)"
-            ),
-            "{out}"
-        );
+        assert!(out.contains("Call :: at_site (& __IDEMPOTENT_SITE , & (id)) . self_type :: < Self > ()"), "{out}");
         assert!(out.contains("static __IDEMPOTENT_SITE : :: idempotent_runtime :: __private :: Site = :: idempotent_runtime :: __private :: Site :: new (:: core :: concat ! (:: core :: file ! () , \":\" , :: core :: line ! () , \":\" , :: core :: column ! ()) , :: core :: module_path ! () , \"pay\" ,)"), "{out}");
         assert!(
             out.contains(". lease (:: idempotent_runtime :: __private :: Duration :: from_millis (2000u64))"),
@@ -394,7 +394,7 @@ mod tests {
         )
         .to_string();
         let bindings = out.find("let __self = self ;").expect(&out);
-        let call = out.find("Call :: new (__IDEMPOTENT_SITE . scope () , & (id))").expect(&out);
+        let call = out.find("Call :: at_site (& __IDEMPOTENT_SITE , & (id))").expect(&out);
         let body = out.find("async { let __ret : Result < u32 , E > = { Ok (__self . n) } ;").expect(&out);
         assert!(bindings < call && call < body, "{out}");
         assert!(out.contains("fingerprint (& (self :: helper (__self)))"), "{out}");
@@ -414,7 +414,7 @@ mod tests {
         )
         .to_string();
         assert!(
-            free.contains("Call :: new (__IDEMPOTENT_SITE . scope () , & (id)) . site (& __IDEMPOTENT_SITE) . on_cancel (:: idempotent_runtime :: __private :: OnCancel :: Release)"),
+            free.contains("Call :: at_site (& __IDEMPOTENT_SITE , & (id)) . on_cancel (:: idempotent_runtime :: __private :: OnCancel :: Release)"),
             "{free}"
         );
         let named = super::idempotent(
@@ -426,7 +426,12 @@ mod tests {
             ),
         )
         .to_string();
-        assert!(named.contains("Call :: new (\"payments\" , & (id)) ;"), "{named}");
+        assert!(
+            named.contains(
+                "Call :: in_scope (const { :: idempotent_runtime :: __private :: Scope :: from_static (\"payments\") } , & (id)) ;"
+            ),
+            "{named}"
+        );
         assert!(!named.contains("__IDEMPOTENT_SITE"), "an explicit scope may be shared on purpose: {named}");
     }
 

@@ -17,7 +17,8 @@ use crate::scope::Site;
 use crate::setters::setters;
 use crate::step::{self, Steps};
 use crate::{
-    Claim, ClaimRequest, Completion, Detached, Error, Fingerprint, IdempotencyKey, Key, Store, StoreError, Token,
+    Claim, ClaimRequest, Completion, Detached, Error, Fingerprint, IdempotencyKey, Key, KeyError, Scope, Store,
+    StoreError, Token,
 };
 
 /// How long a claim lasts when its caller neither completes nor releases it (60 s).
@@ -96,8 +97,27 @@ pub struct Call {
 impl Call {
     /// A call with `key` inside `scope` (a stable name for the operation, such as `"payments"`).
     pub fn new(scope: &str, key: &(impl IdempotencyKey + ?Sized)) -> Self {
+        Self::prepared(Key::new(scope, key))
+    }
+
+    /// Like [`new`](Call::new), in a [`Scope`] checked before (`Scope::from_static("payments")`
+    /// in a `const`, or one `Scope::new` for many calls).
+    pub fn in_scope(scope: Scope<'_>, key: &(impl IdempotencyKey + ?Sized)) -> Self {
+        Self::prepared(Key::in_scope(scope, key))
+    }
+
+    /// A call to a function that the attribute expanded without `scope`: in the `site`'s default
+    /// scope, checked once per site, and with the site kept for the scope check.
+    #[doc(hidden)]
+    pub fn at_site(site: &'static Site, key: &(impl IdempotencyKey + ?Sized)) -> Self {
+        let mut call = Self::prepared(site.checked_scope().and_then(|scope| Key::in_scope(scope, key)));
+        call.site = Some((site, None));
+        call
+    }
+
+    fn prepared(key: Result<Key, KeyError>) -> Self {
         Call {
-            prepared: Key::new(scope, key).map(|k| (k, None)).map_err(Error::from),
+            prepared: key.map(|k| (k, None)).map_err(Error::from),
             lease: DEFAULT_LEASE,
             retention: DEFAULT_RETENTION,
             wait: None,
@@ -146,17 +166,12 @@ impl Call {
         self
     }
 
-    /// Where the calling function is defined, for the attribute's scope check.
+    /// The calling method's `Self` type, for the scope check of a call made [`at_site`](Call::at_site).
     #[doc(hidden)]
-    pub fn site(mut self, site: &'static Site) -> Self {
-        self.site = Some((site, None));
-        self
-    }
-
-    /// Where the calling method is defined and its `Self` type, for the attribute's scope check.
-    #[doc(hidden)]
-    pub fn site_for<T: ?Sized>(mut self, site: &'static Site) -> Self {
-        self.site = Some((site, Some(std::any::type_name::<T>())));
+    pub fn self_type<T: ?Sized>(mut self) -> Self {
+        if let Some((_, self_type)) = &mut self.site {
+            *self_type = Some(std::any::type_name::<T>());
+        }
         self
     }
 

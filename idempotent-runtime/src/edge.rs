@@ -8,7 +8,7 @@ use std::time::Duration;
 use http::request::Parts;
 
 use crate::http::CallerKey;
-use crate::{Call, DEFAULT_LEASE, DEFAULT_RETENTION, Error, Fingerprint};
+use crate::{Call, DEFAULT_LEASE, DEFAULT_RETENTION, Error, Fingerprint, Scope};
 
 /// Reads who sent a request.
 pub(crate) type CallerFn = dyn Fn(&Parts) -> String + Send + Sync;
@@ -37,6 +37,7 @@ impl std::fmt::Debug for Callers {
 /// The settings a layer makes each request's call with.
 pub(crate) struct Edge<St> {
     pub(crate) store: Arc<St>,
+    /// Checked when set (`Edge::new`, the layers' `scope`).
     pub(crate) scope: String,
     pub(crate) required: bool,
     pub(crate) callers: Callers,
@@ -72,10 +73,10 @@ impl<St> std::fmt::Debug for Edge<St> {
 
 impl<St> Edge<St> {
     /// Keys required, whose keys not chosen yet, the default lease and retention.
-    pub(crate) fn new(store: Arc<St>, scope: &str, max_request_bytes: usize, max_response_bytes: usize) -> Self {
+    pub(crate) fn new(store: Arc<St>, scope: Scope<'_>, max_request_bytes: usize, max_response_bytes: usize) -> Self {
         Edge {
             store,
-            scope: scope.to_owned(),
+            scope: scope.as_str().to_owned(),
             required: true,
             callers: Callers::Unchosen,
             max_request_bytes,
@@ -89,9 +90,10 @@ impl<St> Edge<St> {
     /// The call of the request with `key` (bound to its caller, if the layer says so) and
     /// `fingerprint`, with the layer's lease, retention and wait.
     pub(crate) fn call(&self, parts: &Parts, key: &str, fingerprint: Fingerprint) -> Call {
+        let scope = Scope::checked_before(&self.scope);
         let call = match &self.callers {
-            Callers::Each(identity) => Call::new(&self.scope, &CallerKey::new(&identity(parts), key)),
-            Callers::Shared | Callers::Unchosen => Call::new(&self.scope, key),
+            Callers::Each(identity) => Call::in_scope(scope, &CallerKey::new(&identity(parts), key)),
+            Callers::Shared | Callers::Unchosen => Call::in_scope(scope, key),
         };
         let call = call.with_fingerprint(Ok(fingerprint)).lease(self.lease).retention(self.retention);
         match self.wait {
@@ -157,7 +159,7 @@ macro_rules! edge_setters {
         #[must_use]
         pub fn scope(mut self, scope: impl Into<String>) -> Self {
             let scope = scope.into();
-            if let Err(e) = $crate::Key::new(&scope, "k") {
+            if let Err(e) = $crate::Scope::new(&scope) {
                 panic!("{}::scope: {e}", $layer);
             }
             self.edge_mut().scope = scope;

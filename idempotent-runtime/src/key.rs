@@ -150,6 +150,84 @@ pub enum KeyError {
     InvalidScope(String),
 }
 
+/// A checked scope: a key's namespace, checked once and used for many keys.
+///
+/// A scope is non-empty text of at most [`MAX_KEY_BYTES`] bytes without `:` or a control
+/// character. [`Key::new`] and [`Call::new`](crate::Call::new) check the scope they are given on
+/// every call; a `Scope` made once (a `const` for a literal) saves that check, which is what the
+/// attribute does with `scope = "..."`.
+///
+/// ```
+/// use idempotent_runtime::{Key, Scope};
+///
+/// const PAYMENTS: Scope<'static> = Scope::from_static("payments");
+/// let key = Key::in_scope(PAYMENTS, &"req-42").unwrap();
+/// assert_eq!(key.as_str(), "payments:req-42");
+/// assert!(Scope::new("pay:ments").is_err());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scope<'a>(&'a str);
+
+impl<'a> Scope<'a> {
+    /// Checks `scope`.
+    ///
+    /// # Errors
+    ///
+    /// [`KeyError::InvalidScope`] if it is empty, longer than [`MAX_KEY_BYTES`], or holds `:` or
+    /// a control character.
+    pub fn new(scope: &'a str) -> Result<Self, KeyError> {
+        validate_scope(scope)?;
+        Ok(Scope(scope))
+    }
+
+    /// Checks a literal scope at compile time when used in a `const`.
+    ///
+    /// # Panics
+    ///
+    /// If the scope is empty, longer than [`MAX_KEY_BYTES`], or holds `:` or a control character:
+    /// in a `const`, that is a compile error.
+    #[must_use]
+    pub const fn from_static(scope: &'static str) -> Scope<'static> {
+        assert!(
+            valid_scope_bytes(scope.as_bytes()),
+            "a scope is non-empty text of at most 255 bytes, without ':' or a control character"
+        );
+        Scope(scope)
+    }
+
+    /// The scope's text.
+    #[must_use]
+    pub const fn as_str(&self) -> &'a str {
+        self.0
+    }
+
+    /// A scope this crate checked when it was set (an HTTP or gRPC layer's, kept as a `String`).
+    #[cfg(feature = "axum")]
+    pub(crate) fn checked_before(scope: &'a str) -> Self {
+        debug_assert!(validate_scope(scope).is_ok(), "{scope:?} was not checked");
+        Scope(scope)
+    }
+}
+
+/// The scope rule, byte by byte for a `const`: what `validate_scope` checks. In UTF-8 a control
+/// character (`char::is_control`: U+0000 to U+001F and U+007F to U+009F) is a byte below 0x20,
+/// 0x7f, or 0xc2 followed by 0x80 to 0x9f.
+const fn valid_scope_bytes(bytes: &[u8]) -> bool {
+    if bytes.is_empty() || bytes.len() > MAX_KEY_BYTES {
+        return false;
+    }
+    let mut i = 0;
+    while i < bytes.len() {
+        let byte = bytes[i];
+        let c1_control = byte == 0xc2 && i + 1 < bytes.len() && bytes[i + 1] >= 0x80 && bytes[i + 1] <= 0x9f;
+        if byte < 0x20 || byte == 0x7f || byte == b':' || c1_control {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
 /// A validated key inside its scope, as stores see it: `scope:key`.
 ///
 /// The scope holds no `:`, so the first `:` always separates the two parts and no user key can
@@ -199,7 +277,16 @@ impl Key {
     /// assert!(Key::new("payments", &"").is_err());
     /// ```
     pub fn new(scope: &str, key: &(impl IdempotencyKey + ?Sized)) -> Result<Self, KeyError> {
-        validate_scope(scope)?;
+        Self::in_scope(Scope::new(scope)?, key)
+    }
+
+    /// Validates `key` and places it in `scope`, checked before.
+    ///
+    /// # Errors
+    ///
+    /// If the key is empty, longer than [`MAX_KEY_BYTES`], or holds a control character.
+    pub fn in_scope(scope: Scope<'_>, key: &(impl IdempotencyKey + ?Sized)) -> Result<Self, KeyError> {
+        let scope = scope.as_str();
         if let Some(key) = Self::inline(scope, key) {
             return Ok(key);
         }
@@ -370,6 +457,29 @@ fn printable_ascii(bytes: &[u8], except: Option<u8>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `Scope::from_static`'s byte rule (for a `const`) refuses exactly what `Scope::new` refuses,
+    /// which is also the attribute's check of `scope = "..."`: no scope that the attribute takes
+    /// fails its `const`, and none that `Scope::new` refuses passes it.
+    #[test]
+    fn memory_const_scopes_follow_the_same_rule() {
+        let chars = (0..0x300u32).chain([0x2028, 0x200b, 0xfeff, 0xfffd, 0x1_f600]).filter_map(char::from_u32);
+        for c in chars {
+            for text in [c.to_string(), format!("pay{c}"), format!("{c}x.y"), format!("a{c}{c}b")] {
+                let attribute = !text.chars().any(|c| c == ':' || c.is_control());
+                assert_eq!(valid_scope_bytes(text.as_bytes()), attribute, "{text:?}");
+                assert_eq!(Scope::new(&text).is_ok(), attribute, "{text:?}");
+            }
+        }
+        for (text, valid) in [(String::new(), false), ("s".repeat(MAX_KEY_BYTES), true), ("s".repeat(256), false)] {
+            assert_eq!(valid_scope_bytes(text.as_bytes()), valid, "{} bytes", text.len());
+            assert_eq!(Scope::new(&text).is_ok(), valid, "{} bytes", text.len());
+        }
+        let pay = const { Scope::from_static("shop.pay") };
+        assert_eq!(Key::in_scope(pay, &7u8).unwrap(), Key::new("shop.pay", &7u8).unwrap());
+        let refused = std::panic::catch_unwind(|| Scope::from_static("a:b"));
+        assert!(refused.is_err(), "outside a `const`, a bad literal panics");
+    }
 
     /// The word-at-a-time check agrees with the byte-by-byte one, with and without an excepted
     /// byte, for every byte value at every position of texts of 1 to 24 bytes.

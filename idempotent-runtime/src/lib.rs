@@ -127,7 +127,7 @@ pub use context::{derived_key, without_derived_keys};
 pub use detached::Detached;
 pub use error::{Error, StoreError};
 pub use fingerprint::Fingerprint;
-pub use key::{IdempotencyKey, Key, KeyError, MAX_KEY_BYTES};
+pub use key::{IdempotencyKey, Key, KeyError, MAX_KEY_BYTES, Scope};
 pub use outcome::{ErrorPolicy, RecordErrors, RecordErrorsIf, ReleaseErrors};
 pub use replayable::Replayable;
 pub use step::step;
@@ -153,6 +153,6 @@ pub use idempotent_macros::idempotent;
 pub mod __private {
     pub use crate::expansion::{AsStore, CarriesErrors, Output, RecordsErrors, ResultType, check_result};
     pub use crate::scope::Site;
-    pub use crate::{Call, OnCancel, RecordErrors, RecordErrorsIf, ReleaseErrors};
+    pub use crate::{Call, OnCancel, RecordErrors, RecordErrorsIf, ReleaseErrors, Scope};
     pub use core::time::Duration;
 }

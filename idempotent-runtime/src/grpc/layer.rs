@@ -20,7 +20,7 @@ use super::recorded::{Read, Recorded, read_answer};
 use super::status;
 use crate::edge::{Edge, edge_setters, layer_service};
 use crate::http::{IDEMPOTENCY_KEY, key_header, run_to_completion};
-use crate::{Error, Fingerprint, ReleaseErrors, Store};
+use crate::{Error, Fingerprint, ReleaseErrors, Scope, Store};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type MessageKeyFn = dyn Fn(&[u8]) -> Option<String> + Send + Sync;
@@ -113,7 +113,12 @@ impl<St: Store> GrpcIdempotencyLayer<St> {
     pub fn from_arc(store: Arc<St>) -> Self {
         GrpcIdempotencyLayer {
             config: Arc::new(Config {
-                edge: Edge::new(store, "grpc", DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES),
+                edge: Edge::new(
+                    store,
+                    const { Scope::from_static("grpc") },
+                    DEFAULT_MAX_REQUEST_BYTES,
+                    DEFAULT_MAX_RESPONSE_BYTES,
+                ),
                 methods: Vec::new(),
                 record_code: Arc::new(|_| true),
             }),

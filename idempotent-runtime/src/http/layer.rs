@@ -27,7 +27,7 @@ use super::recorded::{DEFAULT_RECORDED_HEADERS, Read, Recorded, read_response};
 use super::spawn::{Completing, RunsToCompletion, panicked, run_to_completion};
 use crate::edge::{Edge, edge_setters, layer_service};
 use crate::setters::setters;
-use crate::{Error, Fingerprint, ReleaseErrors, Store};
+use crate::{Error, Fingerprint, ReleaseErrors, Scope, Store};
 
 /// The largest request body the layer buffers to fingerprint it by default (1 MiB); larger bodies
 /// get `413 Payload Too Large`.
@@ -169,7 +169,12 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
     pub fn new(store: St) -> Self {
         IdempotencyLayer {
             config: Arc::new(Config {
-                edge: Edge::new(Arc::new(store), "http", DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES),
+                edge: Edge::new(
+                    Arc::new(store),
+                    const { Scope::from_static("http") },
+                    DEFAULT_MAX_REQUEST_BYTES,
+                    DEFAULT_MAX_RESPONSE_BYTES,
+                ),
                 recorded_headers: DEFAULT_RECORDED_HEADERS.to_vec(),
                 record_status: Arc::new(|_| true),
                 methods: DEFAULT_METHODS.to_vec(),

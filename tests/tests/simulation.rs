@@ -153,6 +153,32 @@ async fn simulation_redis() {
     cleanup.run().await;
 }
 
+/// The local replay cache in front of Redis, as the HTTP benchmarks run it: replays from this
+/// process's memory, claims in progress always from Redis.
+#[cfg(all(feature = "redis", feature = "cache"))]
+#[tokio::test(flavor = "current_thread")]
+async fn simulation_redis_cached() {
+    simulation::callers::quiet_planted_panics();
+    let Some((store, cleanup)) = idempotent_tests::fresh::redis("simulation_redis_cached").await else { return };
+    servers::explore("redis-cached", idempotent_runtime::stores::cache::CachedStore::new(store)).await;
+    cleanup.run().await;
+}
+
+/// A real Redis Cluster (three masters, three replicas) started for this test binary.
+#[cfg(feature = "redis-cluster")]
+#[tokio::test(flavor = "current_thread")]
+async fn simulation_redis_cluster() {
+    simulation::callers::quiet_planted_panics();
+    let Some(cluster) = idempotent_tests::cluster::Cluster::shared("simulation_redis_cluster") else { return };
+    let prefix = format!("idempotent-sim:{}:", idempotent_tests::fresh::suffix());
+    let store = idempotent_runtime::RedisClusterStore::connect_cluster(&cluster.urls())
+        .await
+        .expect("connect to the test cluster")
+        .with_prefix(&prefix)
+        .expect("a valid prefix");
+    servers::explore("redis-cluster", store).await;
+}
+
 #[cfg(feature = "postgres")]
 #[tokio::test(flavor = "current_thread")]
 async fn simulation_postgres() {

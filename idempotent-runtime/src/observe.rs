@@ -167,7 +167,7 @@ const UNSET: u8 = u8::MAX;
 pub(crate) struct CallObserver {
     span: Span,
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
-    scope: Option<Scope>,
+    scope: Option<ScopeLabel>,
     started: Option<Instant>,
     outcome: AtomicU8,
     steps_executed: AtomicU32,
@@ -188,7 +188,7 @@ impl CallObserver {
         let listening = !span.is_disabled();
         CallObserver {
             span,
-            scope: key.filter(|_| cfg!(feature = "metrics")).map(Scope::of),
+            scope: key.filter(|_| cfg!(feature = "metrics")).map(ScopeLabel::of),
             started: listening.then(Instant::now),
             outcome: AtomicU8::new(UNSET),
             steps_executed: AtomicU32::new(0),
@@ -254,11 +254,11 @@ impl Drop for CallObserver {
         {
             let owned;
             let key = match self.scope.take() {
-                Some(Scope::Interned(keys)) => &keys[outcome as usize],
+                Some(ScopeLabel::Interned(keys)) => &keys[outcome as usize],
                 // Past the interned scopes, or a key refused before it had a scope (labelled "").
                 scope => {
                     let scope = match scope {
-                        Some(Scope::Owned(scope)) => scope,
+                        Some(ScopeLabel::Owned(scope)) => scope,
                         _ => String::new(),
                     };
                     owned = metrics::Key::from_parts(
@@ -279,21 +279,21 @@ impl Drop for CallObserver {
 /// A call's scope as its metric label: interned (no allocation per call) or, past the interned
 /// ones, its own copy.
 #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
-enum Scope {
+enum ScopeLabel {
     #[cfg(feature = "metrics")]
     Interned(&'static CallKeys),
     Owned(String),
 }
 
-impl Scope {
+impl ScopeLabel {
     #[cfg(feature = "metrics")]
     fn of(key: &Key) -> Self {
-        interned(key.scope_bytes()).map_or_else(|| Scope::Owned(key.scope().to_owned()), Scope::Interned)
+        interned(key.scope_bytes()).map_or_else(|| ScopeLabel::Owned(key.scope().to_owned()), ScopeLabel::Interned)
     }
 
     #[cfg(not(feature = "metrics"))]
     fn of(key: &Key) -> Self {
-        Scope::Owned(key.scope().to_owned())
+        ScopeLabel::Owned(key.scope().to_owned())
     }
 }
 

@@ -209,7 +209,7 @@ impl<'a> Scope<'a> {
     }
 }
 
-/// The scope rule, byte by byte for a `const`: what `validate_scope` checks. In UTF-8 a control
+/// The scope rule, byte by byte (a `const` can use it). In UTF-8 a control
 /// character (`char::is_control`: U+0000 to U+001F and U+007F to U+009F) is a byte below 0x20,
 /// 0x7f, or 0xc2 followed by 0x80 to 0x9f.
 const fn valid_scope_bytes(bytes: &[u8]) -> bool {
@@ -314,7 +314,7 @@ impl Key {
         let written = key.write_key_into(bytes.get_mut(scope.len() + 1..)?)?;
         let len = scope.len() + 1 + written;
         let user = &bytes[scope.len() + 1..len];
-        if user.is_empty() || !printable_ascii(user, None) {
+        if user.is_empty() || !printable_ascii(user) {
             return None;
         }
         let scope_len = u8::try_from(scope.len()).ok()?;
@@ -331,7 +331,7 @@ impl Key {
             return Err(KeyError::TooLong { len: user.len() });
         }
         // Printable ASCII, the usual key, is checked a word at a time; other text by character.
-        if !printable_ascii(user.as_bytes(), None)
+        if !printable_ascii(user.as_bytes())
             && let Some((at, ch)) = user.char_indices().find(|(_, c)| c.is_control())
         {
             return Err(KeyError::ControlCharacter { ch, at });
@@ -425,33 +425,30 @@ impl std::fmt::Display for Key {
     }
 }
 
+/// The scope rule, at run time: a scope is checked once (`Scope::new`), not per call, so the
+/// `const` rule serves both.
 fn validate_scope(scope: &str) -> Result<(), KeyError> {
-    if scope.is_empty()
-        || scope.len() > MAX_KEY_BYTES
-        || (!printable_ascii(scope.as_bytes(), Some(b':')) && scope.chars().any(|c| c == ':' || c.is_control()))
-    {
+    if !valid_scope_bytes(scope.as_bytes()) {
         return Err(KeyError::InvalidScope(scope.to_owned()));
     }
     Ok(())
 }
 
-/// Whether every byte is printable ASCII (0x20 to 0x7e) other than `except`, eight bytes at a
-/// time: a default scope (module path and name) and a UUID key are tens of bytes each, checked on
-/// every call.
+/// Whether every byte is printable ASCII (0x20 to 0x7e), eight bytes at a time: a UUID key is
+/// 36 bytes, checked on every call.
 #[inline]
-fn printable_ascii(bytes: &[u8], except: Option<u8>) -> bool {
+fn printable_ascii(bytes: &[u8]) -> bool {
     /// `0x01` in every byte of a word.
     const ONES: u64 = u64::MAX / 255;
     const HIGH_BITS: u64 = ONES * 0x80;
     // Whether a byte of `word` is below `n` (at most 0x80), or is 0: exact as a yes or no,
     // since a borrow only crosses out of a byte that is itself below `n`.
     let any_below = |word: u64, n: u64| word.wrapping_sub(ONES * n) & !word & HIGH_BITS != 0;
-    let holds_except = |word: u64| except.is_some_and(|byte| any_below(word ^ (ONES * u64::from(byte)), 1));
     let (words, rest) = bytes.as_chunks::<8>();
     words.iter().all(|chunk| {
         let word = u64::from_le_bytes(*chunk);
-        word & HIGH_BITS == 0 && !any_below(word, 0x20) && !any_below(word ^ (ONES * 0x7f), 1) && !holds_except(word)
-    }) && rest.iter().all(|b| (0x20..0x7f).contains(b) && Some(*b) != except)
+        word & HIGH_BITS == 0 && !any_below(word, 0x20) && !any_below(word ^ (ONES * 0x7f), 1)
+    }) && rest.iter().all(|b| (0x20..0x7f).contains(b))
 }
 
 #[cfg(test)]
@@ -481,21 +478,19 @@ mod tests {
         assert!(refused.is_err(), "outside a `const`, a bad literal panics");
     }
 
-    /// The word-at-a-time check agrees with the byte-by-byte one, with and without an excepted
-    /// byte, for every byte value at every position of texts of 1 to 24 bytes.
+    /// The word-at-a-time check agrees with the byte-by-byte one for every byte value at every
+    /// position of texts of 1 to 24 bytes.
     #[test]
-    fn memory_scope_and_key_bytes_are_checked_alike_a_word_at_a_time() {
-        for except in [Some(b':'), None] {
-            let plain = |bytes: &[u8]| bytes.iter().all(|b| (0x20..0x7f).contains(b) && Some(*b) != except);
-            for len in 1..=24 {
-                let good: Vec<u8> = b"shop.payments_v2 Pay-Now~".iter().copied().cycle().take(len).collect();
-                assert!(printable_ascii(&good, except), "{good:?}");
-                for at in 0..len {
-                    for byte in 0..=255u8 {
-                        let mut bytes = good.clone();
-                        bytes[at] = byte;
-                        assert_eq!(printable_ascii(&bytes, except), plain(&bytes), "{except:?} {bytes:?}");
-                    }
+    fn memory_key_bytes_are_checked_alike_a_word_at_a_time() {
+        let plain = |bytes: &[u8]| bytes.iter().all(|b| (0x20..0x7f).contains(b));
+        for len in 1..=24 {
+            let good: Vec<u8> = b"shop.payments_v2 Pay-Now~".iter().copied().cycle().take(len).collect();
+            assert!(printable_ascii(&good), "{good:?}");
+            for at in 0..len {
+                for byte in 0..=255u8 {
+                    let mut bytes = good.clone();
+                    bytes[at] = byte;
+                    assert_eq!(printable_ascii(&bytes), plain(&bytes), "{bytes:?}");
                 }
             }
         }

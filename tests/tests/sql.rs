@@ -578,6 +578,35 @@ macro_rules! sql_tests {
             fresh.cleanup().await;
         }
 
+        /// A call dropped while its body runs (a timeout around it; `OnCancel::Keep`, the
+        /// default) leaves its claim and the body's partial work in the transaction. Committed,
+        /// they would stay: the key claimed with no record for its lease, then a retry running the
+        /// body a second time. `commit` refuses instead, and the retry runs once.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn tx_commit_refuses_after_a_call_dropped_in_its_body() {
+            let Some(fresh) = fresh("txdropped").await else { return };
+            let store = fresh.store.clone();
+            let user = new_user(store.pool(), 1_000).await;
+            let tx = store.begin().await.unwrap();
+            let call = deduct_then(&tx, "req-d", &user, 100, After::Hold(Duration::from_secs(30)));
+            assert!(tokio::time::timeout(Duration::from_millis(300), call).await.is_err(), "the body was still running");
+            let committed = tx.commit().await;
+            assert!(
+                matches!(&committed, Err(sqlx::Error::InvalidArgument(reason)) if reason.contains("deduct_balance:req-d")),
+                "a transaction holding a dropped call's claim does not commit: {committed:?}"
+            );
+            assert_eq!(balance(store.pool(), &user).await, 1_000, "the dropped body's debit rolled back");
+            assert_eq!(key_rows(&store, "deduct_balance:req-d").await, 0, "its claim rolled back");
+            let receipt = in_tx(&store, |tx| {
+                let user = user.clone();
+                async move { deduct_balance(&tx, "req-d", &user, 100).await }
+            })
+            .await
+            .unwrap();
+            assert_eq!((receipt.balance_after, balance(store.pool(), &user).await), (900, 900), "the retry ran once");
+            fresh.cleanup().await;
+        }
+
         /// A duplicate waits on the row the first transaction claimed until the server's lock
         /// timeout, then gets a typed store error carrying the server's code; once the first
         /// transaction commits, a new duplicate replays its receipt.

@@ -20,8 +20,11 @@ use crate::{Claim, ClaimRequest, Completion, Detached, Key, Store, StoreError, T
 ///
 /// The body reaches the transaction through [`conn`](Self::conn). After the call,
 /// [`commit`](Self::commit) or [`rollback`](Self::rollback); dropping it rolls back. An `Err` from
-/// the body deletes the claim inside the transaction; a panic or a dropped future leaves it there:
-/// roll the transaction back (dropping it does).
+/// the body deletes the claim inside the transaction; a panic or a dropped future leaves it there,
+/// with whatever the body had written: roll the transaction back (dropping it does).
+/// [`commit`](Self::commit) refuses such a transaction, which holds a claim that no call recorded
+/// or released: committed, its partial work would stay, and once the claim's lease ended a retry
+/// would run the body again.
 ///
 /// # Recording is committing
 ///
@@ -70,6 +73,9 @@ pub struct SqlTxStore<D: Dialect> {
     max_record_bytes: usize,
     /// A step of ours failed in the transaction: it must not commit.
     failed: AtomicBool,
+    /// The claims this transaction made that no call has recorded or released yet: a call
+    /// dropped while its body ran leaves one (and a panic, which also sets `failed`).
+    open: std::sync::Mutex<Vec<(Key, Token)>>,
 }
 
 impl<D: Dialect> std::fmt::Debug for SqlTxStore<D> {
@@ -83,7 +89,13 @@ impl<D: Dialect> std::fmt::Debug for SqlTxStore<D> {
 
 impl<D: Dialect> SqlTxStore<D> {
     pub(super) fn new(tx: Transaction<'static, D::Db>, sql: Arc<Statements>, max_record_bytes: usize) -> Self {
-        SqlTxStore { tx: tokio::sync::Mutex::new(tx), sql, max_record_bytes, failed: AtomicBool::new(false) }
+        SqlTxStore {
+            tx: tokio::sync::Mutex::new(tx),
+            sql,
+            max_record_bytes,
+            failed: AtomicBool::new(false),
+            open: std::sync::Mutex::default(),
+        }
     }
 
     /// The transaction's connection, for the body's own queries: `.execute(&mut *tx.conn().await)`.
@@ -100,17 +112,31 @@ impl<D: Dialect> SqlTxStore<D> {
     ///
     /// The commit's own error; or, without committing (the transaction is rolled back), an
     /// [`sqlx::Error::InvalidArgument`] when a completion failed in this transaction (see
-    /// [Recording is committing](Self#recording-is-committing)), or on PostgreSQL the error of
-    /// the check that the transaction is not aborted.
+    /// [Recording is committing](Self#recording-is-committing)) or a call in it was dropped or
+    /// panicked before it recorded its result, or on PostgreSQL the error of the check that the
+    /// transaction is not aborted.
     pub async fn commit(self) -> Result<(), sqlx::Error> {
         let mut tx = self.tx.into_inner();
-        if self.failed.load(Ordering::Acquire) {
-            tx.rollback().await?;
-            return Err(sqlx::Error::InvalidArgument(
+        let open = self.open.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let refusal = if let Some((key, _)) = open.first() {
+            Some(format!(
+                "the transaction was rolled back, not committed: the idempotent call of key {:?} in it claimed \
+                 its key and was dropped (or panicked) before it recorded or released it, so the body's work in \
+                 it may be partial; run the whole transaction again",
+                key.as_str()
+            ))
+        } else if self.failed.load(Ordering::Acquire) {
+            Some(
                 "the transaction was rolled back, not committed: an idempotent call in it could not record its \
                  result (it returned Error::Store with StoreError::Aborted); run the whole transaction again"
                     .to_owned(),
-            ));
+            )
+        } else {
+            None
+        };
+        if let Some(refusal) = refusal {
+            tx.rollback().await?;
+            return Err(sqlx::Error::InvalidArgument(refusal));
         }
         if let Some(check) = &self.sql.check_before_commit {
             let checked = D::run(&mut tx, check, &super::dialect::Params::default()).await;
@@ -127,7 +153,8 @@ impl<D: Dialect> SqlTxStore<D> {
         self.tx.into_inner().rollback().await
     }
 
-    /// The transaction itself.
+    /// The transaction itself, handed over as it is: committing it yourself skips the checks
+    /// [`commit`](Self::commit) makes.
     #[must_use]
     pub fn into_transaction(self) -> Transaction<'static, D::Db> {
         self.tx.into_inner()
@@ -142,12 +169,29 @@ impl<D: Dialect> SqlTxStore<D> {
         }
         result
     }
+
+    /// The claims made and not yet recorded or released.
+    fn open(&self) -> std::sync::MutexGuard<'_, Vec<(Key, Token)>> {
+        self.open.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// `token` has recorded or released its claim on `key`.
+    fn closed(&self, key: &Key, token: &Token) {
+        self.open().retain(|(k, t)| !(k == key && t == token));
+    }
 }
 
 impl<D: Dialect> Store for SqlTxStore<D> {
     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         let mut tx = self.tx.lock().await;
         let result = steps::claim::<D>(&mut Session { conn: &mut tx, autocommit: false }, &self.sql, request).await;
+        if let Ok(Claim::Claimed) = result {
+            // A token may claim a key again (after a late reply): one entry.
+            let mut open = self.open();
+            if !open.iter().any(|(key, token)| key == request.key && token == request.token) {
+                open.push((request.key.clone(), request.token.clone()));
+            }
+        }
         self.note(result)
     }
 
@@ -157,6 +201,9 @@ impl<D: Dialect> Store for SqlTxStore<D> {
         let mut tx = self.tx.lock().await;
         let result =
             steps::complete::<D>(&mut Session { conn: &mut tx, autocommit: false }, &self.sql, completion).await;
+        if result.is_ok() {
+            self.closed(completion.key, completion.token);
+        }
         result.map_err(|error| {
             self.failed.store(true, Ordering::Release);
             let source: Box<dyn std::error::Error + Send + Sync> = match error {
@@ -171,6 +218,9 @@ impl<D: Dialect> Store for SqlTxStore<D> {
         let mut tx = self.tx.lock().await;
         let result =
             steps::release::<D>(&mut Session { conn: &mut tx, autocommit: false }, &self.sql, key, token).await;
+        if result.is_ok() {
+            self.closed(key, token);
+        }
         self.note(result)
     }
 

@@ -205,3 +205,86 @@ async fn simulation_sqlite() {
     servers::explore("sqlite", store).await;
     cleanup.run().await;
 }
+
+/// The transactional SQL stores: each call in a transaction of its own, with the body's effect
+/// written in it (`tests/src/simulation/transactions.rs`). Histories run side by side on one
+/// thread, each under its own keys.
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+mod transactional {
+    use idempotent_runtime::stores::sql::SqlStore;
+    use idempotent_tests::simulation::{self, transactions};
+
+    /// Histories per test, all at once.
+    pub const HISTORIES: u64 = 32;
+
+    pub async fn explore<D: transactions::Backend + 'static>(name: &str, store: SqlStore<D>) {
+        let effects = format!("{}_fx", store.table());
+        D::create_effects(&store, &effects).await;
+        let prefix = idempotent_tests::fresh::suffix();
+        let from = simulation::env_from().unwrap_or(simulation::DEFAULT_SEED);
+        let started = std::time::Instant::now();
+        let local = tokio::task::LocalSet::new();
+        let verdicts = local
+            .run_until(async {
+                let runs: Vec<_> = (0..HISTORIES)
+                    .map(|i| {
+                        let (store, effects, prefix) = (store.clone(), effects.clone(), format!("{prefix}s{i}"));
+                        tokio::task::spawn_local(async move {
+                            transactions::run_history(from + i, &store, &effects, &prefix).await
+                        })
+                    })
+                    .collect();
+                let mut verdicts = Vec::new();
+                for run in runs {
+                    verdicts.push(run.await.expect("a history task"));
+                }
+                verdicts
+            })
+            .await;
+        D::drop_effects(&store, &effects).await;
+        let sum = |count: fn(&transactions::Verdict) -> u64| verdicts.iter().map(count).sum::<u64>();
+        let (calls, bodies, commits, refused) =
+            (sum(|v| v.calls), sum(|v| v.bodies), sum(|v| v.commits), sum(|v| v.refused));
+        let failing: Vec<_> = verdicts.iter().filter(|v| !v.violations.is_empty()).collect();
+        println!(
+            "simulation_{name}: histories {HISTORIES}, attempts {calls}, bodies {bodies}, commits {commits}, \
+             commits failed or refused {refused}, violations {} ({:.1?})",
+            failing.iter().map(|v| v.violations.len()).sum::<usize>(),
+            started.elapsed()
+        );
+        for verdict in &failing {
+            println!("{}VIOLATIONS: {:?}", verdict.log, verdict.violations);
+        }
+        assert!(bodies > 0 && commits > 0, "simulation_{name}: the histories ran bodies and committed");
+        assert!(failing.is_empty(), "simulation_{name}: {} histories break a guarantee (printed above)", failing.len());
+    }
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "current_thread")]
+async fn simulation_postgres_transactions() {
+    simulation::callers::quiet_planted_panics();
+    let Some((store, cleanup)) = idempotent_tests::fresh::postgres("simulation_postgres_transactions").await else {
+        return;
+    };
+    transactional::explore("postgres_transactions", store).await;
+    cleanup.run().await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "current_thread")]
+async fn simulation_mysql_transactions() {
+    simulation::callers::quiet_planted_panics();
+    let Some((store, cleanup)) = idempotent_tests::fresh::mysql("simulation_mysql_transactions").await else { return };
+    transactional::explore("mysql_transactions", store).await;
+    cleanup.run().await;
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "current_thread")]
+async fn simulation_sqlite_transactions() {
+    simulation::callers::quiet_planted_panics();
+    let (store, cleanup) = idempotent_tests::fresh::sqlite("simulation_transactions").await;
+    transactional::explore("sqlite_transactions", store).await;
+    cleanup.run().await;
+}

@@ -133,7 +133,7 @@ impl Drop for BodyGuard {
 }
 
 /// Polls a future, catching a panic that unwinds out of it (as `futures::FutureExt::catch_unwind`).
-struct CatchUnwind<F>(Pin<Box<F>>);
+pub(super) struct CatchUnwind<F>(pub(super) Pin<Box<F>>);
 
 impl<F: Future> Future for CatchUnwind<F> {
     type Output = Result<F::Output, String>;

@@ -5,6 +5,8 @@
 //! Read in this order: [`rng`] (the seed), [`callers`] (what callers do), [`faults`] (what the
 //! store wrapper does to each step), [`bugs`] (rules broken on purpose), [`history`] (the log),
 //! [`scheduler`] (one history), [`oracle`] (the verdict). This file runs many histories.
+//! [`transactions`] is apart: histories on the transactional SQL stores, with a judgement of
+//! their own (the body's effect and its record commit together, once).
 //!
 //! `IDEMPOTENT_SIM_SEED=<n>` replays one history and prints it step by step;
 //! `IDEMPOTENT_SIM_HISTORIES=<n>` explores `n` histories; `IDEMPOTENT_SIM_BUG=<name>` plants a bug
@@ -17,6 +19,8 @@ pub mod history;
 pub mod oracle;
 pub mod rng;
 pub mod scheduler;
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub mod transactions;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

@@ -1,6 +1,7 @@
 //! Histories on the transactional SQL stores: every call runs in a transaction of its own, its body
 //! writes its effect in that transaction, and the caller commits, rolls back or drops it. Faults:
 //! calls dropped mid-way, bodies that fail, panic, work slowly or swallow a failed statement,
+//! duplicates that wait only briefly for a claim (a short lock timeout),
 //! connections killed by the server at any moment, commits attempted after an error.
 //!
 //! The guarantee judged is the transactional one, stricter than the pooled stores': the body's
@@ -39,6 +40,10 @@ pub trait Backend: Dialect + Sized {
     /// Runs a statement that fails, in the transaction (a body that swallows the error: on
     /// PostgreSQL this aborts the transaction).
     async fn failing_statement(tx: &SqlTxStore<Self>) -> Result<(), sqlx::Error>;
+    /// Makes a duplicate in this transaction wait at most briefly for another's claim (PostgreSQL
+    /// `lock_timeout`, 100 ms; MariaDB `innodb_lock_wait_timeout`, 1 s, for the connection's
+    /// session), as the docs advise; SQLite has its busy timeout at `begin()` only.
+    async fn short_lock_wait(tx: &SqlTxStore<Self>);
     /// The server's id of the transaction's connection, if connections can be killed.
     async fn connection_id(tx: &SqlTxStore<Self>) -> Option<i64>;
     /// Has the server close connection `id`.
@@ -52,7 +57,7 @@ pub trait Backend: Dialect + Sized {
 }
 
 macro_rules! backend {
-    ($dialect:ty, $p1:literal, $p2:literal, $id:expr, $kill:expr, $fail:expr) => {
+    ($dialect:ty, $p1:literal, $p2:literal, $wait:expr, $id:expr, $kill:expr, $fail:expr) => {
         impl Backend for $dialect {
             async fn create_effects(store: &SqlStore<Self>, table: &str) {
                 let create = format!("CREATE TABLE {table} (k VARCHAR(255) NOT NULL, v BIGINT NOT NULL)");
@@ -65,6 +70,12 @@ macro_rules! backend {
             }
             async fn failing_statement(tx: &SqlTxStore<Self>) -> Result<(), sqlx::Error> {
                 sqlx::query($fail).execute(&mut *tx.conn().await).await.map(|_| ())
+            }
+            async fn short_lock_wait(tx: &SqlTxStore<Self>) {
+                let wait: Option<&'static str> = $wait;
+                if let Some(wait) = wait {
+                    let _ = sqlx::query(wait).execute(&mut *tx.conn().await).await;
+                }
             }
             async fn connection_id(tx: &SqlTxStore<Self>) -> Option<i64> {
                 let id: Option<&'static str> = $id;
@@ -104,6 +115,7 @@ backend!(
     idempotent_runtime::stores::sql::PostgresDialect,
     "$1",
     "$2",
+    Some("SET LOCAL lock_timeout = '100ms'"),
     Some("SELECT CAST(pg_backend_pid() AS BIGINT)"),
     |id| format!("SELECT pg_terminate_backend({id})"),
     "SELECT 1 / 0"
@@ -113,6 +125,7 @@ backend!(
     idempotent_runtime::stores::sql::MySqlDialect,
     "?",
     "?",
+    Some("SET SESSION innodb_lock_wait_timeout = 1"),
     Some("SELECT CAST(CONNECTION_ID() AS SIGNED)"),
     |id| format!("KILL CONNECTION {id}"),
     "SELECT * FROM simtx_no_such_table"
@@ -122,6 +135,7 @@ backend!(
     idempotent_runtime::stores::sql::SqliteDialect,
     "?",
     "?",
+    None,
     None,
     |_| String::new(),
     "SELECT * FROM simtx_no_such_table"
@@ -161,6 +175,7 @@ struct Attempt {
     end: End,
     cancel_after: Option<Duration>,
     kill_after: Option<Duration>,
+    short_lock_wait: bool,
 }
 
 /// A history's plan: which key each caller uses, and its attempts.
@@ -197,6 +212,7 @@ fn draw(seed: u64) -> Plan {
                     },
                     cancel_after: rng.chance(12).then(|| ms(&mut rng, 250)),
                     kill_after: rng.chance(10).then(|| ms(&mut rng, 250)),
+                    short_lock_wait: rng.chance(25),
                 })
                 .collect();
             (key, attempts)
@@ -309,6 +325,9 @@ async fn run_attempt<D: Backend + 'static>(
         Ok(tx) => tx,
         Err(e) => return (Called::Error(format!("begin: {e}")), None),
     };
+    if attempt.short_lock_wait {
+        D::short_lock_wait(&tx).await;
+    }
     let killer = match attempt.kill_after {
         Some(after) => D::connection_id(&tx).await.map(|id| {
             let store = store.clone();

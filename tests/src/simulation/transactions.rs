@@ -15,7 +15,7 @@
 //! The plans are drawn from a seed, like the other histories, but run in real time on real
 //! servers, so the interleavings are not replayed exactly; the judgement does not depend on them.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::fmt::Write as _;
 use std::rc::Rc;
 use std::time::Duration;
@@ -274,16 +274,21 @@ pub async fn run_history<D: Backend + 'static>(seed: u64, store: &SqlStore<D>, e
     let plan = draw(seed);
     let key_of = |k: usize| format!("{prefix}k{k}");
     let bodies = Rc::new(Cell::new(0u64));
+    // Where each caller is, for the report of a history that does not finish.
+    let steps = Rc::new(RefCell::new(vec!["starting"; plan.callers.len()]));
     let mut tasks = Vec::new();
     for (caller, (key, attempts)) in plan.callers.iter().cloned().enumerate() {
         let (store, effects, key_name, bodies) = (store.clone(), effects.to_owned(), key_of(key), Rc::clone(&bodies));
+        let steps = Rc::clone(&steps);
         let value_base = i64::try_from(seed % (1 << 40)).unwrap_or(0) * 64 + i64::try_from(caller).unwrap_or(0) * 8;
         tasks.push(tokio::task::spawn_local(async move {
             let mut done = Vec::new();
             for (n, attempt) in attempts.iter().enumerate() {
+                steps.borrow_mut()[caller] = "pausing";
                 tokio::time::sleep(attempt.delay).await;
                 let value = value_base + i64::try_from(n).unwrap_or(0);
-                let (called, commit) = run_attempt(&store, &effects, &key_name, attempt, value, &bodies).await;
+                let at = |step| steps.borrow_mut()[caller] = step;
+                let (called, commit) = run_attempt(&store, &effects, &key_name, attempt, value, &bodies, &at).await;
                 let committed = matches!(commit, Some(Ok(())));
                 let ok = matches!(called, Called::Ok { .. });
                 done.push(Done { caller, key, attempt: n, called, commit });
@@ -291,14 +296,27 @@ pub async fn run_history<D: Backend + 'static>(seed: u64, store: &SqlStore<D>, e
                     break;
                 }
             }
+            steps.borrow_mut()[caller] = "done";
             done
         }));
     }
     let mut log = Vec::new();
+    let mut verdict = Verdict::default();
+    let deadline = tokio::time::Instant::now() + HISTORY_LIMIT;
+    let aborts: Vec<_> = tasks.iter().map(tokio::task::JoinHandle::abort_handle).collect();
     for task in tasks {
-        log.extend(task.await.expect("a caller task"));
+        let Ok(done) = tokio::time::timeout_at(deadline, task).await else {
+            verdict.violations.push(format!(
+                "the callers did not finish within {HISTORY_LIMIT:?}; each caller's step then: {:?}",
+                steps.borrow()
+            ));
+            aborts.iter().for_each(tokio::task::AbortHandle::abort);
+            let _ = writeln!(verdict.log, "history of seed {seed} (transactional): {plan:?}");
+            return verdict;
+        };
+        log.extend(done.expect("a caller task"));
     }
-    let mut verdict = Verdict { bodies: bodies.get(), ..Verdict::default() };
+    verdict.bodies = bodies.get();
     for k in 0..plan.keys {
         judge(store, effects, &key_of(k), k, &log, &mut verdict).await;
     }
@@ -312,7 +330,10 @@ pub async fn run_history<D: Backend + 'static>(seed: u64, store: &SqlStore<D>, e
     verdict
 }
 
-/// One attempt: begin, call, then commit, roll back or drop.
+/// How long a history's callers may take: far more than their plans (about 2 s at most).
+const HISTORY_LIMIT: Duration = Duration::from_secs(60);
+
+/// One attempt: begin, call, then commit, roll back or drop. `at` is told each step.
 async fn run_attempt<D: Backend + 'static>(
     store: &SqlStore<D>,
     effects: &str,
@@ -320,14 +341,18 @@ async fn run_attempt<D: Backend + 'static>(
     attempt: &Attempt,
     value: i64,
     bodies: &Cell<u64>,
+    at: &dyn Fn(&'static str),
 ) -> (Called, Option<Result<(), String>>) {
+    at("begin");
     let tx = match store.begin().await {
         Ok(tx) => tx,
         Err(e) => return (Called::Error(format!("begin: {e}")), None),
     };
     if attempt.short_lock_wait {
+        at("setting a lock wait");
         D::short_lock_wait(&tx).await;
     }
+    at("reading the connection id");
     let killer = match attempt.kill_after {
         Some(after) => D::connection_id(&tx).await.map(|id| {
             let store = store.clone();
@@ -355,6 +380,7 @@ async fn run_attempt<D: Backend + 'static>(
         Ok::<i64, Outcome>(value)
     });
     let call = CatchUnwind(Box::pin(call));
+    at("calling");
     let result = match attempt.cancel_after {
         Some(after) => tokio::time::timeout(after, call).await.ok(),
         None => Some(call.await),
@@ -370,8 +396,12 @@ async fn run_attempt<D: Backend + 'static>(
     };
     let may_commit = !matches!(called, Called::BodyErr | Called::BodyFailed(_));
     let commit = match (may_commit, attempt.end) {
-        (true, End::Commit) => Some(tx.commit().await.map_err(|e| e.to_string())),
+        (true, End::Commit) => {
+            at("committing");
+            Some(tx.commit().await.map_err(|e| e.to_string()))
+        }
         (true, End::Rollback) => {
+            at("rolling back");
             let _ = tx.rollback().await;
             None
         }

@@ -60,6 +60,15 @@ use crate::{Claim, ClaimRequest, Completion, Detached, Key, Store, StoreError, T
 /// table. These stores add no timeout of their own: a statement cut off mid-transaction would
 /// leave the transaction in an unknown state.
 ///
+/// # Dropping a call on MySQL and MariaDB
+///
+/// Do not drop a call (with a `timeout` or `select!`) while one of its statements may be in
+/// flight on MySQL or MariaDB: sqlx 0.9's MySQL connection can then wait for ever on the
+/// transaction's next statement, its `ROLLBACK` included, and so can [`commit`](Self::commit)
+/// and [`rollback`](Self::rollback). Bound the work with the server's limits instead
+/// (`innodb_lock_wait_timeout`, MariaDB's `max_statement_time`). `tests/tests/sqlx_upstream.rs`
+/// shows it with sqlx alone.
+///
 /// # Leases
 ///
 /// A lease means nothing here: the claim is an uncommitted row that lives exactly as long as the

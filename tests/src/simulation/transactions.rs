@@ -1,8 +1,9 @@
 //! Histories on the transactional SQL stores: every call runs in a transaction of its own, its body
 //! writes its effect in that transaction, and the caller commits, rolls back or drops it. Faults:
-//! calls dropped mid-way, bodies that fail, panic, work slowly or swallow a failed statement,
-//! duplicates that wait only briefly for a claim (a short lock timeout),
-//! connections killed by the server at any moment, commits attempted after an error.
+//! calls dropped mid-way (on MariaDB only while the body works: see
+//! [`Backend::DROPS_MID_STATEMENT`]), bodies that fail, panic, work slowly or swallow a failed
+//! statement, duplicates that wait only briefly for a claim (a short lock timeout), connections
+//! killed by the server at any moment, commits attempted after an error.
 //!
 //! The guarantee judged is the transactional one, stricter than the pooled stores': the body's
 //! effect and its record commit together or not at all. So whatever happened, each key ends with
@@ -33,6 +34,11 @@ pub const SCOPE: &str = "simtx";
 /// faults. Implemented for the three dialects.
 #[allow(async_fn_in_trait, reason = "used on one thread (a LocalSet), where no Send bound is needed")]
 pub trait Backend: Dialect + Sized {
+    /// Whether a call may be dropped at any point, in the middle of a statement too. Not on
+    /// MariaDB: sqlx 0.9's MySQL connection can wait for ever on the next statement of the
+    /// transaction after one was dropped mid-flight (RELIABILITY.md), so there calls are dropped
+    /// only while the body works between its statements.
+    const DROPS_MID_STATEMENT: bool;
     /// Creates the table of effects, `{table}`.
     async fn create_effects(store: &SqlStore<Self>, table: &str);
     /// Writes the effect `value` of `key` in the transaction.
@@ -57,8 +63,9 @@ pub trait Backend: Dialect + Sized {
 }
 
 macro_rules! backend {
-    ($dialect:ty, $p1:literal, $p2:literal, $wait:expr, $id:expr, $kill:expr, $fail:expr) => {
+    ($dialect:ty, $anywhere:literal, $p1:literal, $p2:literal, $wait:expr, $id:expr, $kill:expr, $fail:expr) => {
         impl Backend for $dialect {
+            const DROPS_MID_STATEMENT: bool = $anywhere;
             async fn create_effects(store: &SqlStore<Self>, table: &str) {
                 let create = format!("CREATE TABLE {table} (k VARCHAR(255) NOT NULL, v BIGINT NOT NULL)");
                 sqlx::query(sqlx::AssertSqlSafe(create)).execute(store.pool()).await.expect("create the effects table");
@@ -113,6 +120,7 @@ macro_rules! backend {
 #[cfg(feature = "postgres")]
 backend!(
     idempotent_runtime::stores::sql::PostgresDialect,
+    true,
     "$1",
     "$2",
     Some("SET LOCAL lock_timeout = '100ms'"),
@@ -123,6 +131,7 @@ backend!(
 #[cfg(feature = "mysql")]
 backend!(
     idempotent_runtime::stores::sql::MySqlDialect,
+    false,
     "?",
     "?",
     Some("SET SESSION innodb_lock_wait_timeout = 1"),
@@ -133,6 +142,7 @@ backend!(
 #[cfg(feature = "sqlite")]
 backend!(
     idempotent_runtime::stores::sql::SqliteDialect,
+    true,
     "?",
     "?",
     None,
@@ -364,13 +374,19 @@ async fn run_attempt<D: Backend + 'static>(
         None => None,
     };
     let ran = Cell::new(false);
+    // When a slow body's work began (it runs no statement while it works).
+    let (working, work_began) = (Cell::new(None), tokio::sync::Notify::new());
     let call = Call::new(SCOPE, key).run(&tx, async {
         ran.set(true);
         bodies.set(bodies.get() + 1);
         D::effect(&tx, effects, key, value).await.map_err(|e| Outcome::Failed(e.to_string()))?;
         match attempt.body {
             Body::Ok => {}
-            Body::Slow(work) => tokio::time::sleep(work).await,
+            Body::Slow(work) => {
+                working.set(Some((tokio::time::Instant::now(), work)));
+                work_began.notify_one();
+                tokio::time::sleep(work).await;
+            }
             Body::Err => return Err(Outcome::BodyErr),
             Body::Panic => panic!("{BODY_PANIC}"),
             Body::Swallow => {
@@ -382,7 +398,22 @@ async fn run_attempt<D: Backend + 'static>(
     let call = CatchUnwind(Box::pin(call));
     at("calling");
     let result = match attempt.cancel_after {
-        Some(after) => tokio::time::timeout(after, call).await.ok(),
+        Some(after) if D::DROPS_MID_STATEMENT => tokio::time::timeout(after, call).await.ok(),
+        Some(after) => {
+            // Dropped within the first half of a slow body's work, never mid-statement.
+            let in_work = async {
+                work_began.notified().await;
+                let (began, work) = working.get().expect("set before the notice");
+                if work < Duration::from_millis(2) {
+                    std::future::pending::<()>().await;
+                }
+                tokio::time::sleep_until(began + after.min(work / 2)).await;
+            };
+            tokio::select! {
+                result = call => Some(result),
+                () = in_work => None,
+            }
+        }
         None => Some(call.await),
     };
     let called = match result {

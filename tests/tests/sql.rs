@@ -1245,6 +1245,60 @@ mod mysql {
 
     sql_tests!();
     network_tests!();
+
+    /// Polls `future` up to `polls` times, `gap` apart; `true` if it finished (else it is
+    /// dropped unfinished).
+    async fn poll_then_drop<F: std::future::Future>(future: F, polls: u32, gap: Duration) -> bool {
+        let mut future = std::pin::pin!(future);
+        for _ in 0..polls {
+            let ready = std::future::poll_fn(|cx| std::task::Poll::Ready(future.as_mut().poll(cx).is_ready())).await;
+            if ready {
+                return true;
+            }
+            std::thread::sleep(gap);
+        }
+        false
+    }
+
+    /// A step dropped in the middle of its statement (a call under a `timeout`) must not hand its
+    /// connection to the next step: sqlx 0.9's MySQL connection can wait for ever on the next
+    /// statement after one was dropped, as a transaction's `ROLLBACK` does
+    /// (`tests/tests/sqlx_upstream.rs`). The pool holds one connection, so the step after each
+    /// dropped one gets the same connection unless it was discarded. It passed before any change
+    /// of the store: it pins that the pooled store does not share the transactional one's limit.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_step_dropped_mid_statement_does_not_poison_the_pool() {
+        let Some(url) = url("mysql::dropped_step") else { return };
+        let pool = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(3))
+            .connect(&url)
+            .await
+            .unwrap();
+        let store = Sql::with_table(pool.clone(), &fresh_table("dropped")).unwrap();
+        store.create_table().await.unwrap();
+        let (mut dropped, mut stuck) = (0, Vec::new());
+        for i in 0..24u32 {
+            let (key, token) = (Key::new("s", &format!("k{i}")).unwrap(), Token::new());
+            assert_eq!(store.claim(&request(&key, &token, None, 60_000)).await.unwrap(), Claim::Claimed);
+            let completion =
+                idempotent_runtime::Completion::new(&key, &token, None, br#"{"Ok":2}"#, Duration::from_secs(600));
+            let gap = Duration::from_micros(30 * u64::from(i / 3 % 4));
+            if !poll_then_drop(store.complete(&completion), 2 + 2 * (i % 3), gap).await {
+                dropped += 1;
+            }
+            let next = Key::new("s", &format!("next{i}")).unwrap();
+            let claimed =
+                tokio::time::timeout(Duration::from_secs(10), store.claim(&request(&next, &token, None, 60_000))).await;
+            if !matches!(claimed, Ok(Ok(Claim::Claimed))) {
+                stuck.push((i, format!("{claimed:?}")));
+            }
+        }
+        eprintln!("{dropped} of 24 completions dropped mid-statement; steps after them that failed: {stuck:?}");
+        assert!(dropped > 0, "the test dropped no statement");
+        assert!(stuck.is_empty(), "the step after a dropped one must get a working connection: {stuck:?}");
+        let _ = sqlx::query(AssertSqlSafe(format!("DROP TABLE IF EXISTS {}", store.table()))).execute(&pool).await;
+    }
 }
 
 #[cfg(feature = "sqlite")]

@@ -35,6 +35,20 @@ pub fn output_lines(program: &str, args: &[&str]) -> Vec<String> {
     stdout.lines().map(str::to_owned).collect()
 }
 
+/// Polls `future` up to `polls` times, `gap` apart (the thread sleeps between polls, so a
+/// server's reply arrives in pieces meanwhile); `true` if it finished, else it is dropped
+/// unfinished, as a caller's `timeout` would drop it.
+pub async fn poll_then_drop<F: Future>(future: F, polls: u32, gap: Duration) -> bool {
+    let mut future = std::pin::pin!(future);
+    for _ in 0..polls {
+        if std::future::poll_fn(|cx| std::task::Poll::Ready(future.as_mut().poll(cx).is_ready())).await {
+            return true;
+        }
+        std::thread::sleep(gap);
+    }
+    false
+}
+
 use idempotent_runtime::{Completion, Key, Store, StoreError, Token};
 
 /// Direct store steps in the short form the tests use.

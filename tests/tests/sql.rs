@@ -1246,20 +1246,6 @@ mod mysql {
     sql_tests!();
     network_tests!();
 
-    /// Polls `future` up to `polls` times, `gap` apart; `true` if it finished (else it is
-    /// dropped unfinished).
-    async fn poll_then_drop<F: std::future::Future>(future: F, polls: u32, gap: Duration) -> bool {
-        let mut future = std::pin::pin!(future);
-        for _ in 0..polls {
-            let ready = std::future::poll_fn(|cx| std::task::Poll::Ready(future.as_mut().poll(cx).is_ready())).await;
-            if ready {
-                return true;
-            }
-            std::thread::sleep(gap);
-        }
-        false
-    }
-
     /// A step dropped in the middle of its statement (a call under a `timeout`) must not hand its
     /// connection to the next step: sqlx 0.9's MySQL connection can wait for ever on the next
     /// statement after one was dropped, as a transaction's `ROLLBACK` does
@@ -1284,7 +1270,7 @@ mod mysql {
             let completion =
                 idempotent_runtime::Completion::new(&key, &token, None, br#"{"Ok":2}"#, Duration::from_secs(600));
             let gap = Duration::from_micros(30 * u64::from(i / 3 % 4));
-            if !poll_then_drop(store.complete(&completion), 2 + 2 * (i % 3), gap).await {
+            if !idempotent_tests::poll_then_drop(store.complete(&completion), 2 + 2 * (i % 3), gap).await {
                 dropped += 1;
             }
             let next = Key::new("s", &format!("next{i}")).unwrap();

@@ -6,25 +6,9 @@
 //! Ignored by default (it waits out many one-second limits):
 //! `cargo test -p idempotent-tests --test sqlx_upstream -- --ignored --nocapture`.
 
-use std::future::Future;
-use std::pin::pin;
-use std::task::Poll;
 use std::time::Duration;
 
 use idempotent_runtime::stores::sql::sqlx::{self, AssertSqlSafe};
-
-/// Polls `future` up to `polls` times, `gap` apart (the thread sleeps, so the server's reply
-/// arrives in pieces between polls); `true` if it finished.
-async fn poll_then_drop<F: Future>(future: F, polls: u32, gap: Duration) -> bool {
-    let mut future = pin!(future);
-    for _ in 0..polls {
-        if std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx).is_ready())).await {
-            return true;
-        }
-        std::thread::sleep(gap);
-    }
-    false
-}
 
 /// sqlx 0.9, MySQL/MariaDB: a statement of a transaction dropped after a few polls (here the
 /// store's completion `UPDATE`, with sqlx alone on the path) can leave the connection waiting for
@@ -60,7 +44,7 @@ async fn mysql_sqlx_rollback_after_a_dropped_statement_can_hang() {
         let complete =
             sqlx::query(AssertSqlSafe(complete)).bind(r#"{"Ok":2}"#).bind(600_000_000i64).bind(&key).bind("tok");
         let gap = Duration::from_micros(30 * u64::from(i / 3 % 5));
-        if !poll_then_drop(complete.execute(&mut *tx), 2 + 2 * (i % 3), gap).await {
+        if !idempotent_tests::poll_then_drop(complete.execute(&mut *tx), 2 + 2 * (i % 3), gap).await {
             dropped += 1;
         }
         if tokio::time::timeout(Duration::from_secs(1), tx.rollback()).await.is_err() {

@@ -285,9 +285,11 @@ async fn amqp_settles_each_outcome_as_documented() {
     assert_eq!(a, vec![(Disposition::Ack, false), (Disposition::DeadLetter, false)], "{seen:?}");
     assert_eq!(of(None), vec![(Disposition::DeadLetter, false)]);
     let busy = of(Some("busy"));
-    assert!(busy.len() >= 3, "at least two retries, then the ack: {busy:?}");
-    assert!(busy[..busy.len() - 1].iter().all(|(d, _)| *d == Disposition::Retry), "{busy:?}");
-    assert_eq!(busy.last(), Some(&(Disposition::Ack, true)), "the requeued message is acked once the claim completed");
+    // Counted, not ordered: a retry's `nack` can return after its redelivery was replayed and
+    // acked, so the observer may see Retry, Retry, Ack, Retry (a CI run did).
+    let retries = busy.iter().filter(|(d, _)| *d == Disposition::Retry).count();
+    assert!(retries >= 2 && retries + 1 == busy.len(), "two retries or more, and one ack: {busy:?}");
+    assert!(busy.contains(&(Disposition::Ack, true)), "acked once the claim completed: {busy:?}");
     // No hot loop: consecutive attempts of the busy message are at least the retry delay apart.
     let times: Vec<Instant> =
         attempts.lock().unwrap().iter().filter(|(id, _)| id == "busy").map(|(_, at)| *at).collect();

@@ -501,8 +501,14 @@ async fn judge<D: Backend>(
     let mut tries = 0;
     let (tx, ran, probed) = loop {
         tries += 1;
-        let tx = store.begin().await;
-        let Ok(tx) = tx else { continue };
+        let tx = match store.begin().await {
+            Ok(tx) => tx,
+            Err(e) if tries == PROBE_TRIES => {
+                verdict.violations.push(format!("the probe of {key} could not begin a transaction: {e}"));
+                return;
+            }
+            Err(_) => continue,
+        };
         let ran = Cell::new(false);
         let call = Call::new(SCOPE, key).run(&tx, async {
             ran.set(true);

@@ -154,6 +154,11 @@ impl<B, E> Consumer<B, E> {
     }
 
     /// Calls `observer` after each delivery is settled (for metrics, or a test's ledger).
+    ///
+    /// Deliveries are settled concurrently, and each call comes when its settlement returns, so
+    /// the calls' order need not be the broker's. On RabbitMQ, a retried message's redelivery can
+    /// be acknowledged, and reported, before the retry's own requeue has returned and been
+    /// reported. Count a message's settlements rather than relying on their order.
     pub fn on_settled(mut self, observer: impl Fn(&Settled) + Send + Sync + 'static) -> Self {
         self.observer = Some(Arc::new(observer));
         self

@@ -277,7 +277,12 @@ pub async fn run<S: Store + ?Sized>(
     }
 }
 
-/// Silences the planted panics' messages (they are expected), leaving every other panic's.
+/// Panics that were not planted, counted once [`quiet_planted_panics`] has run: a test whose
+/// process has no other source of panics checks that its library raised none.
+pub static FOREIGN_PANICS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Silences the planted panics' messages (they are expected), leaving every other panic's, and
+/// counts those in [`FOREIGN_PANICS`].
 pub fn quiet_planted_panics() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -285,7 +290,12 @@ pub fn quiet_planted_panics() {
         std::panic::set_hook(Box::new(move |info| {
             let planted = info.payload().downcast_ref::<String>().is_some_and(|s| s == BODY_PANIC)
                 || info.payload().downcast_ref::<&str>().is_some_and(|s| *s == BODY_PANIC);
+            // A failing assertion of a test file is the test's, not the library's.
+            let test_file = info.location().is_some_and(|l| l.file().starts_with("tests/tests/"));
             if !planted {
+                if !test_file {
+                    FOREIGN_PANICS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
                 default(info);
             }
         }));

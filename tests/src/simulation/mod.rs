@@ -6,7 +6,8 @@
 //! store wrapper does to each step), [`bugs`] (rules broken on purpose), [`history`] (the log),
 //! [`scheduler`] (one history), [`oracle`] (the verdict). This file runs many histories.
 //! [`transactions`] is apart: histories on the transactional SQL stores, with a judgement of
-//! their own (the body's effect and its record commit together, once).
+//! their own (the body's effect and its record commit together, once). [`http`] is apart too:
+//! histories at the HTTP edge, judged by what an API's clients see.
 //!
 //! `IDEMPOTENT_SIM_SEED=<n>` replays one history and prints it step by step;
 //! `IDEMPOTENT_SIM_HISTORIES=<n>` explores `n` histories; `IDEMPOTENT_SIM_BUG=<name>` plants a bug
@@ -16,6 +17,8 @@ pub mod bugs;
 pub mod callers;
 pub mod faults;
 pub mod history;
+#[cfg(feature = "http")]
+pub mod http;
 pub mod oracle;
 pub mod rng;
 pub mod scheduler;

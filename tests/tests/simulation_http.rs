@@ -1,0 +1,135 @@
+//! Histories at the HTTP edge (`tests/src/simulation/http.rs`): clients that retry with one key,
+//! a network that loses responses, refuses, stalls and kills connections, and handlers behind
+//! `IdempotencyLayer` that charge, fail after charging, decline, say they did nothing, or panic.
+//! Each test runs 32 histories at once, each with a server, a proxy and keys of its own, over one
+//! store. `IDEMPOTENT_SIM_FROM=<seed>` sets the first seed, to explore past the default ones;
+//! `IDEMPOTENT_SIM_DUMP=1` prints every history, passing or not.
+//!
+//! A test binary of its own: the only panics in it are the handlers' planted ones, so a panic of
+//! the library's is counted and fails the test.
+#![cfg(feature = "http")]
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use idempotent_runtime::Store;
+use idempotent_tests::simulation::bugs::Planted;
+use idempotent_tests::simulation::{self, Bug, callers, http};
+
+/// Histories per test, all at once.
+const HISTORIES: u64 = 32;
+
+/// Runs the histories of the default seeds (or from `IDEMPOTENT_SIM_FROM`) on `store`, all at
+/// once, with `bug` planted in each layer.
+async fn run_all<S: Store + Clone + 'static>(store: S, bug: Option<http::LayerBug>) -> Vec<http::Verdict> {
+    let prefix = idempotent_tests::fresh::suffix();
+    let from = simulation::env_from().unwrap_or(simulation::DEFAULT_SEED);
+    let histories: Vec<_> = (0..HISTORIES)
+        .map(|i| {
+            let (store, prefix) = (store.clone(), format!("{prefix}s{i}"));
+            tokio::spawn(async move { http::run_history(from + i, store, &prefix, bug).await })
+        })
+        .collect();
+    let mut verdicts = Vec::new();
+    for history in histories {
+        verdicts.push(history.await.expect("a history task"));
+    }
+    verdicts
+}
+
+async fn explore<S: Store + Clone + 'static>(name: &str, store: S) {
+    callers::quiet_planted_panics();
+    let foreign_before = callers::FOREIGN_PANICS.load(Ordering::Relaxed);
+    let started = std::time::Instant::now();
+    let verdicts = run_all(store, None).await;
+    let sum = |count: fn(&http::Verdict) -> u64| verdicts.iter().map(count).sum::<u64>();
+    let failing: Vec<_> = verdicts.iter().filter(|v| !v.violations.is_empty()).collect();
+    println!(
+        "simulation_{name}: histories {HISTORIES}, requests {}, handler runs {}, responses {} ({} replays), \
+         responses lost {}, callers left without a response {}, violations {} ({:.1?})",
+        sum(|v| v.calls),
+        sum(|v| v.runs),
+        sum(|v| v.responses),
+        sum(|v| v.replays),
+        sum(|v| v.lost_responses),
+        sum(|v| v.gave_up),
+        failing.iter().map(|v| v.violations.len()).sum::<usize>(),
+        started.elapsed()
+    );
+    if std::env::var_os("IDEMPOTENT_SIM_DUMP").is_some() {
+        for verdict in &verdicts {
+            println!("{}", verdict.log);
+        }
+    }
+    for verdict in &failing {
+        println!("{}VIOLATIONS: {:#?}", verdict.log, verdict.violations);
+    }
+    assert!(sum(|v| v.runs) > 0 && sum(|v| v.replays) > 0, "simulation_{name}: handlers ran and answers were replayed");
+    assert!(failing.is_empty(), "simulation_{name}: {} histories break the promise (printed above)", failing.len());
+    let foreign = callers::FOREIGN_PANICS.load(Ordering::Relaxed) - foreign_before;
+    assert_eq!(foreign, 0, "simulation_{name}: {foreign} panics that no handler planted (printed above)");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simulation_http_memory() {
+    explore("http_memory", idempotent_runtime::MemoryStore::new()).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simulation_http_redis() {
+    let Some((store, cleanup)) = idempotent_tests::fresh::redis("simulation_http_redis").await else { return };
+    explore("http_redis", store).await;
+    cleanup.run().await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simulation_http_postgres() {
+    let Some((store, cleanup)) = idempotent_tests::fresh::postgres("simulation_http_postgres").await else {
+        return;
+    };
+    explore("http_postgres", store).await;
+    cleanup.run().await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simulation_http_mysql() {
+    let Some((store, cleanup)) = idempotent_tests::fresh::mysql("simulation_http_mysql").await else { return };
+    explore("http_mysql", store).await;
+    cleanup.run().await;
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simulation_http_sqlite() {
+    let (store, cleanup) = idempotent_tests::fresh::sqlite("simulation_http").await;
+    explore("http_sqlite", store).await;
+    cleanup.run().await;
+}
+
+/// The judgement catches each planted bug within the default histories: two of the layer's
+/// configuration, two of the store's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simulation_http_memory_planted_bugs() {
+    callers::quiet_planted_panics();
+    let report = |what: String, verdicts: &[http::Verdict]| {
+        let found = verdicts.iter().filter(|v| !v.violations.is_empty()).count();
+        let first = verdicts.iter().find_map(|v| v.violations.first());
+        println!(
+            "simulation_http_memory_planted_bugs: {what}: {found} of {HISTORIES} histories caught it; first: {first:?}"
+        );
+        assert!(found > 0, "the planted bug {what} went unnoticed in {HISTORIES} histories");
+    };
+    for bug in http::LayerBug::ALL {
+        report(format!("{bug:?}"), &run_all(idempotent_runtime::MemoryStore::new(), Some(bug)).await);
+    }
+    // Not `HeartbeatStopsAfterFirst`: a duplicate must arrive in the short time between the
+    // claim's end and the slow handler's, which 1 history of 32 did. The store simulation
+    // catches it on a paused clock.
+    for bug in [Bug::ClaimLetsSecondIn, Bug::RecordDropped] {
+        let store = Arc::new(Planted::new(idempotent_runtime::MemoryStore::new(), Some(bug)));
+        report(format!("{bug:?}"), &run_all(store, None).await);
+    }
+}

@@ -21,13 +21,17 @@ const HISTORIES: u64 = 32;
 
 /// Runs the histories of the default seeds (or from `IDEMPOTENT_SIM_FROM`) on `store`, all at
 /// once, with `bug` planted in each layer.
-async fn run_all<S: Store + Clone + 'static>(store: S, bug: Option<http::LayerBug>) -> Vec<http::Verdict> {
+async fn run_all<S: Store + Clone + 'static>(
+    store: S,
+    bug: Option<http::LayerBug>,
+    store_faults: bool,
+) -> Vec<http::Verdict> {
     let prefix = idempotent_tests::fresh::suffix();
     let from = simulation::env_from().unwrap_or(simulation::DEFAULT_SEED);
     let histories: Vec<_> = (0..HISTORIES)
         .map(|i| {
             let (store, prefix) = (store.clone(), format!("{prefix}s{i}"));
-            tokio::spawn(async move { http::run_history(from + i, store, &prefix, bug).await })
+            tokio::spawn(async move { http::run_history(from + i, store, &prefix, bug, store_faults).await })
         })
         .collect();
     let mut verdicts = Vec::new();
@@ -37,22 +41,25 @@ async fn run_all<S: Store + Clone + 'static>(store: S, bug: Option<http::LayerBu
     verdicts
 }
 
-async fn explore<S: Store + Clone + 'static>(name: &str, store: S) {
+async fn explore<S: Store + Clone + 'static>(name: &str, store: S, store_faults: bool) {
     callers::quiet_planted_panics();
     let foreign_before = callers::FOREIGN_PANICS.load(Ordering::Relaxed);
     let started = std::time::Instant::now();
-    let verdicts = run_all(store, None).await;
+    let verdicts = run_all(store, None, store_faults).await;
     let sum = |count: fn(&http::Verdict) -> u64| verdicts.iter().map(count).sum::<u64>();
     let failing: Vec<_> = verdicts.iter().filter(|v| !v.violations.is_empty()).collect();
     println!(
         "simulation_{name}: histories {HISTORIES}, requests {}, handler runs {}, responses {} ({} replays), \
-         responses lost {}, callers left without a response {}, violations {} ({:.1?})",
+         responses lost {}, callers left without a response {}, store faults {}, re-runs under them {}, \
+         violations {} ({:.1?})",
         sum(|v| v.calls),
         sum(|v| v.runs),
         sum(|v| v.responses),
         sum(|v| v.replays),
         sum(|v| v.lost_responses),
         sum(|v| v.gave_up),
+        sum(|v| v.store_faults),
+        sum(|v| v.reruns_under_store_faults),
         failing.iter().map(|v| v.violations.len()).sum::<usize>(),
         started.elapsed()
     );
@@ -72,14 +79,14 @@ async fn explore<S: Store + Clone + 'static>(name: &str, store: S) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn simulation_http_memory() {
-    explore("http_memory", idempotent_runtime::MemoryStore::new()).await;
+    explore("http_memory", idempotent_runtime::MemoryStore::new(), false).await;
 }
 
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn simulation_http_redis() {
     let Some((store, cleanup)) = idempotent_tests::fresh::redis("simulation_http_redis").await else { return };
-    explore("http_redis", store).await;
+    explore("http_redis", store, false).await;
     cleanup.run().await;
 }
 
@@ -89,7 +96,7 @@ async fn simulation_http_postgres() {
     let Some((store, cleanup)) = idempotent_tests::fresh::postgres("simulation_http_postgres").await else {
         return;
     };
-    explore("http_postgres", store).await;
+    explore("http_postgres", store, false).await;
     cleanup.run().await;
 }
 
@@ -97,7 +104,7 @@ async fn simulation_http_postgres() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn simulation_http_mysql() {
     let Some((store, cleanup)) = idempotent_tests::fresh::mysql("simulation_http_mysql").await else { return };
-    explore("http_mysql", store).await;
+    explore("http_mysql", store, false).await;
     cleanup.run().await;
 }
 
@@ -105,7 +112,37 @@ async fn simulation_http_mysql() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn simulation_http_sqlite() {
     let (store, cleanup) = idempotent_tests::fresh::sqlite("simulation_http").await;
-    explore("http_sqlite", store).await;
+    explore("http_sqlite", store, false).await;
+    cleanup.run().await;
+}
+
+/// The same histories with faults in the store too (in those with a lease of 1 s or 2 s): steps
+/// that fail, lose their reply, or are delayed past the lease. A run may then follow a recorded
+/// answer, as README's limits say; what is still judged is that no caller is told anything but
+/// the truth: every replay of a key is one answer, every answer a run's, never another user's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simulation_http_memory_store_faults() {
+    explore("http_memory_store_faults", idempotent_runtime::MemoryStore::new(), true).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simulation_http_redis_store_faults() {
+    let Some((store, cleanup)) = idempotent_tests::fresh::redis("simulation_http_redis_store_faults").await else {
+        return;
+    };
+    explore("http_redis_store_faults", store, true).await;
+    cleanup.run().await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simulation_http_postgres_store_faults() {
+    let Some((store, cleanup)) = idempotent_tests::fresh::postgres("simulation_http_postgres_store_faults").await
+    else {
+        return;
+    };
+    explore("http_postgres_store_faults", store, true).await;
     cleanup.run().await;
 }
 
@@ -123,13 +160,13 @@ async fn simulation_http_memory_planted_bugs() {
         assert!(found > 0, "the planted bug {what} went unnoticed in {HISTORIES} histories");
     };
     for bug in http::LayerBug::ALL {
-        report(format!("{bug:?}"), &run_all(idempotent_runtime::MemoryStore::new(), Some(bug)).await);
+        report(format!("{bug:?}"), &run_all(idempotent_runtime::MemoryStore::new(), Some(bug), false).await);
     }
     // Not `HeartbeatStopsAfterFirst`: a duplicate must arrive in the short time between the
     // claim's end and the slow handler's, which 1 history of 32 did. The store simulation
     // catches it on a paused clock.
     for bug in [Bug::ClaimLetsSecondIn, Bug::RecordDropped] {
         let store = Arc::new(Planted::new(idempotent_runtime::MemoryStore::new(), Some(bug)));
-        report(format!("{bug:?}"), &run_all(store, None).await);
+        report(format!("{bug:?}"), &run_all(store, None, false).await);
     }
 }

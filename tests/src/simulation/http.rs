@@ -53,7 +53,10 @@ use idempotent_runtime::stores::AnyStore;
 use idempotent_runtime::{Store, idempotent};
 use tokio::time::Instant;
 
+use super::bugs::Planted;
 use super::callers::BODY_PANIC;
+use super::faults::{FaultRates, FaultStore};
+use super::history::{Event, Fault, History};
 use super::rng::SplitMix64;
 use crate::proxy::{FaultProxy, Mode};
 
@@ -479,9 +482,25 @@ fn seen(caller: usize, status: StatusCode, headers: &HeaderMap, body: &Bytes) ->
     }
 }
 
+/// How often each store step fails, loses its reply or is delayed past the lease, in histories
+/// with store faults.
+const STORE_FAULTS: FaultRates = FaultRates { fail: 6, lose_reply: 6, delay: 3, extend_fail: 6 };
+
+/// Serves `app` on a loopback port of its own.
+async fn serve(app: Router) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind a history's server");
+    let addr = listener.local_addr().expect("the server's address");
+    (addr, tokio::spawn(async move { axum::serve(listener, app).await.expect("a history's server") }))
+}
+
 /// A history's verdict.
 #[derive(Debug, Default)]
 pub struct Verdict {
+    /// Store steps that failed, lost their reply or were delayed (histories with store faults).
+    pub store_faults: u64,
+    /// Runs after a recorded answer, or overlapping another, in histories where store faults
+    /// struck: re-runs by the limits README names.
+    pub reruns_under_store_faults: u64,
     /// Requests the callers made (not counting retries).
     pub calls: u64,
     /// Handler runs.
@@ -554,6 +573,7 @@ pub async fn run_history<S: Store + Clone + 'static>(
     store: S,
     prefix: &str,
     bug: Option<LayerBug>,
+    store_faults: bool,
 ) -> Verdict {
     let plan = draw(seed);
     let server = Arc::new(Server {
@@ -562,10 +582,18 @@ pub async fn run_history<S: Store + Clone + 'static>(
         sent: Mutex::default(),
         in_flight: AtomicUsize::new(0),
     });
-    let app = router(&server, store, bug);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the history's server");
-    let addr = listener.local_addr().expect("the server's address");
-    let serving = tokio::spawn(async move { axum::serve(listener, app).await.expect("the history's server") });
+    // Store faults only under a short lease: a delayed step outlasts the lease, up to 1.5 times.
+    let store_steps = (store_faults && plan.lease <= Duration::from_secs(2)).then(History::new);
+    let (addr, serving) = match &store_steps {
+        Some(history) => {
+            let rng = SplitMix64::new(seed ^ 0x5707_E000_FA17);
+            let planted = Planted::new(store.clone(), None);
+            serve(router(&server, FaultStore::new(planted, history.clone(), STORE_FAULTS, rng, plan.lease), bug)).await
+        }
+        None => serve(router(&server, store.clone(), bug)).await,
+    };
+    // The probe's server: the same route over the store itself.
+    let (probe_addr, probe_serving) = serve(router(&server, store, bug)).await;
     let proxy = Arc::new(FaultProxy::start(&addr.to_string()).await.expect("start the history's proxy"));
 
     let key_of = |k: usize| format!("{prefix}k{k}");
@@ -602,9 +630,12 @@ pub async fn run_history<S: Store + Clone + 'static>(
             server.in_flight.load(Ordering::Relaxed)
         ));
     }
+    let steps = store_steps.map(|history| history.entries()).unwrap_or_default();
+    let injected = steps.iter().filter(|e| matches!(&e.event, Event::Step(step) if step.fault != Fault::None)).count();
+    verdict.store_faults = injected as u64;
     if verdict.violations.is_empty() {
-        probe(&server, &plan, addr, &key_of, &mut verdict).await;
-        judge(&server, &plan, &finals, &key_of, &mut verdict);
+        probe(&server, &plan, probe_addr, &key_of, injected > 0, &mut verdict).await;
+        judge(&server, &plan, &finals, &key_of, injected > 0, &mut verdict);
     }
     verdict.calls = plan.callers.len() as u64;
     verdict.runs = server.runs().len() as u64;
@@ -614,6 +645,7 @@ pub async fn run_history<S: Store + Clone + 'static>(
     verdict.lost_responses = proxy.stats().lost_responses.load(Ordering::Relaxed);
     verdict.gave_up = finals.iter().filter(|f| f.is_err()).count() as u64;
     serving.abort();
+    probe_serving.abort();
     let _ = writeln!(verdict.log, "history of seed {seed} (HTTP): {plan:?}");
     for run in server.runs().iter() {
         let _ = writeln!(verdict.log, "  run {run:?}");
@@ -623,6 +655,9 @@ pub async fn run_history<S: Store + Clone + 'static>(
     }
     for f in &finals {
         let _ = writeln!(verdict.log, "  got {f:?}");
+    }
+    for step in &steps {
+        let _ = writeln!(verdict.log, "  store {step}");
     }
     verdict
 }
@@ -690,25 +725,33 @@ async fn call(i: usize, plan: &CallerPlan, url: &str, key: &str) -> Final {
     }
 }
 
-/// What the callers saw and the ledger says, per user and key.
+/// What the callers saw and the ledger says, per user and key. With store faults (`faulted`), a
+/// run may follow another's recorded answer, by the limits README names (a record that could not
+/// be written, a claim whose lease ran out while the store was unreachable): those are counted,
+/// not judged.
 fn judge(
     server: &Server,
     plan: &Plan,
     finals: &[Final],
     key_of: &(dyn Fn(usize) -> String + Sync),
+    faulted: bool,
     verdict: &mut Verdict,
 ) {
     let runs = server.runs().clone();
     let sent = server.sent().clone();
     for &slot in plan.behaviours.keys() {
         let mine: Vec<&Run> = runs.iter().filter(|r| r.slot == slot).collect();
-        for pair in mine.windows(2) {
-            if pair[1].started < pair[0].ended.unwrap_or(pair[0].started) {
-                verdict.violations.push(format!("{slot:?}: runs {} and {} overlap", pair[0].n, pair[1].n));
-            }
+        let overlaps = mine.windows(2).filter(|p| p[1].started < p[0].ended.unwrap_or(p[0].started)).count();
+        let recorded = mine.iter().filter(|r| r.ending.recorded()).count();
+        let after_recorded = mine.iter().position(|r| r.ending.recorded()).map_or(0, |i| mine.len() - i - 1);
+        if faulted {
+            verdict.reruns_under_store_faults += (overlaps + after_recorded) as u64;
+            continue;
         }
-        let recorded: Vec<&&Run> = mine.iter().filter(|r| r.ending.recorded()).collect();
-        if recorded.len() > 1 || recorded.first().is_some_and(|r| r.n + 1 != mine.len()) {
+        if overlaps > 0 {
+            verdict.violations.push(format!("{slot:?}: {overlaps} runs overlap the one before"));
+        }
+        if recorded > 1 || after_recorded > 0 {
             verdict.violations.push(format!(
                 "{slot:?}: a run followed a recorded answer (runs {:?})",
                 mine.iter().map(|r| r.ending).collect::<Vec<_>>()
@@ -717,6 +760,22 @@ fn judge(
         let charges = mine.iter().filter(|r| r.charged).count();
         if charges > 1 {
             verdict.violations.push(format!("{slot:?}: charged {charges} times"));
+        }
+    }
+    // One record per key: every replay of a key, the probe's too, is the same answer.
+    let mut replays: BTreeMap<(usize, usize), &Seen> = BTreeMap::new();
+    for s in sent.iter().filter(|s| s.replayed) {
+        let Some((user, key, _)) = tag_of(&s.body) else { continue };
+        let first = *replays.entry((user, key)).or_insert(s);
+        if (first.status, &first.body) != (s.status, &s.body) {
+            verdict.violations.push(format!(
+                "{:?}: two different answers replayed: {} {} and {} {}",
+                (user, key),
+                first.status,
+                String::from_utf8_lossy(&first.body),
+                s.status,
+                String::from_utf8_lossy(&s.body)
+            ));
         }
     }
     let responses =
@@ -744,21 +803,17 @@ fn check_response(
     if s.key_echo != Some(key_of(caller.key)) {
         verdict.violations.push(format!("{what}: the key echoed back is {:?}", s.key_echo));
     }
-    let tag = serde_json::from_slice::<serde_json::Value>(&s.body)
-        .ok()
-        .filter(|v| v.get("run").is_some())
-        .map(|v| (v["user"].as_u64(), v["key"].as_u64(), v["run"].as_u64()));
-    let Some((user, key, n)) = tag else {
+    let Some((user, key, n)) = tag_of(&s.body) else {
         if (200..300).contains(&s.status) {
             verdict.violations.push(format!("{what}: a 2xx that no run answered"));
         }
-        if s.status == 422 && runs.iter().filter(|r| r.slot == slot).all(|r| same_request(plan, &r.body, &body)) {
-            verdict.violations.push(format!("{what}: 422, but every run of the key had this request's body"));
+        let others = plan.callers.iter().filter(|c| (c.user, c.key) == slot);
+        if s.status == 422 && others.into_iter().all(|c| same_request(plan, &request_body(c.key, c.body), &body)) {
+            verdict.violations.push(format!("{what}: 422, but every caller of the key sent this request's body"));
         }
         return;
     };
-    let run =
-        runs.iter().find(|r| Some(r.slot.0 as u64) == user && Some(r.slot.1 as u64) == key && Some(r.n as u64) == n);
+    let run = runs.iter().find(|r| r.slot == (user, key) && r.n == n);
     let Some(run) = run else {
         verdict.violations.push(format!("{what}: no such run"));
         return;
@@ -785,59 +840,106 @@ fn check_response(
 /// The `x-caller` of the probe's requests.
 const PROBE: usize = usize::MAX;
 
-/// After the history: each key replays its recorded answer, or runs once now; then each key is
-/// charged exactly once (none if its request was declined).
+/// The run a response's body names: (user, key, run).
+fn tag_of(body: &[u8]) -> Option<(usize, usize, usize)> {
+    let value = serde_json::from_slice::<serde_json::Value>(body).ok()?;
+    let number = |field: &str| value.get(field)?.as_u64().and_then(|n| usize::try_from(n).ok());
+    Some((number("user")?, number("key")?, number("run")?))
+}
+
+/// After the history, on a server of its own without store faults: each key replays its
+/// recorded answer, or runs once now. Without store faults, each key is then charged exactly
+/// once (none if its request was declined); with them, the probe replays what was replayed
+/// before, if anything was.
 async fn probe(
     server: &Server,
     plan: &Plan,
     addr: SocketAddr,
     key_of: &(dyn Fn(usize) -> String + Sync),
+    faulted: bool,
     verdict: &mut Verdict,
 ) {
     let client = reqwest::Client::new();
-    let recorded = |slot| server.runs().iter().find(|r: &&Run| r.slot == slot && r.ending.recorded()).cloned();
     for &slot in plan.behaviours.keys() {
-        let blocked_until = Instant::now() + plan.lease + Duration::from_secs(3);
-        let mut asked = 0;
-        let answer = loop {
-            // The recorded request's body, so the probe is the same request.
-            let body = recorded(slot).map_or_else(|| request_body(slot.1, BodyForm::Canonical), |r| r.body);
-            let sent = client
-                .post(format!("http://{addr}/charge"))
-                .header(IDEMPOTENCY_KEY, key_of(slot.1))
-                .header("x-user", slot.0.to_string())
-                .header("x-key", slot.1.to_string())
-                .header("x-caller", PROBE.to_string())
-                .header("x-probe", "1")
-                .header(http::header::CONTENT_TYPE, "application/json")
-                .body(body)
-                .send()
-                .await;
-            let response = match sent {
-                Ok(response) => response,
-                Err(e) => {
-                    verdict.violations.push(format!("{slot:?}: the probe failed: {e}"));
-                    return;
-                }
-            };
-            asked += 1;
-            let (status, headers) = (response.status(), response.headers().clone());
-            let bytes = response.bytes().await.unwrap_or_default();
-            if status == StatusCode::CONFLICT && Instant::now() < blocked_until {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
+        let runs: Vec<Run> = server.runs().iter().filter(|r| r.slot == slot).cloned().collect();
+        // The run whose answer was replayed, if one was.
+        let replayed = server
+            .sent()
+            .iter()
+            .filter(|s| s.replayed)
+            .find_map(|s| tag_of(&s.body).filter(|t| (t.0, t.1) == slot))
+            .and_then(|t| runs.iter().find(|r| r.n == t.2).cloned());
+        // The bodies to try, the recorded request's first, so the probe is the same request; then
+        // the other bodies the key was sent with (a claim left by a failed release or a lost reply
+        // holds its request's fingerprint until its lease ends), then the canonical one.
+        let mut bodies: Vec<Bytes> = Vec::new();
+        let sent_with = plan.callers.iter().filter(|c| (c.user, c.key) == slot).map(|c| request_body(c.key, c.body));
+        for body in replayed
+            .iter()
+            .chain(runs.iter().filter(|r| r.ending.recorded()))
+            .map(|r| r.body.clone())
+            .chain(sent_with)
+            .chain([request_body(slot.1, BodyForm::Canonical)])
+        {
+            if !bodies.contains(&body) {
+                bodies.push(body);
             }
-            break (seen(PROBE, status, &headers, &bytes), asked);
+        }
+        // A completion that failed keeps its claim for its lease.
+        let blocked_until = Instant::now() + plan.lease * if faulted { 3 } else { 1 } + Duration::from_secs(3);
+        let mut asked = 0;
+        let answer = 'probing: loop {
+            let (mut last, mut busy) = (None, false);
+            for body in &bodies {
+                let sent = client
+                    .post(format!("http://{addr}/charge"))
+                    .header(IDEMPOTENCY_KEY, key_of(slot.1))
+                    .header("x-user", slot.0.to_string())
+                    .header("x-key", slot.1.to_string())
+                    .header("x-caller", PROBE.to_string())
+                    .header("x-probe", "1")
+                    .header(http::header::CONTENT_TYPE, "application/json")
+                    .body(body.clone())
+                    .send()
+                    .await;
+                let response = match sent {
+                    Ok(response) => response,
+                    Err(e) => {
+                        verdict.violations.push(format!("{slot:?}: the probe failed: {e}"));
+                        return;
+                    }
+                };
+                asked += 1;
+                let (status, headers) = (response.status(), response.headers().clone());
+                let bytes = response.bytes().await.unwrap_or_default();
+                let got = seen(PROBE, status, &headers, &bytes);
+                if status != StatusCode::CONFLICT && status != StatusCode::UNPROCESSABLE_ENTITY {
+                    break 'probing got;
+                }
+                busy |= status == StatusCode::CONFLICT;
+                last = Some(got);
+            }
+            // Every body met a claim, or a record of another request. A claim ends with its lease;
+            // without store faults, a `422` for every body the key was sent with is final.
+            if Instant::now() >= blocked_until || !(busy || faulted) {
+                break last.expect("at least the canonical body was tried");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         };
-        let (answer, asked) = answer;
         let runs: Vec<Run> = server.runs().iter().filter(|r| r.slot == slot).cloned().collect();
         let probe_run = runs.iter().find(|r| r.caller == PROBE);
-        let fine = match (probe_run, recorded(slot)) {
-            (Some(run), Some(first)) => {
-                run.n == first.n && !answer.replayed && run.answer == Some((answer.status, answer.body.clone()))
+        let first_recorded = runs.iter().find(|r| r.ending.recorded());
+        let answered = |run: &Run| run.answer == Some((answer.status, answer.body.clone()));
+        let fine = match (faulted, &replayed, probe_run) {
+            // Without store faults the first recorded answer is the record.
+            (false, _, Some(run)) => {
+                first_recorded.is_some_and(|first| first.n == run.n) && !answer.replayed && answered(run)
             }
-            (None, Some(first)) => answer.replayed && first.answer == Some((answer.status, answer.body.clone())),
-            (_, None) => false,
+            (false, _, None) => answer.replayed && first_recorded.is_some_and(answered),
+            (true, Some(before), None) => answer.replayed && answered(before),
+            (true, Some(_), Some(_)) => false,
+            (true, None, Some(run)) => !answer.replayed && answered(run),
+            (true, None, None) => answer.replayed && runs.iter().any(|r| r.ending.recorded() && answered(r)),
         };
         if !fine {
             verdict.violations.push(format!(
@@ -848,7 +950,7 @@ async fn probe(
         // A declined request is final, and charges nothing.
         let declined = runs.iter().any(|r| r.ending == Ending::Declined);
         let charges = runs.iter().filter(|r| r.charged).count();
-        if charges != usize::from(!declined) {
+        if !faulted && charges != usize::from(!declined) {
             verdict
                 .violations
                 .push(format!("{slot:?}: charged {charges} times after the probe (declined: {declined})"));

@@ -1,0 +1,248 @@
+//! The judgement: what the ledger and the responses show, and the probe after the history.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::StatusCode;
+use idempotent_runtime::http::IDEMPOTENCY_KEY;
+use tokio::time::Instant;
+
+use super::Verdict;
+use super::clients::Final;
+use super::plan::{BodyForm, Ending, Plan, request_body, same_request};
+use super::server::{Run, Seen, Server, seen};
+
+/// What the callers saw and the ledger says, per user and key. With store faults (`faulted`), a
+/// run may follow another's recorded answer, by the limits README names (a record that could not
+/// be written, a claim whose lease ran out while the store was unreachable): those are counted,
+/// not judged.
+pub(super) fn judge(
+    server: &Server,
+    plan: &Plan,
+    finals: &[Final],
+    key_of: &(dyn Fn(usize) -> String + Sync),
+    faulted: bool,
+    verdict: &mut Verdict,
+) {
+    let runs = server.runs().clone();
+    let sent = server.sent().clone();
+    for &slot in plan.behaviours.keys() {
+        let mine: Vec<&Run> = runs.iter().filter(|r| r.slot == slot).collect();
+        let overlaps = mine.windows(2).filter(|p| p[1].started < p[0].ended.unwrap_or(p[0].started)).count();
+        let recorded = mine.iter().filter(|r| r.ending.recorded()).count();
+        let after_recorded = mine.iter().position(|r| r.ending.recorded()).map_or(0, |i| mine.len() - i - 1);
+        if faulted {
+            verdict.reruns_under_store_faults += (overlaps + after_recorded) as u64;
+            continue;
+        }
+        if overlaps > 0 {
+            verdict.violations.push(format!("{slot:?}: {overlaps} runs overlap the one before"));
+        }
+        if recorded > 1 || after_recorded > 0 {
+            verdict.violations.push(format!(
+                "{slot:?}: a run followed a recorded answer (runs {:?})",
+                mine.iter().map(|r| r.ending).collect::<Vec<_>>()
+            ));
+        }
+        let charges = mine.iter().filter(|r| r.charged).count();
+        if charges > 1 {
+            verdict.violations.push(format!("{slot:?}: charged {charges} times"));
+        }
+    }
+    // One record per key: every replay of a key, the probe's too, is the same answer.
+    let mut replays: BTreeMap<(usize, usize), &Seen> = BTreeMap::new();
+    for s in sent.iter().filter(|s| s.replayed) {
+        let Some((user, key, _)) = tag_of(&s.body) else { continue };
+        let first = *replays.entry((user, key)).or_insert(s);
+        if (first.status, &first.body) != (s.status, &s.body) {
+            verdict.violations.push(format!(
+                "{:?}: two different answers replayed: {} {} and {} {}",
+                (user, key),
+                first.status,
+                String::from_utf8_lossy(&first.body),
+                s.status,
+                String::from_utf8_lossy(&s.body)
+            ));
+        }
+    }
+    let responses =
+        sent.iter().map(|s| ("sent", s)).chain(finals.iter().filter_map(|f| f.as_ref().ok()).map(|s| ("got", s)));
+    for (how, s) in responses {
+        check_response(plan, &runs, key_of, how, s, verdict);
+    }
+}
+
+/// One response, against the runs of its caller's user and key.
+pub(super) fn check_response(
+    plan: &Plan,
+    runs: &[Run],
+    key_of: &(dyn Fn(usize) -> String + Sync),
+    how: &str,
+    s: &Seen,
+    verdict: &mut Verdict,
+) {
+    let Some(caller) = plan.callers.get(s.caller) else {
+        return; // the probe's
+    };
+    let slot = (caller.user, caller.key);
+    let body = request_body(caller.key, caller.body);
+    let what = format!("caller {} {how} {} {}", s.caller, s.status, String::from_utf8_lossy(&s.body));
+    if s.key_echo != Some(key_of(caller.key)) {
+        verdict.violations.push(format!("{what}: the key echoed back is {:?}", s.key_echo));
+    }
+    let Some((user, key, n)) = tag_of(&s.body) else {
+        if (200..300).contains(&s.status) {
+            verdict.violations.push(format!("{what}: a 2xx that no run answered"));
+        }
+        let others = plan.callers.iter().filter(|c| (c.user, c.key) == slot);
+        if s.status == 422 && others.into_iter().all(|c| same_request(plan, &request_body(c.key, c.body), &body)) {
+            verdict.violations.push(format!("{what}: 422, but every caller of the key sent this request's body"));
+        }
+        return;
+    };
+    let run = runs.iter().find(|r| r.slot == (user, key) && r.n == n);
+    let Some(run) = run else {
+        verdict.violations.push(format!("{what}: no such run"));
+        return;
+    };
+    if run.slot != slot {
+        verdict.violations.push(format!("{what}: the answer of another user's or key's run {:?}", run.slot));
+    }
+    if run.answer.as_ref() != Some(&(s.status, s.body.clone())) {
+        verdict.violations.push(format!("{what}: not what run {} answered ({:?})", run.n, run.answer));
+    }
+    if !same_request(plan, &run.body, &body) {
+        verdict.violations.push(format!("{what}: the answer of a request with another body"));
+    }
+    if s.replayed && !run.ending.recorded() {
+        verdict.violations.push(format!("{what}: replays an answer that is not recorded ({:?})", run.ending));
+    }
+    if !s.replayed && run.caller != s.caller {
+        verdict
+            .violations
+            .push(format!("{what}: run {} was caller {}'s, and this is not marked replayed", run.n, run.caller));
+    }
+}
+
+/// The `x-caller` of the probe's requests.
+pub(super) const PROBE: usize = usize::MAX;
+
+/// The run a response's body names: (user, key, run).
+pub(super) fn tag_of(body: &[u8]) -> Option<(usize, usize, usize)> {
+    let value = serde_json::from_slice::<serde_json::Value>(body).ok()?;
+    let number = |field: &str| value.get(field)?.as_u64().and_then(|n| usize::try_from(n).ok());
+    Some((number("user")?, number("key")?, number("run")?))
+}
+
+/// After the history, on a server of its own without store faults: each key replays its
+/// recorded answer, or runs once now. Without store faults, each key is then charged exactly
+/// once (none if its request was declined); with them, the probe replays what was replayed
+/// before, if anything was.
+pub(super) async fn probe(
+    server: &Server,
+    plan: &Plan,
+    addr: SocketAddr,
+    key_of: &(dyn Fn(usize) -> String + Sync),
+    faulted: bool,
+    verdict: &mut Verdict,
+) {
+    let client = reqwest::Client::new();
+    for &slot in plan.behaviours.keys() {
+        let runs: Vec<Run> = server.runs().iter().filter(|r| r.slot == slot).cloned().collect();
+        // The run whose answer was replayed, if one was.
+        let replayed = server
+            .sent()
+            .iter()
+            .filter(|s| s.replayed)
+            .find_map(|s| tag_of(&s.body).filter(|t| (t.0, t.1) == slot))
+            .and_then(|t| runs.iter().find(|r| r.n == t.2).cloned());
+        // The bodies to try, the recorded request's first, so the probe is the same request; then
+        // the other bodies the key was sent with (a claim left by a failed release or a lost reply
+        // holds its request's fingerprint until its lease ends), then the canonical one.
+        let mut bodies: Vec<Bytes> = Vec::new();
+        let sent_with = plan.callers.iter().filter(|c| (c.user, c.key) == slot).map(|c| request_body(c.key, c.body));
+        for body in replayed
+            .iter()
+            .chain(runs.iter().filter(|r| r.ending.recorded()))
+            .map(|r| r.body.clone())
+            .chain(sent_with)
+            .chain([request_body(slot.1, BodyForm::Canonical)])
+        {
+            if !bodies.contains(&body) {
+                bodies.push(body);
+            }
+        }
+        // A completion that failed keeps its claim for its lease.
+        let blocked_until = Instant::now() + plan.lease * if faulted { 3 } else { 1 } + Duration::from_secs(3);
+        let mut asked = 0;
+        let answer = 'probing: loop {
+            let (mut last, mut busy) = (None, false);
+            for body in &bodies {
+                let sent = client
+                    .post(format!("http://{addr}/charge"))
+                    .header(IDEMPOTENCY_KEY, key_of(slot.1))
+                    .header("x-user", slot.0.to_string())
+                    .header("x-key", slot.1.to_string())
+                    .header("x-caller", PROBE.to_string())
+                    .header("x-probe", "1")
+                    .header(http::header::CONTENT_TYPE, "application/json")
+                    .body(body.clone())
+                    .send()
+                    .await;
+                let response = match sent {
+                    Ok(response) => response,
+                    Err(e) => {
+                        verdict.violations.push(format!("{slot:?}: the probe failed: {e}"));
+                        return;
+                    }
+                };
+                asked += 1;
+                let (status, headers) = (response.status(), response.headers().clone());
+                let bytes = response.bytes().await.unwrap_or_default();
+                let got = seen(PROBE, status, &headers, &bytes);
+                if status != StatusCode::CONFLICT && status != StatusCode::UNPROCESSABLE_ENTITY {
+                    break 'probing got;
+                }
+                busy |= status == StatusCode::CONFLICT;
+                last = Some(got);
+            }
+            // Every body met a claim, or a record of another request. A claim ends with its lease;
+            // without store faults, a `422` for every body the key was sent with is final.
+            if Instant::now() >= blocked_until || !(busy || faulted) {
+                break last.expect("at least the canonical body was tried");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let runs: Vec<Run> = server.runs().iter().filter(|r| r.slot == slot).cloned().collect();
+        let probe_run = runs.iter().find(|r| r.caller == PROBE);
+        let first_recorded = runs.iter().find(|r| r.ending.recorded());
+        let answered = |run: &Run| run.answer == Some((answer.status, answer.body.clone()));
+        let fine = match (faulted, &replayed, probe_run) {
+            // Without store faults the first recorded answer is the record.
+            (false, _, Some(run)) => {
+                first_recorded.is_some_and(|first| first.n == run.n) && !answer.replayed && answered(run)
+            }
+            (false, _, None) => answer.replayed && first_recorded.is_some_and(answered),
+            (true, Some(before), None) => answer.replayed && answered(before),
+            (true, Some(_), Some(_)) => false,
+            (true, None, Some(run)) => !answer.replayed && answered(run),
+            (true, None, None) => answer.replayed && runs.iter().any(|r| r.ending.recorded() && answered(r)),
+        };
+        if !fine {
+            verdict.violations.push(format!(
+                "{slot:?}: the probe got {answer:?} after {asked} request(s); the key's runs: {:?}",
+                runs.iter().map(|r| (r.caller, r.ending, r.answer.clone())).collect::<Vec<_>>()
+            ));
+        }
+        // A declined request is final, and charges nothing.
+        let declined = runs.iter().any(|r| r.ending == Ending::Declined);
+        let charges = runs.iter().filter(|r| r.charged).count();
+        if !faulted && charges != usize::from(!declined) {
+            verdict
+                .violations
+                .push(format!("{slot:?}: charged {charges} times after the probe (declined: {declined})"));
+        }
+    }
+}

@@ -1,0 +1,233 @@
+//! Histories at the HTTP edge: the promise as an API's clients see it, with every part real.
+//!
+//! A history has its own server over the store under test (`server.rs`): a route behind
+//! [`IdempotencyLayer`](idempotent_runtime::http::IdempotencyLayer) (keys bound to the caller's
+//! user), or an `#[idempotent]` handler with `IdempotencyKeyHeader` and `RunToCompletionLayer`;
+//! per history, a lease of 1 s, 2 s or 60 s, `json_fingerprint` or not, `wait` or not
+//! (`plan.rs`). Between the server and its clients sits a fault proxy that loses responses,
+//! refuses connections, stalls traffic and kills connections at drawn moments. The clients are
+//! duplicates of one request (`clients.rs`): two to five callers, of one or two users, with one or
+//! two keys, each with `IdempotentRetry` (up to six attempts, some with a per-attempt timeout) or
+//! sending once. Some send the body re-formatted, some a different body under the same key.
+//!
+//! The handler works for up to 3 s (longer than a 1 s or 2 s lease: the claim must be renewed),
+//! then charges and answers `201`, charges and fails with `500`, declines with `402` without
+//! charging, answers `503` as not processed (`NotProcessed` under the layer, an `Err` under the
+//! attribute), or panics. What it does is drawn per run of a key, so a key released by a panic
+//! runs again with another ending. With `store_faults`, histories with a short lease also have
+//! the simulation's fault injector between the route and the store.
+//!
+//! The judgement (`judge.rs`), per user and key, from the handler's ledger, every response the
+//! server sent (logged outside the route) and what each caller got in the end:
+//! - the handler's runs never overlap, at most one of them ends in a recorded response (`201`,
+//!   `500` after charging, `402`), and none follows it: the card is charged at most once (where
+//!   store faults struck, runs after a recorded answer are README's limits: counted, not judged);
+//! - every response carrying a run's body is that run's response, byte for byte: the first one,
+//!   to the caller who ran it, then replays marked `Idempotent-Replayed: true`, all of one key
+//!   the same, and only to callers of the same user whose body has the run's fingerprint; a
+//!   `422` only when the key was sent with another body; a `2xx` only with a run's body; the key
+//!   echoed back as sent;
+//! - once the server is quiet, a probe replays the recorded response, or runs the handler once if
+//!   nothing was recorded, so each key ends charged exactly once (without store faults). A `409`
+//!   for longer than the lease after the last run ended is a blocked key.
+//!
+//! The plans are drawn from a seed; the histories run in real time, so interleavings are not
+//! replayed exactly. The judgement does not depend on them.
+
+mod clients;
+mod judge;
+mod plan;
+mod server;
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use idempotent_runtime::Store;
+use tokio::time::Instant;
+
+use super::bugs::Planted;
+use super::faults::{FaultRates, FaultStore};
+use super::history::{Event, Fault, History};
+use super::rng::SplitMix64;
+use crate::proxy::{FaultProxy, Mode};
+use clients::{break_the_network, call};
+use judge::{judge, probe};
+use plan::draw;
+use server::{Server, router};
+
+/// The scope of these histories' keys.
+pub const SCOPE: &str = "simhttp";
+
+/// A rule of the layer's configuration broken on purpose, to show the judgement catches it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerBug {
+    /// `record_status` releases the key after a `5xx`: the retry of a request whose handler
+    /// charged and then failed charges again.
+    ReleaseServerErrors,
+    /// Keys shared by all callers, while two users send the same keys: one user gets the
+    /// other's answers.
+    KeysSharedByAllCallers,
+}
+
+impl LayerBug {
+    /// Every planted layer bug.
+    pub const ALL: [LayerBug; 2] = [LayerBug::ReleaseServerErrors, LayerBug::KeysSharedByAllCallers];
+}
+
+/// A history's verdict.
+#[derive(Debug, Default)]
+pub struct Verdict {
+    /// Store steps that failed, lost their reply or were delayed (histories with store faults).
+    pub store_faults: u64,
+    /// Runs after a recorded answer, or overlapping another, in histories where store faults
+    /// struck: re-runs by the limits README names.
+    pub reruns_under_store_faults: u64,
+    /// Requests the callers made (not counting retries).
+    pub calls: u64,
+    /// Handler runs.
+    pub runs: u64,
+    /// Responses the server sent.
+    pub responses: u64,
+    /// Of them, replays.
+    pub replays: u64,
+    /// Responses lost by the network (the proxy's count).
+    pub lost_responses: u64,
+    /// Callers whose last outcome was an error, not a response.
+    pub gave_up: u64,
+    /// What broke the promise.
+    pub violations: Vec<String>,
+    /// The history, for a failure's report.
+    pub log: String,
+}
+
+/// How long a history may take: far more than its plan (about 6 s at most).
+const HISTORY_LIMIT: Duration = Duration::from_secs(60);
+
+/// How often each store step fails, loses its reply or is delayed past the lease, in histories
+/// with store faults.
+const STORE_FAULTS: FaultRates = FaultRates { fail: 6, lose_reply: 6, delay: 3, extend_fail: 6 };
+
+/// Runs the history of `seed` against a server of its own over `store`, its keys under `prefix`,
+/// with `bug` planted in the layer's configuration (or none).
+pub async fn run_history<S: Store + Clone + 'static>(
+    seed: u64,
+    store: S,
+    prefix: &str,
+    bug: Option<LayerBug>,
+    store_faults: bool,
+) -> Verdict {
+    let plan = draw(seed);
+    let server = Arc::new(Server {
+        plan: plan.clone(),
+        runs: Mutex::default(),
+        sent: Mutex::default(),
+        in_flight: AtomicUsize::new(0),
+    });
+    // Store faults only under a short lease: a delayed step outlasts the lease, up to 1.5 times.
+    let store_steps = (store_faults && plan.lease <= Duration::from_secs(2)).then(History::new);
+    let (addr, serving) = match &store_steps {
+        Some(history) => {
+            let rng = SplitMix64::new(seed ^ 0x5707_E000_FA17);
+            let planted = Planted::new(store.clone(), None);
+            serve(router(&server, FaultStore::new(planted, history.clone(), STORE_FAULTS, rng, plan.lease), bug)).await
+        }
+        None => serve(router(&server, store.clone(), bug)).await,
+    };
+    // The probe's server: the same route over the store itself.
+    let (probe_addr, probe_serving) = serve(router(&server, store, bug)).await;
+    let proxy = Arc::new(FaultProxy::start(&addr.to_string()).await.expect("start the history's proxy"));
+
+    let key_of = |k: usize| format!("{prefix}k{k}");
+    let network = {
+        let (proxy, faults) = (Arc::clone(&proxy), plan.faults.clone());
+        tokio::spawn(async move { break_the_network(&proxy, faults).await })
+    };
+    let callers: Vec<_> = plan
+        .callers
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let (c, url, key) = (c.clone(), format!("http://{}/charge", proxy.addr()), key_of(c.key));
+            tokio::spawn(async move { call(i, &c, &url, &key).await })
+        })
+        .collect();
+    let mut verdict = Verdict::default();
+    let mut finals = Vec::new();
+    let deadline = Instant::now() + HISTORY_LIMIT;
+    for caller in callers {
+        let Ok(done) = tokio::time::timeout_at(deadline, caller).await else {
+            verdict.violations.push(format!("the callers did not finish within {HISTORY_LIMIT:?}"));
+            break;
+        };
+        finals.push(done.expect("a caller task"));
+    }
+    let _ = network.await;
+    proxy.set_mode(Mode::Pass);
+    proxy.kill_connections();
+    if verdict.violations.is_empty() && !settle(&server, deadline).await {
+        verdict.violations.push(format!(
+            "the server was not quiet within {HISTORY_LIMIT:?}: {} handler runs, {} requests in flight",
+            server.running(),
+            server.in_flight.load(Ordering::Relaxed)
+        ));
+    }
+    let steps = store_steps.map(|history| history.entries()).unwrap_or_default();
+    let injected = steps.iter().filter(|e| matches!(&e.event, Event::Step(step) if step.fault != Fault::None)).count();
+    verdict.store_faults = injected as u64;
+    if verdict.violations.is_empty() {
+        probe(&server, &plan, probe_addr, &key_of, injected > 0, &mut verdict).await;
+        judge(&server, &plan, &finals, &key_of, injected > 0, &mut verdict);
+    }
+    verdict.calls = plan.callers.len() as u64;
+    verdict.runs = server.runs().len() as u64;
+    let sent = server.sent().clone();
+    verdict.responses = sent.len() as u64;
+    verdict.replays = sent.iter().filter(|s| s.replayed).count() as u64;
+    verdict.lost_responses = proxy.stats().lost_responses.load(Ordering::Relaxed);
+    verdict.gave_up = finals.iter().filter(|f| f.is_err()).count() as u64;
+    serving.abort();
+    probe_serving.abort();
+    let _ = writeln!(verdict.log, "history of seed {seed} (HTTP): {plan:?}");
+    for run in server.runs().iter() {
+        let _ = writeln!(verdict.log, "  run {run:?}");
+    }
+    for s in &sent {
+        let _ = writeln!(verdict.log, "  sent {s:?}");
+    }
+    for f in &finals {
+        let _ = writeln!(verdict.log, "  got {f:?}");
+    }
+    for step in &steps {
+        let _ = writeln!(verdict.log, "  store {step}");
+    }
+    verdict
+}
+
+/// Serves `app` on a loopback port of its own.
+async fn serve(app: Router) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind a history's server");
+    let addr = listener.local_addr().expect("the server's address");
+    (addr, tokio::spawn(async move { axum::serve(listener, app).await.expect("a history's server") }))
+}
+
+/// Waits until the server is quiet: no handler running, no request in flight, and nothing new
+/// for 300 ms. What the network held is delivered when it heals, maybe after its client left, so
+/// a request can reach the server after every caller has finished. `false` at `deadline`.
+async fn settle(server: &Server, deadline: Instant) -> bool {
+    let (mut seen, mut quiet_since) = (None, Instant::now());
+    while Instant::now() < deadline {
+        let busy = server.running() > 0 || server.in_flight.load(Ordering::Relaxed) > 0;
+        let now = Some((server.runs().len(), server.sent().len()));
+        if busy || now != seen {
+            (seen, quiet_since) = (if busy { None } else { now }, Instant::now());
+        } else if quiet_since.elapsed() >= Duration::from_millis(300) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}

@@ -23,7 +23,7 @@ const HISTORIES: u64 = 32;
 /// once, with `bug` planted in each layer.
 async fn run_all<S: Store + Clone + 'static>(
     store: S,
-    bug: Option<http::LayerBug>,
+    bug: Option<http::ConfigBug>,
     store_faults: bool,
 ) -> Vec<http::Verdict> {
     let prefix = idempotent_tests::fresh::suffix();
@@ -51,7 +51,7 @@ async fn explore<S: Store + Clone + 'static>(name: &str, store: S, store_faults:
     println!(
         "simulation_{name}: histories {HISTORIES}, requests {}, handler runs {}, responses {} ({} replays), \
          responses lost {}, callers left without a response {}, store faults {}, re-runs under them {}, \
-         violations {} ({:.1?})",
+         downstream calls {} and runs {}, violations {} ({:.1?})",
         sum(|v| v.calls),
         sum(|v| v.runs),
         sum(|v| v.responses),
@@ -60,6 +60,8 @@ async fn explore<S: Store + Clone + 'static>(name: &str, store: S, store_faults:
         sum(|v| v.gave_up),
         sum(|v| v.store_faults),
         sum(|v| v.reruns_under_store_faults),
+        sum(|v| v.downstream_calls),
+        sum(|v| v.downstream_runs),
         failing.iter().map(|v| v.violations.len()).sum::<usize>(),
         started.elapsed()
     );
@@ -87,6 +89,16 @@ async fn simulation_http_memory() {
 async fn simulation_http_redis() {
     let Some((store, cleanup)) = idempotent_tests::fresh::redis("simulation_http_redis").await else { return };
     explore("http_redis", store, false).await;
+    cleanup.run().await;
+}
+
+/// `CachedStore` in front of Redis, as the HTTP benchmarks use it: completed records replayed from
+/// this process's memory, claims always sent to Redis.
+#[cfg(all(feature = "redis", feature = "cache"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simulation_http_redis_cached() {
+    let Some((store, cleanup)) = idempotent_tests::fresh::redis("simulation_http_redis_cached").await else { return };
+    explore("http_redis_cached", idempotent_runtime::stores::cache::CachedStore::new(store), false).await;
     cleanup.run().await;
 }
 
@@ -146,8 +158,8 @@ async fn simulation_http_postgres_store_faults() {
     cleanup.run().await;
 }
 
-/// The judgement catches each planted bug within the default histories: two of the layer's
-/// configuration, two of the store's.
+/// The judgement catches each planted bug within the default histories: three of the
+/// configuration (two of the layer's, one of the handler's client), two of the store's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn simulation_http_memory_planted_bugs() {
     callers::quiet_planted_panics();
@@ -159,7 +171,7 @@ async fn simulation_http_memory_planted_bugs() {
         );
         assert!(found > 0, "the planted bug {what} went unnoticed in {HISTORIES} histories");
     };
-    for bug in http::LayerBug::ALL {
+    for bug in http::ConfigBug::ALL {
         report(format!("{bug:?}"), &run_all(idempotent_runtime::MemoryStore::new(), Some(bug), false).await);
     }
     // Not `HeartbeatStopsAfterFirst`: a duplicate must arrive in the short time between the

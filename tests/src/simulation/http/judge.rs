@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use super::Verdict;
 use super::clients::Final;
 use super::plan::{BodyForm, Ending, Plan, request_body, same_request};
-use super::server::{Run, Seen, Server, seen};
+use super::server::{Downstream, Run, Seen, Server, seen};
 
 /// What the callers saw and the ledger says, per user and key. With store faults (`faulted`), a
 /// run may follow another's recorded answer, by the limits README names (a record that could not
@@ -67,10 +67,38 @@ pub(super) fn judge(
             ));
         }
     }
+    if let Some(bank) = &server.downstream {
+        judge_downstream(bank, verdict);
+    }
     let responses =
         sent.iter().map(|s| ("sent", s)).chain(finals.iter().filter_map(|f| f.as_ref().ok()).map(|s| ("got", s)));
     for (how, s) in responses {
         check_response(plan, &runs, key_of, how, s, verdict);
+    }
+}
+
+/// Every upstream key that called the downstream service ran it exactly once, under a key of its
+/// own: however often the handler ran for that key (a panic or a not-processed answer released
+/// it, store faults let a duplicate take it over), each run derived the same downstream key. This
+/// holds under store faults too: the downstream service has its own store.
+fn judge_downstream(bank: &Downstream, verdict: &mut Verdict) {
+    let mut called = bank.called.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    called.sort_unstable();
+    called.dedup();
+    let runs = bank.runs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    for slot in called {
+        let keys: Vec<&String> = runs.iter().filter(|(s, _)| *s == slot).map(|(_, key)| key).collect();
+        if keys.len() != 1 {
+            verdict.violations.push(format!(
+                "{slot:?}: the handler called the downstream service, which ran {} times (keys {keys:?})",
+                keys.len()
+            ));
+        }
+    }
+    let mut keys: Vec<&String> = runs.iter().map(|(_, key)| key).collect();
+    keys.sort_unstable();
+    if keys.windows(2).any(|pair| pair[0] == pair[1]) {
+        verdict.violations.push(format!("two upstream keys derived the same downstream key: {runs:?}"));
     }
 }
 

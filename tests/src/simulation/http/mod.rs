@@ -14,8 +14,10 @@
 //! then charges and answers `201`, charges and fails with `500`, declines with `402` without
 //! charging, answers `503` as not processed (`NotProcessed` under the layer, an `Err` under the
 //! attribute), or panics. What it does is drawn per run of a key, so a key released by a panic
-//! runs again with another ending. With `store_faults`, histories with a short lease also have
-//! the simulation's fault injector between the route and the store.
+//! runs again with another ending. In half the histories each run first notifies a downstream
+//! service (a bank behind a layer of its own) through `IdempotentRetry`, with no key of its own:
+//! the middleware derives it from the upstream call's. With `store_faults`, histories with a
+//! short lease also have the simulation's fault injector between the route and the store.
 //!
 //! The judgement (`judge.rs`), per user and key, from the handler's ledger, every response the
 //! server sent (logged outside the route) and what each caller got in the end:
@@ -27,6 +29,8 @@
 //!   the same, and only to callers of the same user whose body has the run's fingerprint; a
 //!   `422` only when the key was sent with another body; a `2xx` only with a run's body; the key
 //!   echoed back as sent;
+//! - the bank runs exactly once per upstream key that notified it, under a key no other upstream
+//!   key derived, however often the handler ran (store faults included);
 //! - once the server is quiet, a probe replays the recorded response, or runs the handler once if
 //!   nothing was recorded, so each key ends charged exactly once (without store faults). A `409`
 //!   for longer than the lease after the last run ended is a blocked key.
@@ -57,25 +61,34 @@ use crate::proxy::{FaultProxy, Mode};
 use clients::{break_the_network, call};
 use judge::{judge, probe};
 use plan::draw;
-use server::{Server, router};
+use server::{Downstream, Server, router};
 
 /// The scope of these histories' keys.
 pub const SCOPE: &str = "simhttp";
 
-/// A rule of the layer's configuration broken on purpose, to show the judgement catches it.
+/// A configuration broken on purpose, to show the judgement catches it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LayerBug {
-    /// `record_status` releases the key after a `5xx`: the retry of a request whose handler
-    /// charged and then failed charges again.
+pub enum ConfigBug {
+    /// The layer's `record_status` releases the key after a `5xx`: the retry of a request whose
+    /// handler charged and then failed charges again.
     ReleaseServerErrors,
-    /// Keys shared by all callers, while two users send the same keys: one user gets the
-    /// other's answers.
+    /// The layer's keys are shared by all callers, while two users send the same keys: one user
+    /// gets the other's answers.
     KeysSharedByAllCallers,
+    /// The handler's client sends a fresh key downstream on every run (`derive_keys(false)`), in
+    /// every history: a handler that runs again notifies the bank again.
+    FreshDownstreamKeys,
 }
 
-impl LayerBug {
-    /// Every planted layer bug.
-    pub const ALL: [LayerBug; 2] = [LayerBug::ReleaseServerErrors, LayerBug::KeysSharedByAllCallers];
+impl ConfigBug {
+    /// Every planted configuration bug.
+    pub const ALL: [ConfigBug; 3] =
+        [ConfigBug::ReleaseServerErrors, ConfigBug::KeysSharedByAllCallers, ConfigBug::FreshDownstreamKeys];
+
+    /// Whether the bug is in the layer (whose histories then all take the layer's route).
+    fn in_layer(self) -> bool {
+        matches!(self, ConfigBug::ReleaseServerErrors | ConfigBug::KeysSharedByAllCallers)
+    }
 }
 
 /// A history's verdict.
@@ -86,6 +99,10 @@ pub struct Verdict {
     /// Runs after a recorded answer, or overlapping another, in histories where store faults
     /// struck: re-runs by the limits README names.
     pub reruns_under_store_faults: u64,
+    /// Requests the handler sent to the downstream service.
+    pub downstream_calls: u64,
+    /// Runs of the downstream service's handler.
+    pub downstream_runs: u64,
     /// Requests the callers made (not counting retries).
     pub calls: u64,
     /// Handler runs.
@@ -117,15 +134,23 @@ pub async fn run_history<S: Store + Clone + 'static>(
     seed: u64,
     store: S,
     prefix: &str,
-    bug: Option<LayerBug>,
+    bug: Option<ConfigBug>,
     store_faults: bool,
 ) -> Verdict {
-    let plan = draw(seed);
+    let mut plan = draw(seed);
+    plan.downstream |= bug == Some(ConfigBug::FreshDownstreamKeys);
+    let (downstream, bank_serving) = if plan.downstream {
+        let (bank, serving) = Downstream::start(bug != Some(ConfigBug::FreshDownstreamKeys)).await;
+        (Some(bank), Some(serving))
+    } else {
+        (None, None)
+    };
     let server = Arc::new(Server {
         plan: plan.clone(),
         runs: Mutex::default(),
         sent: Mutex::default(),
         in_flight: AtomicUsize::new(0),
+        downstream,
     });
     // Store faults only under a short lease: a delayed step outlasts the lease, up to 1.5 times.
     let store_steps = (store_faults && plan.lease <= Duration::from_secs(2)).then(History::new);
@@ -183,6 +208,10 @@ pub async fn run_history<S: Store + Clone + 'static>(
         judge(&server, &plan, &finals, &key_of, injected > 0, &mut verdict);
     }
     verdict.calls = plan.callers.len() as u64;
+    if let Some(bank) = &server.downstream {
+        verdict.downstream_calls = bank.called.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len() as u64;
+        verdict.downstream_runs = bank.runs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len() as u64;
+    }
     verdict.runs = server.runs().len() as u64;
     let sent = server.sent().clone();
     verdict.responses = sent.len() as u64;
@@ -191,6 +220,9 @@ pub async fn run_history<S: Store + Clone + 'static>(
     verdict.gave_up = finals.iter().filter(|f| f.is_err()).count() as u64;
     serving.abort();
     probe_serving.abort();
+    if let Some(bank) = bank_serving {
+        bank.abort();
+    }
     let _ = writeln!(verdict.log, "history of seed {seed} (HTTP): {plan:?}");
     for run in server.runs().iter() {
         let _ = writeln!(verdict.log, "  run {run:?}");

@@ -94,6 +94,8 @@ pub(super) struct Plan {
     pub(super) behaviours: BTreeMap<(usize, usize), Vec<Behaviour>>,
     pub(super) callers: Vec<CallerPlan>,
     pub(super) faults: Vec<(Duration, NetFault)>,
+    /// Whether each run of the handler calls a downstream service before its ending.
+    pub(super) downstream: bool,
 }
 
 pub(super) fn ms(rng: &mut SplitMix64, max: u64) -> Duration {
@@ -151,7 +153,8 @@ pub(super) fn draw(seed: u64) -> Plan {
         })
         .collect();
     let route = if rng.chance(50) { Route::Layer } else { Route::Attribute };
-    Plan { route, lease, json_fingerprint, wait, behaviours, callers, faults }
+    let downstream = rng.chance(50);
+    Plan { route, lease, json_fingerprint, wait, behaviours, callers, faults, downstream }
 }
 
 /// The body of `key`'s request, as `form` writes it.

@@ -13,6 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
+use idempotent_runtime::client::{IdempotentRetry, RetryPolicy};
 use idempotent_runtime::http::{
     HttpError, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, IdempotencyKeyHeader, IdempotencyLayer, JsonResponse,
     NotProcessed, RunToCompletionLayer,
@@ -22,7 +23,7 @@ use idempotent_runtime::{Store, idempotent};
 use tokio::time::Instant;
 
 use super::plan::{Behaviour, Ending, Plan, Route};
-use super::{LayerBug, SCOPE};
+use super::{ConfigBug, SCOPE};
 use crate::simulation::callers::BODY_PANIC;
 
 /// One run of the handler, as it happened.
@@ -58,6 +59,73 @@ pub(super) struct Server {
     pub(super) sent: Mutex<Vec<Seen>>,
     /// Requests that reached the server and have not been answered, nor given up by their client.
     pub(super) in_flight: AtomicUsize,
+    /// The service the handler calls, if the plan says so.
+    pub(super) downstream: Option<Arc<Downstream>>,
+}
+
+/// A service downstream of the handler (a bank it notifies), behind `IdempotencyLayer` on a
+/// memory store of its own, reached through `IdempotentRetry`. The handler's requests carry no
+/// key: inside the idempotent call the middleware derives one from the call's key, so every run
+/// of one upstream key sends the same key, and the bank runs once per upstream key however often
+/// the handler runs.
+#[derive(Debug)]
+pub(super) struct Downstream {
+    url: String,
+    client: reqwest_middleware::ClientWithMiddleware,
+    /// Upstream (user, key) of every request the handler sent.
+    pub(super) called: Mutex<Vec<(usize, usize)>>,
+    /// Every run of the bank's handler: the upstream (user, key) its body names, and its key.
+    pub(super) runs: Mutex<Vec<((usize, usize), String)>>,
+}
+
+impl Downstream {
+    /// Starts the bank on a loopback port of its own; the handler's client derives its keys
+    /// unless `derive_keys` is false (a planted bug).
+    pub(super) async fn start(derive_keys: bool) -> (Arc<Self>, tokio::task::JoinHandle<()>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the bank");
+        let addr = listener.local_addr().expect("the bank's address");
+        let policy = RetryPolicy::default()
+            .max_attempts(6)
+            .backoff(Duration::from_millis(20), Duration::from_millis(200))
+            .max_elapsed(Duration::from_secs(8));
+        let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+            .with(IdempotentRetry::new(policy).derive_keys(derive_keys))
+            .build();
+        let bank = Arc::new(Downstream {
+            url: format!("http://{addr}/notify"),
+            client,
+            called: Mutex::default(),
+            runs: Mutex::default(),
+        });
+        let layer =
+            IdempotencyLayer::new(idempotent_runtime::MemoryStore::new()).scope("bank").keys_shared_by_all_callers();
+        let app = Router::new().route("/notify", post(notify)).route_layer(layer).with_state(Arc::clone(&bank));
+        let serving = tokio::spawn(async move { axum::serve(listener, app).await.expect("the bank") });
+        (bank, serving)
+    }
+
+    /// The handler's request to the bank, for upstream `(user, key)`.
+    async fn call(&self, user: usize, key: usize) {
+        self.called.lock().unwrap_or_else(PoisonError::into_inner).push((user, key));
+        let _ = self
+            .client
+            .post(&self.url)
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(format!(r#"{{"user":{user},"key":{key}}}"#))
+            .send()
+            .await;
+    }
+}
+
+/// The bank's handler: notes the run and the key it came with.
+async fn notify(State(bank): State<Arc<Downstream>>, headers: HeaderMap, body: Bytes) -> StatusCode {
+    let key = headers.get(&IDEMPOTENCY_KEY).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
+    let slot = serde_json::from_slice::<serde_json::Value>(&body).ok().map_or((usize::MAX, usize::MAX), |v| {
+        let number = |field: &str| v[field].as_u64().and_then(|n| usize::try_from(n).ok()).unwrap_or(usize::MAX);
+        (number("user"), number("key"))
+    });
+    bank.runs.lock().unwrap_or_else(PoisonError::into_inner).push((slot, key));
+    StatusCode::CREATED
 }
 
 impl Server {
@@ -129,6 +197,9 @@ pub(super) async fn perform(
     };
     let ends = Ends(Arc::clone(server), index);
     tokio::time::sleep(behaviour.work).await;
+    if let Some(downstream) = &server.downstream {
+        downstream.call(user, key).await;
+    }
     let value = serde_json::json!({ "user": user, "key": key, "run": n, "ending": format!("{:?}", behaviour.ending) });
     let status = match behaviour.ending {
         Ending::Created => StatusCode::CREATED,
@@ -266,10 +337,10 @@ pub(super) fn seen(caller: usize, status: StatusCode, headers: &HeaderMap, body:
 }
 
 /// The history's server: its route, the way in its plan says (the layer when a bug is planted
-/// in it), and the log of what it sends outside.
-pub(super) fn router<S: Store + Clone + 'static>(server: &Arc<Server>, store: S, bug: Option<LayerBug>) -> Router {
+/// in the layer), and the log of what it sends outside.
+pub(super) fn router<S: Store + Clone + 'static>(server: &Arc<Server>, store: S, bug: Option<ConfigBug>) -> Router {
     let plan = &server.plan;
-    let route = if plan.route == Route::Attribute && bug.is_none() {
+    let route = if plan.route == Route::Attribute && !bug.is_some_and(ConfigBug::in_layer) {
         let state = AttributeState { server: Arc::clone(server), store: AnyStore::new(store) };
         Router::new().route("/charge", post(charge_attribute)).route_layer(RunToCompletionLayer).with_state(state)
     } else {
@@ -284,9 +355,9 @@ pub(super) fn router<S: Store + Clone + 'static>(server: &Arc<Server>, store: S,
             layer = layer.wait(wait);
         }
         match bug {
-            Some(LayerBug::ReleaseServerErrors) => layer = layer.record_status(|status| !status.is_server_error()),
-            Some(LayerBug::KeysSharedByAllCallers) => layer = layer.keys_shared_by_all_callers(),
-            None => {}
+            Some(ConfigBug::ReleaseServerErrors) => layer = layer.record_status(|status| !status.is_server_error()),
+            Some(ConfigBug::KeysSharedByAllCallers) => layer = layer.keys_shared_by_all_callers(),
+            Some(ConfigBug::FreshDownstreamKeys) | None => {}
         }
         Router::new().route("/charge", post(charge)).route_layer(layer).with_state(Arc::clone(server))
     };

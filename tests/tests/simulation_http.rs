@@ -1,9 +1,11 @@
-//! Histories at the HTTP edge (`tests/src/simulation/http.rs`): clients that retry with one key,
-//! a network that loses responses, refuses, stalls and kills connections, and handlers behind
-//! `IdempotencyLayer` that charge, fail after charging, decline, say they did nothing, or panic.
-//! Each test runs 32 histories at once, each with a server, a proxy and keys of its own, over one
-//! store. `IDEMPOTENT_SIM_FROM=<seed>` sets the first seed, to explore past the default ones;
-//! `IDEMPOTENT_SIM_DUMP=1` prints every history, passing or not.
+//! Histories at the HTTP edge (`tests/src/simulation/http/`): clients that retry with one key, a
+//! network that loses responses, refuses, stalls and kills connections, and handlers behind
+//! `IdempotencyLayer` or `#[idempotent]` that notify a downstream bank, then charge, fail after
+//! charging, decline, say they did nothing, or panic. Each test runs 32 histories at once, each
+//! with a server, a proxy and keys of its own, over one store. `IDEMPOTENT_SIM_FROM=<seed>` sets
+//! the first seed, to explore past the default ones, and `IDEMPOTENT_SIM_HISTORIES=<n>` the number
+//! of histories per test; `IDEMPOTENT_SIM_DUMP=1` prints every history, passing or not, and
+//! `IDEMPOTENT_SIM_LOG=1` the library's warnings and errors.
 //!
 //! A test binary of its own: the only panics in it are the handlers' planted ones, so a panic of
 //! the library's is counted and fails the test.
@@ -28,7 +30,7 @@ async fn run_all<S: Store + Clone + 'static>(
 ) -> Vec<http::Verdict> {
     let prefix = idempotent_tests::fresh::suffix();
     let from = simulation::env_from().unwrap_or(simulation::DEFAULT_SEED);
-    let histories: Vec<_> = (0..HISTORIES)
+    let histories: Vec<_> = (0..simulation::env_histories().unwrap_or(HISTORIES))
         .map(|i| {
             let (store, prefix) = (store.clone(), format!("{prefix}s{i}"));
             tokio::spawn(async move { http::run_history(from + i, store, &prefix, bug, store_faults).await })
@@ -41,7 +43,37 @@ async fn run_all<S: Store + Clone + 'static>(
     verdicts
 }
 
+/// With `IDEMPOTENT_SIM_LOG=1`, prints the library's warnings and errors (with the time), to
+/// read beside a failing history.
+fn log_library_events() {
+    struct Print;
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Print {
+        fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+            struct Fields(String);
+            impl tracing::field::Visit for Fields {
+                fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                    use std::fmt::Write as _;
+                    let _ = write!(self.0, " {}={value:?}", field.name());
+                }
+            }
+            if *event.metadata().level() <= tracing::Level::WARN {
+                let mut fields = Fields(String::new());
+                event.record(&mut fields);
+                println!("LOG {:?} {}{}", std::time::SystemTime::now(), event.metadata().level(), fields.0);
+            }
+        }
+    }
+    use tracing_subscriber::layer::SubscriberExt as _;
+    static INSTALLED: std::sync::Once = std::sync::Once::new();
+    if std::env::var_os("IDEMPOTENT_SIM_LOG").is_some() {
+        INSTALLED.call_once(|| {
+            let _ = tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Print));
+        });
+    }
+}
+
 async fn explore<S: Store + Clone + 'static>(name: &str, store: S, store_faults: bool) {
+    log_library_events();
     callers::quiet_planted_panics();
     let foreign_before = callers::FOREIGN_PANICS.load(Ordering::Relaxed);
     let started = std::time::Instant::now();
@@ -49,9 +81,10 @@ async fn explore<S: Store + Clone + 'static>(name: &str, store: S, store_faults:
     let sum = |count: fn(&http::Verdict) -> u64| verdicts.iter().map(count).sum::<u64>();
     let failing: Vec<_> = verdicts.iter().filter(|v| !v.violations.is_empty()).collect();
     println!(
-        "simulation_{name}: histories {HISTORIES}, requests {}, handler runs {}, responses {} ({} replays), \
+        "simulation_{name}: histories {}, requests {}, handler runs {}, responses {} ({} replays), \
          responses lost {}, callers left without a response {}, store faults {}, re-runs under them {}, \
          downstream calls {} and runs {}, violations {} ({:.1?})",
+        verdicts.len(),
         sum(|v| v.calls),
         sum(|v| v.runs),
         sum(|v| v.responses),
@@ -128,7 +161,7 @@ async fn simulation_http_sqlite() {
     cleanup.run().await;
 }
 
-/// The same histories with faults in the store too (in those with a lease of 1 s or 2 s): steps
+/// The same histories with faults in the store too (in those with a lease of 2 s or 3 s): steps
 /// that fail, lose their reply, or are delayed past the lease. A run may then follow a recorded
 /// answer, as README's limits say; what is still judged is that no caller is told anything but
 /// the truth: every replay of a key is one answer, every answer a run's, never another user's.
@@ -167,9 +200,10 @@ async fn simulation_http_memory_planted_bugs() {
         let found = verdicts.iter().filter(|v| !v.violations.is_empty()).count();
         let first = verdicts.iter().find_map(|v| v.violations.first());
         println!(
-            "simulation_http_memory_planted_bugs: {what}: {found} of {HISTORIES} histories caught it; first: {first:?}"
+            "simulation_http_memory_planted_bugs: {what}: {found} of {} histories caught it; first: {first:?}",
+            verdicts.len()
         );
-        assert!(found > 0, "the planted bug {what} went unnoticed in {HISTORIES} histories");
+        assert!(found > 0, "the planted bug {what} went unnoticed in {} histories", verdicts.len());
     };
     for bug in http::ConfigBug::ALL {
         report(format!("{bug:?}"), &run_all(idempotent_runtime::MemoryStore::new(), Some(bug), false).await);

@@ -104,7 +104,7 @@ pub(super) fn ms(rng: &mut SplitMix64, max: u64) -> Duration {
 
 pub(super) fn draw(seed: u64) -> Plan {
     let mut rng = SplitMix64::new(seed);
-    let lease = Duration::from_secs(rng.pick(&[1, 2, 60]));
+    let lease = Duration::from_secs(rng.pick(&[2, 3, 60]));
     let json_fingerprint = rng.chance(50);
     let wait = rng.chance(30).then(|| ms(&mut rng, 1500));
     let (users, keys) = (1 + rng.below(2), 1 + rng.below(2));

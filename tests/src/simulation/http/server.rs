@@ -39,6 +39,8 @@ pub(super) struct Run {
     pub(super) charged: bool,
     /// Status and body of its answer (none after a panic).
     pub(super) answer: Option<(u16, Bytes)>,
+    /// How its call downstream went, if it made one.
+    pub(super) downstream: Option<String>,
 }
 
 /// A response the server sent (seen outside the layer), or a caller's last outcome.
@@ -105,15 +107,20 @@ impl Downstream {
     }
 
     /// The handler's request to the bank, for upstream `(user, key)`.
-    async fn call(&self, user: usize, key: usize) {
+    /// Returns how it went, for the history's log: how long it took, and the status (or error).
+    async fn call(&self, user: usize, key: usize) -> String {
         self.called.lock().unwrap_or_else(PoisonError::into_inner).push((user, key));
-        let _ = self
+        let started = Instant::now();
+        let sent = self
             .client
             .post(&self.url)
             .header(http::header::CONTENT_TYPE, "application/json")
             .body(format!(r#"{{"user":{user},"key":{key}}}"#))
             .send()
             .await;
+        let attempts =
+            sent.as_ref().ok().and_then(|r| r.extensions().get::<idempotent_runtime::client::Attempts>().cloned());
+        format!("{:?}: {:?} {attempts:?}", started.elapsed(), sent.map(|r| r.status()))
     }
 }
 
@@ -192,13 +199,15 @@ pub(super) async fn perform(
             ended: None,
             charged: false,
             answer: None,
+            downstream: None,
         });
         (runs.len() - 1, n, behaviour)
     };
     let ends = Ends(Arc::clone(server), index);
     tokio::time::sleep(behaviour.work).await;
     if let Some(downstream) = &server.downstream {
-        downstream.call(user, key).await;
+        let how = downstream.call(user, key).await;
+        server.runs()[index].downstream = Some(how);
     }
     let value = serde_json::json!({ "user": user, "key": key, "run": n, "ending": format!("{:?}", behaviour.ending) });
     let status = match behaviour.ending {

@@ -5,7 +5,6 @@
 //! effects independently of the idempotency records; and a capture of this thread's log events.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::io::{BufRead as _, BufReader};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -365,12 +364,6 @@ struct CaptureLayer;
 
 impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for CaptureLayer {
     fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        struct Fields(String);
-        impl tracing::field::Visit for Fields {
-            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-                let _ = write!(self.0, " {}={value:?}", field.name());
-            }
-        }
         let thread = std::thread::current().id();
         let Some(events) = CAPTURING
             .lock()
@@ -379,9 +372,6 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for CaptureLayer {
         else {
             return;
         };
-        let metadata = event.metadata();
-        let mut fields = Fields(format!("{} {}:", metadata.level(), metadata.target()));
-        event.record(&mut fields);
-        events.lock().expect("the capture").push(fields.0);
+        events.lock().expect("the capture").push(crate::event_text(event));
     }
 }

@@ -66,3 +66,19 @@ pub trait StoreSteps: Store {
 }
 
 impl<S: Store + ?Sized> StoreSteps for S {}
+
+/// An event as text: `LEVEL target: field=value ...`.
+#[must_use]
+pub fn event_text(event: &tracing::Event<'_>) -> String {
+    struct Fields(String);
+    impl tracing::field::Visit for Fields {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            use std::fmt::Write as _;
+            let _ = write!(self.0, " {}={value:?}", field.name());
+        }
+    }
+    let metadata = event.metadata();
+    let mut fields = Fields(format!("{} {}:", metadata.level(), metadata.target()));
+    event.record(&mut fields);
+    fields.0
+}

@@ -49,17 +49,8 @@ fn log_library_events() {
     struct Print;
     impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Print {
         fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-            struct Fields(String);
-            impl tracing::field::Visit for Fields {
-                fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-                    use std::fmt::Write as _;
-                    let _ = write!(self.0, " {}={value:?}", field.name());
-                }
-            }
             if *event.metadata().level() <= tracing::Level::WARN {
-                let mut fields = Fields(String::new());
-                event.record(&mut fields);
-                println!("LOG {:?} {}{}", std::time::SystemTime::now(), event.metadata().level(), fields.0);
+                println!("LOG {:?} {}", std::time::SystemTime::now(), idempotent_tests::event_text(event));
             }
         }
     }

@@ -11,6 +11,7 @@ use super::plan::{CallerPlan, NetFault, request_body};
 use super::server::{Seen, seen};
 use crate::proxy::{FaultProxy, Mode};
 
+/// Injects the plan's network faults at their moments; a refusal or a stall heals after its time.
 pub(super) async fn break_the_network(proxy: &FaultProxy, mut faults: Vec<(Duration, NetFault)>) {
     faults.sort_by_key(|(at, _)| *at);
     let start = Instant::now();

@@ -103,7 +103,7 @@ fn judge_downstream(bank: &Downstream, verdict: &mut Verdict) {
 }
 
 /// One response, against the runs of its caller's user and key.
-pub(super) fn check_response(
+fn check_response(
     plan: &Plan,
     runs: &[Run],
     key_of: &(dyn Fn(usize) -> String + Sync),
@@ -155,10 +155,10 @@ pub(super) fn check_response(
 }
 
 /// The `x-caller` of the probe's requests.
-pub(super) const PROBE: usize = usize::MAX;
+const PROBE: usize = usize::MAX;
 
 /// The run a response's body names: (user, key, run).
-pub(super) fn tag_of(body: &[u8]) -> Option<(usize, usize, usize)> {
+fn tag_of(body: &[u8]) -> Option<(usize, usize, usize)> {
     let value = serde_json::from_slice::<serde_json::Value>(body).ok()?;
     let number = |field: &str| value.get(field)?.as_u64().and_then(|n| usize::try_from(n).ok());
     Some((number("user")?, number("key")?, number("run")?))

@@ -98,7 +98,7 @@ pub(super) struct Plan {
     pub(super) downstream: bool,
 }
 
-pub(super) fn ms(rng: &mut SplitMix64, max: u64) -> Duration {
+fn ms(rng: &mut SplitMix64, max: u64) -> Duration {
     Duration::from_millis(rng.below(max + 1))
 }
 

@@ -150,7 +150,7 @@ impl Server {
 }
 
 /// Counts a request in flight until its answer is logged or its client leaves.
-pub(super) struct InFlight<'a>(&'a AtomicUsize);
+struct InFlight<'a>(&'a AtomicUsize);
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
@@ -158,12 +158,13 @@ impl Drop for InFlight<'_> {
     }
 }
 
-pub(super) fn number(headers: &HeaderMap, name: &str) -> usize {
+/// The number in header `name` (the test's own `x-user`, `x-key`, `x-caller`), or `usize::MAX`.
+fn number(headers: &HeaderMap, name: &str) -> usize {
     headers.get(name).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok()).unwrap_or(usize::MAX)
 }
 
 /// Marks its run ended when dropped, a panic's unwinding included.
-pub(super) struct Ends(Arc<Server>, usize);
+struct Ends(Arc<Server>, usize);
 
 impl Drop for Ends {
     fn drop(&mut self) {
@@ -174,11 +175,7 @@ impl Drop for Ends {
 
 /// One run of the handler, as the plan says: registers the run, works, then charges or not and
 /// answers (or panics). Returns the ending, the status and the JSON body of the answer.
-pub(super) async fn perform(
-    server: &Arc<Server>,
-    headers: &HeaderMap,
-    body: Bytes,
-) -> (Ending, StatusCode, serde_json::Value) {
+async fn perform(server: &Arc<Server>, headers: &HeaderMap, body: Bytes) -> (Ending, StatusCode, serde_json::Value) {
     let (user, key, caller) = (number(headers, "x-user"), number(headers, "x-key"), number(headers, "x-caller"));
     let probe = headers.contains_key("x-probe");
     let (index, n, behaviour) = {
@@ -229,12 +226,12 @@ pub(super) async fn perform(
 }
 
 /// A JSON body as `JsonResponse` writes it.
-pub(super) fn json_bytes(value: &serde_json::Value) -> Bytes {
+fn json_bytes(value: &serde_json::Value) -> Bytes {
     serde_json::to_vec(value).expect("a JSON value serialises").into()
 }
 
 /// The handler behind [`IdempotencyLayer`].
-pub(super) async fn charge(State(server): State<Arc<Server>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn charge(State(server): State<Arc<Server>>, headers: HeaderMap, body: Bytes) -> Response {
     let (ending, status, value) = perform(&server, &headers, body).await;
     if ending == Ending::NotProcessed {
         return (status, NotProcessed, json_bytes(&value)).into_response();
@@ -244,13 +241,13 @@ pub(super) async fn charge(State(server): State<Arc<Server>>, headers: HeaderMap
 
 /// The state of the `#[idempotent]` route.
 #[derive(Clone)]
-pub(super) struct AttributeState {
+struct AttributeState {
     pub(super) server: Arc<Server>,
     pub(super) store: AnyStore,
 }
 
 /// The caller's user, from `x-user`, for `key.for_caller`.
-pub(super) struct User(String);
+struct User(String);
 
 impl<S: Send + Sync> FromRequestParts<S> for User {
     type Rejection = std::convert::Infallible;
@@ -263,12 +260,12 @@ impl<S: Send + Sync> FromRequestParts<S> for User {
 /// What the `#[idempotent]` route fingerprints: the body's JSON content under
 /// `json_fingerprint`, its bytes otherwise, as the layer does.
 #[derive(serde::Serialize)]
-pub(super) enum RequestPrint {
+enum RequestPrint {
     Json(Option<serde_json::Value>),
     Bytes(Vec<u8>),
 }
 
-pub(super) fn request_print(plan: &Plan, body: &[u8]) -> RequestPrint {
+fn request_print(plan: &Plan, body: &[u8]) -> RequestPrint {
     if plan.json_fingerprint {
         RequestPrint::Json(serde_json::from_slice(body).ok())
     } else {
@@ -278,7 +275,7 @@ pub(super) fn request_print(plan: &Plan, body: &[u8]) -> RequestPrint {
 
 /// The `#[idempotent]` handler's errors: the library's, or "nothing was done" (`503`), which
 /// releases the key as every `Err` does.
-pub(super) enum Refusal {
+enum Refusal {
     Idempotency(idempotent_runtime::Error),
     NotProcessed(serde_json::Value),
 }
@@ -308,7 +305,7 @@ impl IntoResponse for Refusal {
     lease = state.server.plan.lease,
     wait = state.server.plan.wait.unwrap_or(Duration::ZERO)
 )]
-pub(super) async fn charge_attribute(
+async fn charge_attribute(
     State(state): State<AttributeState>,
     key: IdempotencyKeyHeader,
     user: User,
@@ -323,7 +320,7 @@ pub(super) async fn charge_attribute(
 }
 
 /// Outside the layer: logs every response the server sends.
-pub(super) async fn log_sent(State(server): State<Arc<Server>>, request: Request, next: Next) -> Response {
+async fn log_sent(State(server): State<Arc<Server>>, request: Request, next: Next) -> Response {
     let caller = number(request.headers(), "x-caller");
     server.in_flight.fetch_add(1, Ordering::Relaxed);
     let in_flight = InFlight(&server.in_flight);

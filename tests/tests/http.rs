@@ -1296,3 +1296,51 @@ async fn http_layer_legacy_records_replay_postgres() {
     legacy_records_replay(store).await;
     cleanup.run().await;
 }
+
+/// README, "A process that cannot run for a whole lease looks crashed": a handler whose thread is
+/// held past its lease (so the heartbeat, polled in the same task, cannot renew the claim) loses
+/// the key to a duplicate, which runs. The first request is then answered `500`, "Request outcome
+/// not recorded", never its handler's `201`, and later requests replay the duplicate's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_a_handler_starved_past_its_lease_is_told_its_outcome_was_not_recorded_memory() {
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    let held = Arc::new(std::sync::Mutex::new(held));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let (runs, held) = (Arc::clone(&runs), Arc::clone(&held));
+        move || {
+            let (runs, held) = (Arc::clone(&runs), Arc::clone(&held));
+            async move {
+                let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                if run == 1 {
+                    // Starved: this task does nothing, its heartbeat included, until released.
+                    tokio::task::block_in_place(|| held.lock().unwrap().recv().expect("the test releases run 1"));
+                }
+                (StatusCode::CREATED, format!("run {run}"))
+            }
+        }
+    };
+    let lease = Duration::from_millis(50);
+    let app = Router::new().route("/pay", post(handler)).route_layer(shared(MemoryStore::new()).lease(lease));
+    let http = serve(app).await;
+    let key = key();
+    let first = {
+        let (http, key) = (http.clone(), key.clone());
+        tokio::spawn(async move { http.post("/pay", &[("idempotency-key", key.as_str())], "{}").await })
+    };
+    while runs.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(lease * 4).await;
+    let duplicate = http.post("/pay", &[("idempotency-key", key.as_str())], "{}").await;
+    assert_eq!((duplicate.status, duplicate.replayed()), (201, false), "the claim lapsed; the duplicate ran");
+    assert_eq!(duplicate.body, "run 2");
+    release.send(()).expect("run 1 waits");
+    let first = first.await.expect("the first request's task");
+    let problem = first.assert_problem(500, "urn:idempotent:internal");
+    assert_eq!(problem["title"], "Request outcome not recorded", "{problem}");
+    assert_eq!(first.header("idempotency-key"), Some(key.as_str()));
+    let later = http.post("/pay", &[("idempotency-key", key.as_str())], "{}").await;
+    assert_eq!((later.status, later.replayed(), later.body), (201, true, Bytes::from("run 2")));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}

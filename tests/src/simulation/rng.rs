@@ -30,6 +30,11 @@ impl SplitMix64 {
         if n == 0 { 0 } else { self.next_u64() % n }
     }
 
+    /// A duration of `0..=max` whole milliseconds.
+    pub fn millis(&mut self, max: u64) -> std::time::Duration {
+        std::time::Duration::from_millis(self.below(max + 1))
+    }
+
     /// `true` with `percent` % probability.
     pub fn chance(&mut self, percent: u32) -> bool {
         self.below(100) < u64::from(percent)

@@ -195,10 +195,6 @@ struct Plan {
     callers: Vec<(usize, Vec<Attempt>)>,
 }
 
-fn ms(rng: &mut SplitMix64, max: u64) -> Duration {
-    Duration::from_millis(rng.below(max + 1))
-}
-
 fn draw(seed: u64) -> Plan {
     let mut rng = SplitMix64::new(seed);
     let keys = 1 + usize::try_from(rng.below(2)).unwrap_or(0);
@@ -207,10 +203,10 @@ fn draw(seed: u64) -> Plan {
             let key = usize::try_from(rng.below(keys as u64)).unwrap_or(0);
             let attempts = (0..=rng.below(3))
                 .map(|_| Attempt {
-                    delay: ms(&mut rng, 150),
+                    delay: rng.millis(150),
                     body: match rng.below(100) {
                         0..50 => Body::Ok,
-                        50..65 => Body::Slow(ms(&mut rng, 300)),
+                        50..65 => Body::Slow(rng.millis(300)),
                         65..78 => Body::Err,
                         78..88 => Body::Panic,
                         _ => Body::Swallow,
@@ -220,8 +216,8 @@ fn draw(seed: u64) -> Plan {
                         75..90 => End::Rollback,
                         _ => End::Drop,
                     },
-                    cancel_after: rng.chance(12).then(|| ms(&mut rng, 250)),
-                    kill_after: rng.chance(10).then(|| ms(&mut rng, 250)),
+                    cancel_after: rng.chance(12).then(|| rng.millis(250)),
+                    kill_after: rng.chance(10).then(|| rng.millis(250)),
                     short_lock_wait: rng.chance(25),
                 })
                 .collect();

@@ -5,7 +5,6 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::StatusCode;
 use idempotent_runtime::http::IDEMPOTENCY_KEY;
 use tokio::time::Instant;
 
@@ -82,10 +81,10 @@ pub(super) fn judge(
 /// it, store faults let a duplicate take it over), each run derived the same downstream key. This
 /// holds under store faults too: the downstream service has its own store.
 fn judge_downstream(bank: &Downstream, verdict: &mut Verdict) {
-    let mut called = bank.called.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    let mut called = bank.called();
     called.sort_unstable();
     called.dedup();
-    let runs = bank.runs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    let runs = bank.runs();
     for slot in called {
         let keys: Vec<&String> = runs.iter().filter(|(s, _)| *s == slot).map(|(_, key)| key).collect();
         if keys.len() != 1 {
@@ -186,62 +185,16 @@ pub(super) async fn probe(
             .filter(|s| s.replayed)
             .find_map(|s| tag_of(&s.body).filter(|t| (t.0, t.1) == slot))
             .and_then(|t| runs.iter().find(|r| r.n == t.2).cloned());
-        // The bodies to try, the recorded request's first, so the probe is the same request; then
-        // the other bodies the key was sent with (a claim left by a failed release or a lost reply
-        // holds its request's fingerprint until its lease ends), then the canonical one.
-        let mut bodies: Vec<Bytes> = Vec::new();
-        let sent_with = plan.callers.iter().filter(|c| (c.user, c.key) == slot).map(|c| request_body(c.key, c.body));
-        for body in replayed
-            .iter()
-            .chain(runs.iter().filter(|r| r.ending.recorded()))
-            .map(|r| r.body.clone())
-            .chain(sent_with)
-            .chain([request_body(slot.1, BodyForm::Canonical)])
-        {
-            if !bodies.contains(&body) {
-                bodies.push(body);
-            }
-        }
+        let bodies = probe_bodies(plan, slot, replayed.as_ref(), &runs);
         // A completion that failed keeps its claim for its lease.
         let blocked_until = Instant::now() + plan.lease * if faulted { 3 } else { 1 } + Duration::from_secs(3);
-        let mut asked = 0;
-        let answer = 'probing: loop {
-            let (mut last, mut busy) = (None, false);
-            for body in &bodies {
-                let sent = client
-                    .post(format!("http://{addr}/charge"))
-                    .header(IDEMPOTENCY_KEY, key_of(slot.1))
-                    .header("x-user", slot.0.to_string())
-                    .header("x-key", slot.1.to_string())
-                    .header("x-caller", PROBE.to_string())
-                    .header("x-probe", "1")
-                    .header(http::header::CONTENT_TYPE, "application/json")
-                    .body(body.clone())
-                    .send()
-                    .await;
-                let response = match sent {
-                    Ok(response) => response,
-                    Err(e) => {
-                        verdict.violations.push(format!("{slot:?}: the probe failed: {e}"));
-                        return;
-                    }
-                };
-                asked += 1;
-                let (status, headers) = (response.status(), response.headers().clone());
-                let bytes = response.bytes().await.unwrap_or_default();
-                let got = seen(PROBE, status, &headers, &bytes);
-                if status != StatusCode::CONFLICT && status != StatusCode::UNPROCESSABLE_ENTITY {
-                    break 'probing got;
-                }
-                busy |= status == StatusCode::CONFLICT;
-                last = Some(got);
+        let ask = |body: Bytes| ask(&client, addr, slot, key_of(slot.1), body);
+        let (answer, asked) = match probe_key(ask, &bodies, blocked_until, faulted).await {
+            Ok(probed) => probed,
+            Err(e) => {
+                verdict.violations.push(format!("{slot:?}: the probe failed: {e}"));
+                return;
             }
-            // Every body met a claim, or a record of another request. A claim ends with its lease;
-            // without store faults, a `422` for every body the key was sent with is final.
-            if Instant::now() >= blocked_until || !(busy || faulted) {
-                break last.expect("at least the canonical body was tried");
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
         };
         let runs: Vec<Run> = server.runs().iter().filter(|r| r.slot == slot).cloned().collect();
         let probe_run = runs.iter().find(|r| r.caller == PROBE);
@@ -273,4 +226,78 @@ pub(super) async fn probe(
                 .push(format!("{slot:?}: charged {charges} times after the probe (declined: {declined})"));
         }
     }
+}
+
+/// The bodies the probe tries for `slot`: the recorded request's first, so the probe is the same
+/// request; then the other bodies the key was sent with (a claim left by a failed release or a
+/// lost reply holds its request's fingerprint until its lease ends); then the canonical one.
+fn probe_bodies(plan: &Plan, slot: (usize, usize), replayed: Option<&Run>, runs: &[Run]) -> Vec<Bytes> {
+    let sent_with = plan.callers.iter().filter(|c| (c.user, c.key) == slot).map(|c| request_body(c.key, c.body));
+    let mut bodies: Vec<Bytes> = Vec::new();
+    for body in replayed
+        .into_iter()
+        .chain(runs.iter().filter(|r| r.ending.recorded()))
+        .map(|r| r.body.clone())
+        .chain(sent_with)
+        .chain([request_body(slot.1, BodyForm::Canonical)])
+    {
+        if !bodies.contains(&body) {
+            bodies.push(body);
+        }
+    }
+    bodies
+}
+
+/// Asks with each of `bodies` until an answer is neither `409` nor `422`; when every body met a
+/// claim (`409`), or under store faults a claim of another request (`422`), asks again until
+/// `blocked_until`, since a claim ends with its lease. Without store faults, a `422` for every
+/// body the key was sent with is final. Returns the last answer and how many requests it took.
+async fn probe_key<F: Future<Output = Result<Seen, String>>>(
+    ask: impl Fn(Bytes) -> F,
+    bodies: &[Bytes],
+    blocked_until: Instant,
+    faulted: bool,
+) -> Result<(Seen, u32), String> {
+    let mut asked = 0;
+    loop {
+        let (mut last, mut busy) = (None, false);
+        for body in bodies {
+            let got = ask(body.clone()).await?;
+            asked += 1;
+            if got.status != 409 && got.status != 422 {
+                return Ok((got, asked));
+            }
+            busy |= got.status == 409;
+            last = Some(got);
+        }
+        if Instant::now() >= blocked_until || !(busy || faulted) {
+            return Ok((last.expect("at least the canonical body was tried"), asked));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// One request of the probe, straight to the server.
+async fn ask(
+    client: &reqwest::Client,
+    addr: SocketAddr,
+    slot: (usize, usize),
+    key: String,
+    body: Bytes,
+) -> Result<Seen, String> {
+    let response = client
+        .post(format!("http://{addr}/charge"))
+        .header(IDEMPOTENCY_KEY, key)
+        .header("x-user", slot.0.to_string())
+        .header("x-key", slot.1.to_string())
+        .header("x-caller", PROBE.to_string())
+        .header("x-probe", "1")
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(body)
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    let (status, headers) = (response.status(), response.headers().clone());
+    let bytes = response.bytes().await.unwrap_or_default();
+    Ok(seen(PROBE, status, &headers, &bytes))
 }

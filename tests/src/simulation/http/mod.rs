@@ -150,12 +150,13 @@ pub async fn run_history<S: Store + Clone + 'static>(
         (None, None)
     };
     let server = Arc::new(Server {
-        plan: plan.clone(),
+        plan,
         runs: Mutex::default(),
         sent: Mutex::default(),
         in_flight: AtomicUsize::new(0),
         downstream,
     });
+    let plan = &server.plan;
     // Store faults only under a short lease: a delayed step outlasts the lease, up to 1.5 times.
     let store_steps = (store_faults && plan.lease <= Duration::from_secs(3)).then(History::new);
     let (addr, serving) = match &store_steps {
@@ -208,13 +209,13 @@ pub async fn run_history<S: Store + Clone + 'static>(
     let injected = steps.iter().filter(|e| matches!(&e.event, Event::Step(step) if step.fault != Fault::None)).count();
     verdict.store_faults = injected as u64;
     if verdict.violations.is_empty() {
-        probe(&server, &plan, probe_addr, &key_of, injected > 0, &mut verdict).await;
-        judge(&server, &plan, &finals, &key_of, injected > 0, &mut verdict);
+        probe(&server, plan, probe_addr, &key_of, injected > 0, &mut verdict).await;
+        judge(&server, plan, &finals, &key_of, injected > 0, &mut verdict);
     }
     verdict.calls = plan.callers.len() as u64;
     if let Some(bank) = &server.downstream {
-        verdict.downstream_calls = bank.called.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len() as u64;
-        verdict.downstream_runs = bank.runs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len() as u64;
+        verdict.downstream_calls = bank.called().len() as u64;
+        verdict.downstream_runs = bank.runs().len() as u64;
     }
     verdict.runs = server.runs().len() as u64;
     let sent = server.sent().clone();

@@ -98,22 +98,18 @@ pub(super) struct Plan {
     pub(super) downstream: bool,
 }
 
-fn ms(rng: &mut SplitMix64, max: u64) -> Duration {
-    Duration::from_millis(rng.below(max + 1))
-}
-
 pub(super) fn draw(seed: u64) -> Plan {
     let mut rng = SplitMix64::new(seed);
     let lease = Duration::from_secs(rng.pick(&[2, 3, 60]));
     let json_fingerprint = rng.chance(50);
-    let wait = rng.chance(30).then(|| ms(&mut rng, 1500));
+    let wait = rng.chance(30).then(|| rng.millis(1500));
     let (users, keys) = (1 + rng.below(2), 1 + rng.below(2));
     let mut behaviours = BTreeMap::new();
     for user in 0..users {
         for key in 0..keys {
             let runs = (0..=rng.below(3))
                 .map(|_| Behaviour {
-                    work: if rng.chance(20) { ms(&mut rng, 3000) } else { ms(&mut rng, 200) },
+                    work: if rng.chance(20) { rng.millis(3000) } else { rng.millis(200) },
                     ending: match rng.below(100) {
                         0..45 => Ending::Created,
                         45..60 => Ending::ChargedThenFailed,
@@ -135,18 +131,18 @@ pub(super) fn draw(seed: u64) -> Plan {
                 80..90 => BodyForm::Reformatted,
                 _ => BodyForm::Other,
             },
-            delay: ms(&mut rng, 300),
+            delay: rng.millis(300),
             retry: rng.chance(85).then(|| (1 + u32::try_from(rng.below(6)).unwrap_or(0), rng.next_u64())),
-            timeout: rng.chance(35).then(|| Duration::from_millis(50) + ms(&mut rng, 700)),
+            timeout: rng.chance(35).then(|| Duration::from_millis(50) + rng.millis(700)),
         })
         .collect();
     let faults = (0..rng.below(4))
         .map(|_| {
-            let at = ms(&mut rng, 2000);
+            let at = rng.millis(2000);
             let fault = match rng.below(4) {
                 0 => NetFault::LoseOneResponse,
-                1 => NetFault::Refuse(ms(&mut rng, 500)),
-                2 => NetFault::Stall(ms(&mut rng, 800)),
+                1 => NetFault::Refuse(rng.millis(500)),
+                2 => NetFault::Stall(rng.millis(800)),
                 _ => NetFault::Kill,
             };
             (at, fault)

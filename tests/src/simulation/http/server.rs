@@ -40,7 +40,7 @@ pub(super) struct Run {
     /// Status and body of its answer (none after a panic).
     pub(super) answer: Option<(u16, Bytes)>,
     /// How its call downstream went, if it made one.
-    pub(super) downstream: Option<String>,
+    downstream: Option<String>,
 }
 
 /// A response the server sent (seen outside the layer), or a caller's last outcome.
@@ -75,9 +75,9 @@ pub(super) struct Downstream {
     url: String,
     client: reqwest_middleware::ClientWithMiddleware,
     /// Upstream (user, key) of every request the handler sent.
-    pub(super) called: Mutex<Vec<(usize, usize)>>,
+    called: Mutex<Vec<(usize, usize)>>,
     /// Every run of the bank's handler: the upstream (user, key) its body names, and its key.
-    pub(super) runs: Mutex<Vec<((usize, usize), String)>>,
+    runs: Mutex<Vec<((usize, usize), String)>>,
 }
 
 impl Downstream {
@@ -104,6 +104,16 @@ impl Downstream {
         let app = Router::new().route("/notify", post(notify)).route_layer(layer).with_state(Arc::clone(&bank));
         let serving = tokio::spawn(async move { axum::serve(listener, app).await.expect("the bank") });
         (bank, serving)
+    }
+
+    /// Upstream (user, key) of every request the handler sent, so far.
+    pub(super) fn called(&self) -> Vec<(usize, usize)> {
+        self.called.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Every run of the bank's handler so far: the upstream (user, key) its body names, and its key.
+    pub(super) fn runs(&self) -> Vec<((usize, usize), String)> {
+        self.runs.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     /// The handler's request to the bank, for upstream `(user, key)`.
@@ -242,8 +252,8 @@ async fn charge(State(server): State<Arc<Server>>, headers: HeaderMap, body: Byt
 /// The state of the `#[idempotent]` route.
 #[derive(Clone)]
 struct AttributeState {
-    pub(super) server: Arc<Server>,
-    pub(super) store: AnyStore,
+    server: Arc<Server>,
+    store: AnyStore,
 }
 
 /// The caller's user, from `x-user`, for `key.for_caller`.

@@ -40,7 +40,8 @@ pub const MAX_RETENTION: Duration = Duration::from_hours(3650 * 24);
 pub const MAX_WAIT: Duration = MAX_LEASE;
 /// How many claims answered after their lease a call sends before it gives up (without running).
 const MAX_LATE_CLAIM_REPLIES: u32 = 3;
-/// The lease is renewed every third of its length while the body runs.
+/// The lease is renewed every third of its length while the body runs (and while its result is
+/// recorded, for up to one more lease).
 const HEARTBEATS_PER_LEASE: u32 = 3;
 
 /// What happens to the claim when the call's future is dropped while its body runs.
@@ -145,8 +146,9 @@ impl Call {
     setters! {
         /// How long a claim lasts if its caller dies (default [`DEFAULT_LEASE`], from
         /// [`MIN_LEASE`] to [`MAX_LEASE`]). While the body runs, the lease is renewed every third
-        /// of its length, so a live body keeps its claim however long it takes; a crashed
-        /// caller's claim ends one lease after its last renewal.
+        /// of its length, so a live body keeps its claim however long it takes, and so is a slow
+        /// completion for up to one more lease; a crashed caller's claim ends one lease after its
+        /// last renewal.
         pub fn lease(lease: Duration);
         /// How long the completed result is replayed (default [`DEFAULT_RETENTION`]; not shorter
         /// than the lease, at most [`MAX_RETENTION`]).
@@ -245,6 +247,7 @@ impl Call {
                 key,
                 token: &token,
                 fingerprint,
+                lease,
                 on_cancel,
                 phase: Phase::Idle,
                 body_polling: false,
@@ -317,11 +320,11 @@ impl Call {
                 lease_end: &lease_end,
                 observer,
             };
-            let result = {
+            let (result, held) = {
                 // Pinned here once (`with_heartbeat` polls them where they are), and dropped when
                 // the body has ended.
                 let body = pin!(body);
-                let beat = pin!(heartbeat(store, key, &token, lease, &lease_end));
+                let beat = pin!(heartbeat(store, key, &token, lease, &lease_end, None));
                 let serve = pin!(step::serve(&steps, context.queue()));
                 with_heartbeat(&mut guard.body_polling, body, beat, serve).await
             };
@@ -329,8 +332,7 @@ impl Call {
                 step::drain(&steps, context.queue()).await;
             }
             CallContext::recycle(context);
-            let lease_end = lease_end.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
-            record(&mut guard, retention, lease_end, &policy, result, observer).await
+            record(&mut guard, retention, &lease_end, held, &policy, result, observer).await
         });
         in_span(observer.span(), protocol).await
     }
@@ -433,41 +435,63 @@ fn replay<T: DeserializeOwned, E: From<Error>>(
 /// Polls `body` to its end while `beat` renews the lease and `serve` serves the body's steps;
 /// `polling` is `true` only while the body is being polled, so a panic that unwinds out of it
 /// leaves it set. The futures are borrowed, not moved in: they stay where the caller pinned them.
+/// Returns the body's output and whether the claim is still held (the heartbeat did not find
+/// it lapsed).
 async fn with_heartbeat<F: Future>(
     polling: &mut bool,
     mut body: Pin<&mut F>,
     mut beat: Pin<&mut impl Future<Output = ()>>,
     mut serve: Pin<&mut impl Future<Output = ()>>,
-) -> F::Output {
-    let mut beating = true;
-    poll_fn(|cx| {
+) -> (F::Output, bool) {
+    let mut held = true;
+    let output = poll_fn(|cx| {
         *polling = true;
         let output = body.as_mut().poll(cx);
         *polling = false;
         if output.is_pending() {
-            if beating && beat.as_mut().poll(cx).is_ready() {
-                beating = false;
+            // With no `until`, the heartbeat ends only when the claim has lapsed.
+            if held && beat.as_mut().poll(cx).is_ready() {
+                held = false;
             }
             // It never ends: it waits for the body's next step job.
             let _ = serve.as_mut().poll(cx);
         }
         output
     })
+    .await;
+    (output, held)
+}
+
+/// Polls `main` to its end, and `side` beside it until `side` ends.
+async fn alongside<F: Future>(mut main: Pin<&mut F>, mut side: Pin<&mut impl Future>) -> F::Output {
+    let mut side_ended = false;
+    poll_fn(|cx| {
+        let output = main.as_mut().poll(cx);
+        if output.is_pending() && !side_ended {
+            side_ended = side.as_mut().poll(cx).is_ready();
+        }
+        output
+    })
     .await
 }
 
-/// Renews the lease every third of its length until the body ends (the caller stops polling) or
-/// the claim is lost. A body that ends before the first renewal costs no extra round trip.
+/// Renews the lease every third of its length until the caller stops polling, the claim is lost,
+/// or the next renewal would be due at `until` or later. A body that ends before the first
+/// renewal costs no extra round trip.
 async fn heartbeat<S: Store + ?Sized>(
     store: &S,
     key: &Key,
     token: &Token,
     lease: Duration,
     lease_end: &Mutex<Instant>,
+    until: Option<Instant>,
 ) {
     let period = lease / HEARTBEATS_PER_LEASE;
     let mut next = *lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner) - lease + period;
     loop {
+        if until.is_some_and(|until| next >= until) {
+            return;
+        }
         tokio::time::sleep_until(next).await;
         let sent = Instant::now();
         match timed_since(store, StoreStep::Extend, sent, None, store.extend(key, token, lease)).await {
@@ -478,8 +502,8 @@ async fn heartbeat<S: Store + ?Sized>(
             Err(StoreError::NotOwner) => {
                 tracing::error!(
                     target: "idempotent",
-                    "the claim lapsed while the body ran (its lease ended without a renewal); another caller may \
-                     now take the key over and run the body too. The result is still recorded unless one does"
+                    "the claim lapsed (its lease ended without a renewal); another caller may now take the key \
+                     over and run the body too. The result is still recorded unless one does"
                 );
                 return;
             }
@@ -493,10 +517,14 @@ async fn heartbeat<S: Store + ?Sized>(
 }
 
 /// Records the body's result (or releases the key) and hands the result back to the caller.
+/// While the result is being recorded, a claim still `held` is renewed for up to one more lease:
+/// a completion slower than the lease (a slow store, a pool's queue) keeps duplicates out, and a
+/// store that keeps failing completions does not block the key for long.
 async fn record<S, T, E>(
     guard: &mut Guard<'_, S>,
     retention: Duration,
-    lease_end: Instant,
+    lease_end: &Mutex<Instant>,
+    held: bool,
     policy: &impl ErrorPolicy<E>,
     result: Result<T, E>,
     observer: &CallObserver,
@@ -532,10 +560,21 @@ where
         ),
         Some(Err(e)) => unrecordable(observer, &format!("it failed to serialise: {e}")),
     };
-    guard.phase = Phase::Recording { outcome, retention, lease_end };
+    let lease = guard.lease;
+    // A completion detached from here (its caller dropped) retries within the lease as it stands now.
+    let ends = *lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    guard.phase = Phase::Recording { outcome, retention, lease_end: ends };
     let Phase::Recording { outcome, .. } = &guard.phase else { unreachable!("set above") };
     let completion = Completion::new(key, token, fingerprint, outcome, retention);
-    let completed = complete_within_lease(store, &completion, lease_end).await;
+    let completed = {
+        let completing = pin!(complete_within_lease(store, &completion, lease_end));
+        if held {
+            let renewals = pin!(heartbeat(store, key, token, lease, lease_end, Some(Instant::now() + lease)));
+            alongside(completing, renewals).await
+        } else {
+            completing.await
+        }
+    };
     if let Phase::Recording { outcome, .. } = std::mem::replace(&mut guard.phase, Phase::Done) {
         outcome::recycle(outcome);
     }
@@ -577,7 +616,8 @@ pub(crate) enum Completed {
     Failed(StoreError),
 }
 
-/// Completes, retrying transient failures with back-off while the lease lasts. The claim keeps
+/// Completes, retrying transient failures with back-off while the lease lasts (`lease_end`, which
+/// a heartbeat may be pushing on meanwhile). The claim keeps
 /// duplicates out meanwhile, completion is refused only when another token holds the key (a
 /// retry never overwrites another owner's record), and repeated completions by one token succeed
 /// (a lost reply is not a lost lease). Failures that cannot succeed (a refused value, an aborted
@@ -585,7 +625,7 @@ pub(crate) enum Completed {
 pub(crate) async fn complete_within_lease<S: Store + ?Sized>(
     store: &S,
     completion: &Completion<'_>,
-    lease_end: Instant,
+    lease_end: &Mutex<Instant>,
 ) -> Completed {
     let mut backoff = FIRST_BACKOFF;
     let mut attempts = 0u32;
@@ -594,7 +634,11 @@ pub(crate) async fn complete_within_lease<S: Store + ?Sized>(
         match timed(store, StoreStep::Complete, store.complete(completion)).await {
             Ok(()) => return Completed::Recorded { attempts },
             Err(StoreError::NotOwner) => return Completed::LeaseLost,
-            Err(e) if e.is_transient() && Instant::now() + backoff < lease_end => {
+            Err(e)
+                if e.is_transient()
+                    && Instant::now() + backoff
+                        < *lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =>
+            {
                 tracing::warn!(target: "idempotent", error = %e, attempts, "recording the result failed; retrying within the lease");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(MAX_COMPLETE_BACKOFF);
@@ -632,6 +676,7 @@ struct Guard<'a, S: Store + ?Sized> {
     key: &'a Key,
     token: &'a Token,
     fingerprint: Option<&'a Fingerprint>,
+    lease: Duration,
     on_cancel: OnCancel,
     phase: Phase,
     /// Set while the body is polled: still set in the destructor means the body panicked.

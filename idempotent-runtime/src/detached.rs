@@ -1,6 +1,7 @@
 //! Steps left to finish after their caller's future is gone: a release after a panic or a
 //! cancellation, a completion interrupted by a drop.
 
+use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::call::{Completed, complete_within_lease};
@@ -67,7 +68,7 @@ impl Detached {
             Detached::Release { key, token } => store.release(&key, &token).await,
             Detached::Complete { key, token, fingerprint, outcome, retention, lease_end } => {
                 let completion = Completion::new(&key, &token, fingerprint.as_ref(), &outcome, retention);
-                match complete_within_lease(store, &completion, lease_end).await {
+                match complete_within_lease(store, &completion, &Mutex::new(lease_end)).await {
                     Completed::Recorded { .. } => Ok(()),
                     Completed::LeaseLost => Err(StoreError::NotOwner),
                     Completed::Failed(error) => Err(error),

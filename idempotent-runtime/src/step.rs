@@ -307,8 +307,7 @@ impl<S: Store + ?Sized> Steps<'_, S> {
             });
         }
         let completion = Completion::new(key, self.token, self.fingerprint, outcome, self.retention);
-        let lease_end = *self.lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        match complete_within_lease(self.store, &completion, lease_end).await {
+        match complete_within_lease(self.store, &completion, self.lease_end).await {
             Completed::Recorded { .. } => {
                 self.observer.step(false);
                 Ok(())

@@ -105,8 +105,9 @@ use proc_macro::TokenStream;
 /// ## `lease = "60s"`
 ///
 /// How long a claim lasts if its caller dies (default 60 s, from 1 ms to 24 h). While the body
-/// runs the lease is renewed every third of its length, so it is not a guess at the body's
-/// duration but how long a crashed caller blocks its key.
+/// runs the lease is renewed every third of its length (and while its result is recorded, for up
+/// to one more lease), so it is not a guess at the body's duration but how long a crashed caller
+/// blocks its key.
 ///
 /// ```
 /// # use idempotent_runtime::{idempotent, Error, MemoryStore};

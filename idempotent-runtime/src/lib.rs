@@ -42,7 +42,8 @@
 //!    its owner [`Token`]: a caller whose lease ran out and was taken over gets [`Error::LeaseLost`]
 //!    and overwrites nothing.
 //!    While the body runs, its lease is renewed every third of its length (the heartbeat), so a
-//!    live body is never run twice however long it takes.
+//!    live body is never run twice however long it takes; while its result is recorded, the
+//!    renewals go on for up to one more lease, so a slow completion keeps the key too.
 //! 4. An unrecorded `Err` or a panic releases the claim so a retry can run; a crashed process's
 //!    claim frees itself one lease after its last renewal. A cancelled call (its future dropped
 //!    while the body runs) keeps the claim until the lease ends, like a crash, unless

@@ -324,7 +324,7 @@ impl Call {
                 // Pinned here once (`with_heartbeat` polls them where they are), and dropped when
                 // the body has ended.
                 let body = pin!(body);
-                let beat = pin!(heartbeat(store, key, &token, lease, &lease_end, None));
+                let beat = pin!(heartbeat(store, key, &token, lease, &lease_end, Renew::WhileHeld));
                 let serve = pin!(step::serve(&steps, context.queue()));
                 with_heartbeat(&mut guard.body_polling, body, beat, serve).await
             };
@@ -449,7 +449,7 @@ async fn with_heartbeat<F: Future>(
         let output = body.as_mut().poll(cx);
         *polling = false;
         if output.is_pending() {
-            // With no `until`, the heartbeat ends only when the claim has lapsed.
+            // `Renew::WhileHeld`: the heartbeat ends only when the claim has lapsed.
             if held && beat.as_mut().poll(cx).is_ready() {
                 held = false;
             }
@@ -475,19 +475,30 @@ async fn alongside<F: Future>(mut main: Pin<&mut F>, mut side: Pin<&mut impl Fut
     .await
 }
 
-/// Renews the lease every third of its length until the caller stops polling, the claim is lost,
-/// or the next renewal would be due at `until` or later. A body that ends before the first
-/// renewal costs no extra round trip.
+/// How long a heartbeat goes on.
+#[derive(Clone, Copy)]
+enum Renew {
+    /// Until the claim is lost or the caller stops polling: while the body runs.
+    WhileHeld,
+    /// Also no renewal due at or after the end of the lease that the claim holds when the heartbeat
+    /// starts: while the result is recorded. The claim then outlasts the body by two leases at most.
+    WithinThisLease,
+}
+
+/// Renews the lease every third of its length, as long as `renew` says. A body that ends before
+/// the first renewal costs no extra round trip.
 async fn heartbeat<S: Store + ?Sized>(
     store: &S,
     key: &Key,
     token: &Token,
     lease: Duration,
     lease_end: &Mutex<Instant>,
-    until: Option<Instant>,
+    renew: Renew,
 ) {
     let period = lease / HEARTBEATS_PER_LEASE;
-    let mut next = *lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner) - lease + period;
+    let ends = *lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let until = matches!(renew, Renew::WithinThisLease).then_some(ends);
+    let mut next = ends - lease + period;
     loop {
         if until.is_some_and(|until| next >= until) {
             return;
@@ -517,9 +528,10 @@ async fn heartbeat<S: Store + ?Sized>(
 }
 
 /// Records the body's result (or releases the key) and hands the result back to the caller.
-/// While the result is being recorded, a claim still `held` is renewed for up to one more lease:
-/// a completion slower than the lease (a slow store, a pool's queue) keeps duplicates out, and a
-/// store that keeps failing completions does not block the key for long.
+/// While the result is being recorded, a claim still `held` is renewed until the lease it holds
+/// now would have ended: a completion slower than the lease (a slow store, a pool's queue) keeps
+/// duplicates out, and a store that keeps failing completions blocks the key for two leases at
+/// most.
 async fn record<S, T, E>(
     guard: &mut Guard<'_, S>,
     retention: Duration,
@@ -569,7 +581,7 @@ where
     let completed = {
         let completing = pin!(complete_within_lease(store, &completion, lease_end));
         if held {
-            let renewals = pin!(heartbeat(store, key, token, lease, lease_end, Some(Instant::now() + lease)));
+            let renewals = pin!(heartbeat(store, key, token, lease, lease_end, Renew::WithinThisLease));
             alongside(completing, renewals).await
         } else {
             completing.await

@@ -146,9 +146,9 @@ impl Call {
     setters! {
         /// How long a claim lasts if its caller dies (default [`DEFAULT_LEASE`], from
         /// [`MIN_LEASE`] to [`MAX_LEASE`]). While the body runs, the lease is renewed every third
-        /// of its length, so a live body keeps its claim however long it takes, and so is a slow
-        /// completion for up to one more lease; a crashed caller's claim ends one lease after its
-        /// last renewal.
+        /// of its length, so a live body keeps its claim however long it takes; while its result
+        /// is recorded, the renewals go on for up to one more lease. A crashed caller's claim ends
+        /// one lease after its last renewal.
         pub fn lease(lease: Duration);
         /// How long the completed result is replayed (default [`DEFAULT_RETENTION`]; not shorter
         /// than the lease, at most [`MAX_RETENTION`]).

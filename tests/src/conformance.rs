@@ -88,6 +88,7 @@ macro_rules! conformance_suite {
                 a_body_whose_heartbeat_failed_is_still_recorded,
                 a_resent_claim_finds_its_own_claim,
                 a_call_dropped_while_recording_is_still_recorded,
+                a_completion_slower_than_its_lease_keeps_the_key,
                 a_call_dropped_while_claiming_does_not_strand_the_key,
                 invalid_durations_are_refused_before_claiming,
                 fingerprint_mismatch_is_refused_on_every_path,
@@ -131,6 +132,7 @@ macro_rules! conformance_suite {
                 a_body_whose_heartbeat_failed_is_still_recorded,
                 a_resent_claim_finds_its_own_claim,
                 a_call_dropped_while_recording_is_still_recorded,
+                a_completion_slower_than_its_lease_keeps_the_key,
                 a_call_dropped_while_claiming_does_not_strand_the_key,
                 invalid_durations_are_refused_before_claiming,
                 fingerprint_mismatch_is_refused_on_every_path,
@@ -674,6 +676,30 @@ pub async fn a_call_dropped_while_recording_is_still_recorded<S: Store + 'static
     assert_eq!(ledger.count(&key), 1, "the body ran before the drop");
     let retry = counted_waiting(&*store, &ledger, &key, "p", Duration::ZERO).await.unwrap();
     assert_eq!(retry, (1, "p#1".to_owned()), "the retry replays the first result");
+    assert_eq!(ledger.count(&key), 1);
+}
+
+/// A completion slower than the lease keeps the key: the heartbeat goes on renewing the claim
+/// while the result is being recorded, so a duplicate that comes after the lease the claim had
+/// when the body ended gets `InProgress`, not a second run. The completion takes one and a third
+/// leases; renewals are sent until the body's lease would have ended, so the claim lasts until at
+/// least one and two-thirds leases after the body.
+pub async fn a_completion_slower_than_its_lease_keeps_the_key<S: Store + 'static>(store: Arc<S>, _: Expiry) {
+    let ledger = Ledger::default();
+    let key = unique("slow-completion");
+    let lease = Duration::from_millis(1200);
+    let slow = Paused { inner: store.clone(), after_claim: Duration::ZERO, before_complete: lease * 4 / 3 };
+    let first = counted(&slow, &ledger, &key, "p", Duration::ZERO, lease);
+    let duplicate = async {
+        // After the lease the claim had when its body ended, before the completion lands.
+        tokio::time::sleep(lease + Duration::from_millis(200)).await;
+        counted(&*store, &ledger, &key, "p", Duration::ZERO, lease).await
+    };
+    let (first, duplicate) = tokio::join!(first, duplicate);
+    assert_eq!(ledger.count(&key), 1, "the duplicate ran the body while the first result was being recorded");
+    assert!(is_in_progress(&duplicate), "the duplicate must get InProgress, got {duplicate:?}");
+    assert_eq!(first.expect("the first result is recorded"), (1, "p#1".to_owned()));
+    assert_eq!(quick(&*store, &ledger, &key).await.unwrap(), (1, "p#1".to_owned()), "a retry replays it");
     assert_eq!(ledger.count(&key), 1);
 }
 

@@ -305,75 +305,29 @@ async fn memory_claim_answered_after_its_lease_does_not_start_the_body() {
     assert!(matches!(late, Err(Error::InProgress { .. })), "{late:?}");
 }
 
-/// The memory store with slow or failing completions: `complete` waits `delay` before it is
-/// applied, and the first `failures` completions fail as a backend error would.
-struct SlowCompletions {
+/// The memory store whose completions fail, as a backend error would, while `failing` is set.
+struct FailingCompletions {
     inner: MemoryStore,
-    delay: std::time::Duration,
-    failures: std::sync::atomic::AtomicU32,
+    failing: std::sync::atomic::AtomicBool,
 }
 
-impl Store for SlowCompletions {
+impl Store for FailingCompletions {
     async fn complete(
         &self,
         completion: &idempotent_runtime::Completion<'_>,
     ) -> Result<(), idempotent_runtime::StoreError> {
-        tokio::time::sleep(self.delay).await;
-        let fail = self
-            .failures
-            .fetch_update(std::sync::atomic::Ordering::SeqCst, std::sync::atomic::Ordering::SeqCst, |n| {
-                n.checked_sub(1)
-            })
-            .is_ok();
-        if fail {
-            return Err(idempotent_runtime::StoreError::backend("slow-completions", "the completion failed"));
+        if self.failing.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(idempotent_runtime::StoreError::backend("failing-completions", "the completion failed"));
         }
         self.inner.complete(completion).await
     }
-    idempotent_runtime::forward_store!(direct SlowCompletions::inner; claim release extend detach);
+    idempotent_runtime::forward_store!(direct FailingCompletions::inner; claim release extend detach);
 }
 
-impl SlowCompletions {
+impl FailingCompletions {
     fn inner(&self) -> &MemoryStore {
         &self.inner
     }
-}
-
-/// A completion that takes longer than the lease (a slow store, an exhausted pool) keeps its
-/// claim: the heartbeat goes on renewing it while the result is being recorded, so a duplicate
-/// meanwhile waits instead of running the body a second time.
-#[tokio::test(start_paused = true)]
-async fn memory_a_completion_slower_than_its_lease_keeps_the_key() {
-    use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
-    use std::time::Duration;
-
-    use idempotent_runtime::{Call, Error};
-
-    let lease = Duration::from_millis(300);
-    let store = SlowCompletions { inner: MemoryStore::new(), delay: lease * 2, failures: AtomicU32::new(0) };
-    let bodies = AtomicU32::new(0);
-    let call = |delay: Duration| {
-        let (bodies, store) = (&bodies, &store);
-        async move {
-            tokio::time::sleep(delay).await;
-            Call::new("slow-completion", &"k")
-                .lease(lease)
-                .run(store, async move {
-                    bodies.fetch_add(1, SeqCst);
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    Ok::<_, Error>(7)
-                })
-                .await
-        }
-    };
-    // The first body ends at 10 ms and its completion lands at 610 ms; the duplicate comes at
-    // 400 ms, after the lease the first claim had when its body ended.
-    let (first, duplicate) = tokio::join!(call(Duration::ZERO), call(Duration::from_millis(400)));
-    assert_eq!(first.unwrap(), 7, "the first call's result was recorded");
-    assert!(matches!(duplicate, Err(Error::InProgress { .. })), "{duplicate:?}");
-    assert_eq!(bodies.load(SeqCst), 1, "the duplicate ran the body while the first result was being recorded");
-    assert_eq!(call(Duration::ZERO).await.unwrap(), 7, "a later call replays the record");
-    assert_eq!(bodies.load(SeqCst), 1);
 }
 
 /// The renewals while recording are capped: a store that accepts renewals but keeps failing
@@ -381,15 +335,14 @@ async fn memory_a_completion_slower_than_its_lease_keeps_the_key() {
 /// Then the caller gets its result (unrecorded, logged) and the key frees itself.
 #[tokio::test(start_paused = true)]
 async fn memory_renewals_while_recording_stop_one_lease_after_the_body() {
-    use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
     use std::time::Duration;
 
     use idempotent_runtime::{Call, Error};
     use tokio::time::Instant;
 
     let lease = Duration::from_millis(300);
-    let store =
-        SlowCompletions { inner: MemoryStore::new(), delay: Duration::ZERO, failures: AtomicU32::new(u32::MAX) };
+    let store = FailingCompletions { inner: MemoryStore::new(), failing: AtomicBool::new(true) };
     let bodies = AtomicU32::new(0);
     let call = || {
         Call::new("failing-completions", &"k").lease(lease).run(&store, async {
@@ -404,7 +357,7 @@ async fn memory_renewals_while_recording_stop_one_lease_after_the_body() {
     assert!(gave_up > lease, "the completion was retried for only {gave_up:?}, not past the first lease");
     // The last renewal's lease has ended by two leases after the body: the key is free again.
     tokio::time::sleep_until(start + lease * 2 + Duration::from_millis(1)).await;
-    store.failures.store(0, SeqCst);
+    store.failing.store(false, SeqCst);
     assert_eq!(call().await.unwrap(), 7);
     assert_eq!(bodies.load(SeqCst), 2, "the unrecorded result's key was taken over after its lease");
 }

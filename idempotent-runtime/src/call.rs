@@ -573,20 +573,13 @@ where
         Some(Err(e)) => unrecordable(observer, &format!("it failed to serialise: {e}")),
     };
     let lease = guard.lease;
-    // A completion detached from here (its caller dropped) retries within the lease as it stands now.
+    // A completion detached from here (its caller dropped) is renewed up to the end of the lease as
+    // it stands now, as this one is.
     let ends = *lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    guard.phase = Phase::Recording { outcome, retention, lease_end: ends };
+    guard.phase = Phase::Recording { outcome, retention, lease_end: ends, held };
     let Phase::Recording { outcome, .. } = &guard.phase else { unreachable!("set above") };
     let completion = Completion::new(key, token, fingerprint, outcome, retention);
-    let completed = {
-        let completing = pin!(complete_within_lease(store, &completion, lease_end));
-        if held {
-            let renewals = pin!(heartbeat(store, key, token, lease, lease_end, Renew::WithinThisLease));
-            alongside(completing, renewals).await
-        } else {
-            completing.await
-        }
-    };
+    let completed = complete_renewed(store, &completion, held.then_some(lease), lease_end).await;
     if let Phase::Recording { outcome, .. } = std::mem::replace(&mut guard.phase, Phase::Done) {
         outcome::recycle(outcome);
     }
@@ -626,6 +619,25 @@ pub(crate) enum Completed {
     LeaseLost,
     /// The store failed for good (a refusal), or kept failing until the lease ended.
     Failed(StoreError),
+}
+
+/// Completes as [`complete_within_lease`] does while, given `renew_by`, a heartbeat renews the
+/// claim by that lease until the lease it holds now (`lease_end`) would have ended.
+pub(crate) async fn complete_renewed<S: Store + ?Sized>(
+    store: &S,
+    completion: &Completion<'_>,
+    renew_by: Option<Duration>,
+    lease_end: &Mutex<Instant>,
+) -> Completed {
+    let completing = pin!(complete_within_lease(store, completion, lease_end));
+    match renew_by {
+        Some(lease) => {
+            let (key, token) = (completion.key, completion.token);
+            let renewals = pin!(heartbeat(store, key, token, lease, lease_end, Renew::WithinThisLease));
+            alongside(completing, renewals).await
+        }
+        None => completing.await,
+    }
 }
 
 /// Completes, retrying transient failures with back-off while the lease lasts (`lease_end`, which
@@ -676,8 +688,8 @@ enum Phase {
     Running,
     /// An unrecorded error's release is in flight.
     Releasing,
-    /// The outcome is being recorded.
-    Recording { outcome: Vec<u8>, retention: Duration, lease_end: Instant },
+    /// The outcome is being recorded; `held` if the claim is renewed meanwhile.
+    Recording { outcome: Vec<u8>, retention: Duration, lease_end: Instant, held: bool },
     /// The call has finished with the store.
     Done,
 }
@@ -727,7 +739,7 @@ impl<S: Store + ?Sized> Drop for Guard<'_, S> {
                     release(self)
                 }
             },
-            Phase::Recording { outcome, retention, lease_end } => {
+            Phase::Recording { outcome, retention, lease_end, held } => {
                 tracing::debug!(target: "idempotent", "dropped while recording; finishing the record in the background");
                 Detached::Complete {
                     key: self.key.clone(),
@@ -736,6 +748,7 @@ impl<S: Store + ?Sized> Drop for Guard<'_, S> {
                     outcome,
                     retention,
                     lease_end,
+                    renew_by: held.then_some(self.lease),
                 }
             }
         };

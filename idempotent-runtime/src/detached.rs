@@ -4,7 +4,7 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crate::call::{Completed, complete_within_lease};
+use crate::call::{Completed, complete_renewed};
 use crate::{Completion, Fingerprint, Key, Store, StoreError, Token};
 
 /// A protocol step that must still reach the store although the call that began it was dropped.
@@ -24,7 +24,8 @@ pub enum Detached {
         token: Token,
     },
     /// Record `outcome` for `key`: the body finished, but its caller was dropped before the record
-    /// was written. Retried like a foreground completion while the lease lasts.
+    /// was written. Retried like a foreground completion while the lease lasts, and renewed like
+    /// one: up to `lease_end`, the end of the lease the claim held when recording began.
     Complete {
         /// The claimed key.
         key: Key,
@@ -38,6 +39,9 @@ pub enum Detached {
         retention: Duration,
         /// When the claim's lease ends, by the caller's estimate (never later than the store's).
         lease_end: tokio::time::Instant,
+        /// The lease to renew the claim by while the completion is in flight; `None` if the claim
+        /// was found lapsed before recording began (it is then not renewed).
+        renew_by: Option<Duration>,
     },
 }
 
@@ -62,13 +66,14 @@ impl Detached {
     }
 
     /// Does the step on `store`: one release, or a completion whose transient failures are
-    /// retried with back-off until the lease ends.
+    /// retried with back-off until the lease ends, the claim renewed meanwhile (`renew_by`) until
+    /// the lease it held when recording began would have ended.
     pub async fn finish<S: Store + ?Sized>(self, store: &S) -> Result<(), StoreError> {
         match self {
             Detached::Release { key, token } => store.release(&key, &token).await,
-            Detached::Complete { key, token, fingerprint, outcome, retention, lease_end } => {
+            Detached::Complete { key, token, fingerprint, outcome, retention, lease_end, renew_by } => {
                 let completion = Completion::new(&key, &token, fingerprint.as_ref(), &outcome, retention);
-                match complete_within_lease(store, &completion, &Mutex::new(lease_end)).await {
+                match complete_renewed(store, &completion, renew_by, &Mutex::new(lease_end)).await {
                     Completed::Recorded { .. } => Ok(()),
                     Completed::LeaseLost => Err(StoreError::NotOwner),
                     Completed::Failed(error) => Err(error),

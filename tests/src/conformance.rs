@@ -89,6 +89,7 @@ macro_rules! conformance_suite {
                 a_resent_claim_finds_its_own_claim,
                 a_call_dropped_while_recording_is_still_recorded,
                 a_completion_slower_than_its_lease_keeps_the_key,
+                a_detached_completion_slower_than_its_lease_keeps_the_key,
                 a_call_dropped_while_claiming_does_not_strand_the_key,
                 invalid_durations_are_refused_before_claiming,
                 fingerprint_mismatch_is_refused_on_every_path,
@@ -133,6 +134,7 @@ macro_rules! conformance_suite {
                 a_resent_claim_finds_its_own_claim,
                 a_call_dropped_while_recording_is_still_recorded,
                 a_completion_slower_than_its_lease_keeps_the_key,
+                a_detached_completion_slower_than_its_lease_keeps_the_key,
                 a_call_dropped_while_claiming_does_not_strand_the_key,
                 invalid_durations_are_refused_before_claiming,
                 fingerprint_mismatch_is_refused_on_every_path,
@@ -638,9 +640,18 @@ struct Paused<S> {
     after_claim: Duration,
     /// Pause before a completion is sent.
     before_complete: Duration,
+    /// Finish detached steps through this wrapper (so a detached completion is paused too), not
+    /// through the inner store.
+    detach_here: bool,
 }
 
-impl<S: Store> Store for Paused<S> {
+impl<S> Clone for Paused<S> {
+    fn clone(&self) -> Self {
+        Paused { inner: self.inner.clone(), ..*self }
+    }
+}
+
+impl<S: Store + 'static> Store for Paused<S> {
     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         let claim = self.inner.claim(request).await;
         tokio::time::sleep(self.after_claim).await;
@@ -661,7 +672,11 @@ impl<S: Store> Store for Paused<S> {
     }
 
     fn detach(&self, step: Detached) {
-        self.inner.detach(step);
+        if self.detach_here {
+            idempotent_runtime::stores::spawn_detached(self.clone(), step);
+        } else {
+            self.inner.detach(step);
+        }
     }
 }
 
@@ -670,7 +685,12 @@ impl<S: Store> Store for Paused<S> {
 pub async fn a_call_dropped_while_recording_is_still_recorded<S: Store + 'static>(store: Arc<S>, _: Expiry) {
     let ledger = Ledger::default();
     let key = unique("recording");
-    let paused = Paused { inner: store.clone(), after_claim: Duration::ZERO, before_complete: Duration::from_secs(30) };
+    let paused = Paused {
+        inner: store.clone(),
+        after_claim: Duration::ZERO,
+        before_complete: Duration::from_secs(30),
+        detach_here: false,
+    };
     let first = counted(&paused, &ledger, &key, "p", Duration::ZERO, Duration::from_secs(30));
     assert!(tokio::time::timeout(Duration::from_millis(300), first).await.is_err());
     assert_eq!(ledger.count(&key), 1, "the body ran before the drop");
@@ -688,7 +708,12 @@ pub async fn a_completion_slower_than_its_lease_keeps_the_key<S: Store + 'static
     let ledger = Ledger::default();
     let key = unique("slow-completion");
     let lease = Duration::from_millis(1200);
-    let slow = Paused { inner: store.clone(), after_claim: Duration::ZERO, before_complete: lease * 4 / 3 };
+    let slow = Paused {
+        inner: store.clone(),
+        after_claim: Duration::ZERO,
+        before_complete: lease * 4 / 3,
+        detach_here: false,
+    };
     let first = counted(&slow, &ledger, &key, "p", Duration::ZERO, lease);
     let duplicate = async {
         // After the lease the claim had when its body ended, before the completion lands.
@@ -703,12 +728,39 @@ pub async fn a_completion_slower_than_its_lease_keeps_the_key<S: Store + 'static
     assert_eq!(ledger.count(&key), 1);
 }
 
+/// A completion left to finish in the background, its caller dropped while the result was being
+/// recorded, is renewed like one its caller waits for: a duplicate that comes after the lease the
+/// claim had when its body ended gets `InProgress`, not a second run. The caller is dropped 100 ms
+/// into recording, and the background completion takes one and a third leases of its own.
+pub async fn a_detached_completion_slower_than_its_lease_keeps_the_key<S: Store + 'static>(store: Arc<S>, _: Expiry) {
+    let ledger = Ledger::default();
+    let key = unique("slow-detached");
+    let lease = Duration::from_millis(1200);
+    let slow =
+        Paused { inner: store.clone(), after_claim: Duration::ZERO, before_complete: lease * 4 / 3, detach_here: true };
+    let first = counted(&slow, &ledger, &key, "p", Duration::ZERO, lease);
+    assert!(tokio::time::timeout(Duration::from_millis(100), first).await.is_err());
+    assert_eq!(ledger.count(&key), 1, "the body ran before the drop");
+    // After the lease the claim had when its body ended, before the background completion lands.
+    tokio::time::sleep(lease + Duration::from_millis(100)).await;
+    let duplicate = counted(&*store, &ledger, &key, "p", Duration::ZERO, lease).await;
+    assert!(is_in_progress(&duplicate), "the duplicate must get InProgress, got {duplicate:?}");
+    let retry = counted_waiting(&*store, &ledger, &key, "p", Duration::ZERO).await.unwrap();
+    assert_eq!(retry, (1, "p#1".to_owned()), "a retry replays the result recorded in the background");
+    assert_eq!(ledger.count(&key), 1);
+}
+
 /// A call dropped while its claim request is in flight never runs the body, and does not strand
 /// the key for a lease: the claim it may have made is released in the background.
 pub async fn a_call_dropped_while_claiming_does_not_strand_the_key<S: Store + 'static>(store: Arc<S>, _: Expiry) {
     let ledger = Ledger::default();
     let key = unique("claiming");
-    let paused = Paused { inner: store.clone(), after_claim: Duration::from_secs(30), before_complete: Duration::ZERO };
+    let paused = Paused {
+        inner: store.clone(),
+        after_claim: Duration::from_secs(30),
+        before_complete: Duration::ZERO,
+        detach_here: false,
+    };
     let first = counted(&paused, &ledger, &key, "p", Duration::ZERO, Duration::from_secs(60));
     assert!(tokio::time::timeout(Duration::from_millis(300), first).await.is_err());
     assert_eq!(ledger.count(&key), 0, "the body never started");

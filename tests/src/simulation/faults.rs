@@ -2,9 +2,10 @@
 //! applies it and loses the reply, or delays it (past the lease, typically), and logs every step
 //! to the history.
 //!
-//! Steps that a dropped call leaves to finish ([`Store::detach`]) go through the same wrapper
-//! without faults, so the log sees them too: the memory store finishes them at once (this polls
-//! them once, in place), remote stores in a task.
+//! Steps that a dropped call leaves to finish ([`Store::detach`]) go through the same wrapper, so
+//! the log sees them too, and draw faults as well where the history's rates say so
+//! ([`FaultRates::background`]): a step that ends on its first poll (the memory store's, without
+//! a fault) ends in place, any other in a task that [`FaultStore::background_ended`] waits for.
 
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -29,18 +30,21 @@ pub struct FaultRates {
     pub delay: u32,
     /// A renewal fails while its owner lives (on top of `fail`).
     pub extend_fail: u32,
+    /// Steps finished in the background (a dropped call's completion and its renewals, a
+    /// release) draw faults too; without it they have none.
+    pub background: bool,
 }
 
 impl FaultRates {
     /// No faults.
-    pub const NONE: FaultRates = FaultRates { fail: 0, lose_reply: 0, delay: 0, extend_fail: 0 };
+    pub const NONE: FaultRates = FaultRates { fail: 0, lose_reply: 0, delay: 0, extend_fail: 0, background: false };
 }
 
 /// The store the callers use: faults and logging in front of a [`Planted`] store.
 #[derive(Debug)]
 pub struct FaultStore<S> {
     shared: Arc<Shared<S>>,
-    /// This handle finishes detached steps: no faults.
+    /// This handle finishes detached steps (faults only under [`FaultRates::background`]).
     detached: bool,
 }
 
@@ -50,7 +54,12 @@ struct Shared<S> {
     history: History,
     rates: FaultRates,
     rng: Mutex<SplitMix64>,
+    /// Draws the faults of detached steps: a generator of their own, so that the other steps'
+    /// faults stay those the seed drew before detached steps had any.
+    background_rng: Mutex<SplitMix64>,
     lease: Duration,
+    /// The tasks finishing detached steps.
+    background: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
 impl<S> Clone for FaultStore<S> {
@@ -88,7 +97,23 @@ impl<S: Store + 'static> FaultStore<S> {
     /// `store` behind faults drawn at `rates` from `rng`, logging to `history`; `lease` is the
     /// lease the history's calls use (how long a delay must be to outlast it).
     pub fn new(store: Planted<S>, history: History, rates: FaultRates, rng: SplitMix64, lease: Duration) -> Self {
-        FaultStore { shared: Arc::new(Shared { store, history, rates, rng: Mutex::new(rng), lease }), detached: false }
+        let background_rng = Mutex::new(SplitMix64::new(rng.clone().next_u64() ^ 0xBAC6_D00D_5EED));
+        let (rng, background) = (Mutex::new(rng), Mutex::default());
+        let shared = Shared { store, history, rates, rng, background_rng, lease, background };
+        FaultStore { shared: Arc::new(shared), detached: false }
+    }
+
+    /// Waits until every detached step handed to this store so far has ended.
+    pub async fn background_ended(&self) {
+        loop {
+            let tasks = std::mem::take(&mut *self.shared.background.lock().unwrap_or_else(PoisonError::into_inner));
+            if tasks.is_empty() {
+                return;
+            }
+            for task in tasks {
+                let _ = task.await;
+            }
+        }
     }
 
     /// The store under test, without faults or logging (for the end-of-history probe).
@@ -98,11 +123,12 @@ impl<S: Store + 'static> FaultStore<S> {
     }
 
     fn draw(&self, op: Op) -> Fault {
-        if self.detached {
+        let rates = self.shared.rates;
+        if self.detached && !rates.background {
             return Fault::None;
         }
-        let rates = self.shared.rates;
-        let mut rng = self.shared.rng.lock().unwrap_or_else(PoisonError::into_inner);
+        let rng = if self.detached { &self.shared.background_rng } else { &self.shared.rng };
+        let mut rng = rng.lock().unwrap_or_else(PoisonError::into_inner);
         let roll = rng.below(100);
         let extend_fail = if op == Op::Extend { rates.extend_fail } else { 0 };
         let fail = u64::from(rates.fail + extend_fail);
@@ -218,9 +244,11 @@ impl<S: Store + 'static> Store for FaultStore<S> {
         let mut task = Box::pin(async move {
             let _ = step.finish(&store).await;
         });
-        // The memory store finishes at once; a remote store's step goes on in a task.
+        // The memory store finishes at once; a remote store's step, or one that met a fault,
+        // goes on in a task.
         if task.as_mut().poll(&mut Context::from_waker(Waker::noop())) == Poll::Pending {
-            tokio::spawn(task);
+            let task = tokio::spawn(task);
+            self.shared.background.lock().unwrap_or_else(PoisonError::into_inner).push(task);
         }
     }
 

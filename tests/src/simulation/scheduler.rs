@@ -45,11 +45,11 @@ pub fn draw(seed: u64, lease: Duration) -> Drawn {
     let count = 2 + usize::try_from(rng.below(9)).unwrap_or(0);
     let rates = match rng.below(6) {
         0 => FaultRates::NONE,
-        1 => FaultRates { fail: 5, lose_reply: 0, delay: 0, extend_fail: 0 },
-        2 => FaultRates { fail: 2, lose_reply: 6, delay: 3, extend_fail: 0 },
-        3 => FaultRates { fail: 0, lose_reply: 2, delay: 2, extend_fail: 60 },
-        4 => FaultRates { fail: 8, lose_reply: 8, delay: 6, extend_fail: 25 },
-        _ => FaultRates { fail: 0, lose_reply: 0, delay: 15, extend_fail: 0 },
+        1 => FaultRates { fail: 5, lose_reply: 0, delay: 0, extend_fail: 0, background: true },
+        2 => FaultRates { fail: 2, lose_reply: 6, delay: 3, extend_fail: 0, background: true },
+        3 => FaultRates { fail: 0, lose_reply: 2, delay: 2, extend_fail: 60, background: true },
+        4 => FaultRates { fail: 8, lose_reply: 8, delay: 6, extend_fail: 25, background: true },
+        _ => FaultRates { fail: 0, lose_reply: 0, delay: 15, extend_fail: 0, background: true },
     };
     let mut caller_rng = rng.fork();
     let callers = (0..count).map(|id| Caller::draw(id, keys, lease, &mut caller_rng.fork())).collect();
@@ -97,7 +97,9 @@ pub async fn run_history<S: Store + 'static>(
             });
         }
     }
-    // Every caller has stopped: after one lease no key may stay blocked.
+    // Every caller has stopped, and so has every step left to finish in the background: after
+    // one lease no key may stay blocked.
+    store.background_ended().await;
     tokio::time::sleep(lease + lease / 10 + settle).await;
     for key in 0..drawn.keys {
         let name = Key::new(SCOPE, &format!("{prefix}-{key}")).expect("a valid key");

@@ -579,7 +579,17 @@ where
     guard.phase = Phase::Recording { outcome, retention, lease_end: ends, held };
     let Phase::Recording { outcome, .. } = &guard.phase else { unreachable!("set above") };
     let completion = Completion::new(key, token, fingerprint, outcome, retention);
-    let completed = complete_renewed(store, &completion, held.then_some(lease), lease_end).await;
+    // What `complete_renewed` does, written out: one more future around it cost the memory
+    // store's first execution about 80 instructions (2 %) by callgrind.
+    let completed = {
+        let completing = pin!(complete_within_lease(store, &completion, lease_end));
+        if held {
+            let renewals = pin!(heartbeat(store, key, token, lease, lease_end, Renew::WithinThisLease));
+            alongside(completing, renewals).await
+        } else {
+            completing.await
+        }
+    };
     if let Phase::Recording { outcome, .. } = std::mem::replace(&mut guard.phase, Phase::Done) {
         outcome::recycle(outcome);
     }
@@ -622,7 +632,8 @@ pub(crate) enum Completed {
 }
 
 /// Completes as [`complete_within_lease`] does while, given `renew_by`, a heartbeat renews the
-/// claim by that lease until the lease it holds now (`lease_end`) would have ended.
+/// claim by that lease until the lease it holds now (`lease_end`) would have ended: a detached
+/// completion (`record` does the same in place).
 pub(crate) async fn complete_renewed<S: Store + ?Sized>(
     store: &S,
     completion: &Completion<'_>,
@@ -630,13 +641,12 @@ pub(crate) async fn complete_renewed<S: Store + ?Sized>(
     lease_end: &Mutex<Instant>,
 ) -> Completed {
     let completing = pin!(complete_within_lease(store, completion, lease_end));
-    match renew_by {
-        Some(lease) => {
-            let (key, token) = (completion.key, completion.token);
-            let renewals = pin!(heartbeat(store, key, token, lease, lease_end, Renew::WithinThisLease));
-            alongside(completing, renewals).await
-        }
-        None => completing.await,
+    if let Some(lease) = renew_by {
+        let (key, token) = (completion.key, completion.token);
+        let renewals = pin!(heartbeat(store, key, token, lease, lease_end, Renew::WithinThisLease));
+        alongside(completing, renewals).await
+    } else {
+        completing.await
     }
 }
 

@@ -129,8 +129,9 @@ pub struct Verdict {
 const HISTORY_LIMIT: Duration = Duration::from_secs(60);
 
 /// How often each store step fails, loses its reply or is delayed past the lease, in histories
-/// with store faults. Steps finished in the background have none: the probe does not wait for
-/// them (the store simulation does).
+/// with store faults. Steps finished in the background have none here, as before the store
+/// simulation gave them faults: under the layer a handler is never dropped, so the only such
+/// steps are a panicking handler's releases.
 const STORE_FAULTS: FaultRates = FaultRates { fail: 6, lose_reply: 6, delay: 3, extend_fail: 6, background: false };
 
 /// Runs the history of `seed` against a server of its own over `store`, its keys under `prefix`,

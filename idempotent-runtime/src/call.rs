@@ -505,6 +505,12 @@ async fn heartbeat<S: Store + ?Sized>(
         }
         tokio::time::sleep_until(next).await;
         let sent = Instant::now();
+        // Due before the cap but sent at or after it (a heartbeat started after its first renewal
+        // was due, as a detached completion's is, or a late wake-up): not sent, or the claim would
+        // outlast the body by more than two leases.
+        if until.is_some_and(|until| sent >= until) {
+            return;
+        }
         match timed_since(store, StoreStep::Extend, sent, None, store.extend(key, token, lease)).await {
             Ok(()) => {
                 *lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = sent + lease;

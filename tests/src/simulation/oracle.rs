@@ -19,14 +19,16 @@
 //! 4. **Every caller gets its own result, the recorded result or a typed error**, and
 //!    `LeaseLost` only when another token took the key over (was granted it, or recorded it).
 //! 5. **Renewal and release after the lease ended are refused**; an `InProgress` answer means a
-//!    claim that may still be live; **no key is blocked a lease after its last owner stopped**.
+//!    claim that may still be live; **no key is blocked a lease after its last owner stopped**;
+//!    renewals while a result is recorded stop within a lease of the body's end (on the
+//!    simulation's exact clock).
 //! 6. **No panic escapes the library** (the bodies' own planted panics come out as they should).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use super::callers::body_value;
-use super::history::{BodyEnd, CallEnd, Entry, Event, Op, Reply, Step, TokenId};
+use super::history::{BodyEnd, CallEnd, Entry, Event, Fault, Op, Reply, Step, TokenId};
 
 /// What the oracle found in one history.
 #[derive(Debug, Default, Clone)]
@@ -119,7 +121,8 @@ impl TokenLife {
 #[derive(Debug, Clone, Copy)]
 struct Body {
     start: u64,
-    end: Option<(u64, BodyEnd)>,
+    /// Sequence number, time and how.
+    end: Option<(u64, Duration, BodyEnd)>,
 }
 
 /// Judges one history.
@@ -153,6 +156,9 @@ pub fn judge_with_expiry_slack(entries: &[Entry], slack: Duration) -> Verdict {
     let mut verdict = Verdict::default();
     let facts = read(entries, &mut verdict);
     store_rules(&facts, slack, &mut verdict);
+    if slack.is_zero() {
+        renewals_after_the_body(&facts, &mut verdict);
+    }
     grants(&facts, &mut verdict);
     let records = records(&facts, &mut verdict);
     results(&facts, &records, &mut verdict);
@@ -209,7 +215,7 @@ fn read<'a>(entries: &'a [Entry], verdict: &mut Verdict) -> Facts<'a> {
             }
             Event::BodyEnd { caller, attempt, how } => {
                 if let Some(body) = bodies.get_mut(&(*caller, *attempt)) {
-                    body.end.get_or_insert((entry.seq, *how));
+                    body.end.get_or_insert((entry.seq, entry.at, *how));
                 }
             }
             Event::CallEnd { caller, attempt, how } => {
@@ -258,6 +264,30 @@ fn store_rules(facts: &Facts<'_>, slack: Duration, verdict: &mut Verdict) {
     }
 }
 
+/// Rule 5, continued: renewals while a result is recorded stop with the lease the claim held
+/// when its body ended, so a completion that keeps failing blocks its key for two leases at most
+/// (README, "Limits"): no renewal leaves a lease or more after the body's end. Checked only on
+/// an exact clock (`slack` zero, the memory store on the simulation's clock): on a real server's
+/// history the log's stamps may trail the library's own clock readings.
+fn renewals_after_the_body(facts: &Facts<'_>, verdict: &mut Verdict) {
+    for step in facts.steps.iter().filter(|s| s.op == Op::Extend) {
+        let owner = facts.tokens[&step.token].owner;
+        let Some((_, ended, _)) = owner.and_then(|o| facts.bodies.get(&o)).and_then(|b| b.end) else { continue };
+        // A request delayed on its way is logged twice: when it left, and when it arrived.
+        let left = match step.fault {
+            Fault::DelayBefore(delay) if step.store != Reply::NotSent => step.sent.0.saturating_sub(delay),
+            _ => step.sent.0,
+        };
+        if left >= ended + step.lease {
+            verdict.violations.push(format!(
+                "renewal of t{} on k{} sent at {left:.3?}, a lease ({:?}) or more after its body ended at {ended:.3?}: \
+                 renewals while recording must stop within the lease the claim held then",
+                step.token, step.key, step.lease
+            ));
+        }
+    }
+}
+
 /// 1 and 2. Every grant: nobody else certainly live, no record before it; every re-run a cause.
 fn grants(facts: &Facts<'_>, verdict: &mut Verdict) {
     let Facts { tokens, bodies, on_cancel_release, .. } = facts;
@@ -288,12 +318,12 @@ fn grants(facts: &Facts<'_>, verdict: &mut Verdict) {
             if body1.start > body2.start {
                 continue;
             }
-            let overlap = body1.end.is_none_or(|(end, _)| end > body2.start);
+            let overlap = body1.end.is_none_or(|(end, _, _)| end > body2.start);
             let released = life1.released.is_some_and(|(_, r)| r.1 < c2_sent.1);
             let owner1 = life1.owner.unwrap_or_default();
             let recorded_before = life1.completed.as_ref().is_some_and(|(_, r, _)| r.1 < c2_sent.1);
             let unreachable = life1.unreachable_before(c2_sent.1);
-            let cause = match (released, body1.end.map(|(_, how)| how)) {
+            let cause = match (released, body1.end.map(|(_, _, how)| how)) {
                 _ if overlap && unreachable => Some("lost lease (store unreachable for the running body)"),
                 _ if overlap => None,
                 (true, Some(BodyEnd::Err)) => Some("released Err"),
@@ -377,7 +407,7 @@ fn results(facts: &Facts<'_>, records: &BTreeMap<usize, Vec<u8>>, verdict: &mut 
         match how {
             CallEnd::Ok(value) => {
                 let own = *value == body_value(caller, attempt)
-                    && bodies.get(&(caller, attempt)).is_some_and(|b| matches!(b.end, Some((_, BodyEnd::Ok))));
+                    && bodies.get(&(caller, attempt)).is_some_and(|b| matches!(b.end, Some((_, _, BodyEnd::Ok))));
                 let recorded = key
                     .and_then(|k| records.get(&k))
                     .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(bytes).ok())

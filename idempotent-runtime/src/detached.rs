@@ -1,7 +1,6 @@
 //! Steps left to finish after their caller's future is gone: a release after a panic or a
 //! cancellation, a completion interrupted by a drop.
 
-use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::call::{Completed, complete_renewed};
@@ -66,14 +65,15 @@ impl Detached {
     }
 
     /// Does the step on `store`: one release, or a completion whose transient failures are
-    /// retried with back-off until the lease ends, the claim renewed meanwhile (`renew_by`) until
-    /// the lease it held when recording began would have ended.
+    /// retried with back-off, the claim renewed meanwhile (`renew_by`) until the lease it held
+    /// when recording began would have ended, and the completion retried until a lease after
+    /// that (the latest the claim can be live; without `renew_by`, until that end).
     pub async fn finish<S: Store + ?Sized>(self, store: &S) -> Result<(), StoreError> {
         match self {
             Detached::Release { key, token } => store.release(&key, &token).await,
             Detached::Complete { key, token, fingerprint, outcome, retention, lease_end, renew_by } => {
                 let completion = Completion::new(&key, &token, fingerprint.as_ref(), &outcome, retention);
-                match complete_renewed(store, &completion, renew_by, &Mutex::new(lease_end)).await {
+                match complete_renewed(store, &completion, renew_by, lease_end).await {
                     Completed::Recorded { .. } => Ok(()),
                     Completed::LeaseLost => Err(StoreError::NotOwner),
                     Completed::Failed(error) => Err(error),

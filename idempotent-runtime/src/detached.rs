@@ -23,8 +23,9 @@ pub enum Detached {
         token: Token,
     },
     /// Record `outcome` for `key`: the body finished, but its caller was dropped before the record
-    /// was written. Retried like a foreground completion while the lease lasts, and renewed like
-    /// one: up to `lease_end`, the end of the lease the claim held when recording began.
+    /// was written. Renewed like a foreground completion, up to `lease_end`, and retried until a
+    /// lease after it, the latest the claim, renewed up to then, can be live; without `renew_by`,
+    /// neither renewed nor retried past `lease_end`.
     Complete {
         /// The claimed key.
         key: Key,
@@ -36,7 +37,8 @@ pub enum Detached {
         outcome: Vec<u8>,
         /// How long the record is replayed.
         retention: Duration,
-        /// When the claim's lease ends, by the caller's estimate (never later than the store's).
+        /// The end of the lease the claim held when recording began, by the caller's estimate
+        /// (never later than the store's): no renewal is sent from then on.
         lease_end: tokio::time::Instant,
         /// The lease to renew the claim by while the completion is in flight; `None` if the claim
         /// was found lapsed before recording began (it is then not renewed).

@@ -361,3 +361,69 @@ async fn memory_renewals_while_recording_stop_one_lease_after_the_body() {
     assert_eq!(call().await.unwrap(), 7);
     assert_eq!(bodies.load(SeqCst), 2, "the unrecorded result's key was taken over after its lease");
 }
+
+/// The memory store behind a wrapper whose first completion hangs (its caller is dropped while it
+/// is in flight), whose next two fail as a backend error would, and which finishes detached steps
+/// itself, so that the completion finished in the background meets those failures.
+#[derive(Clone)]
+struct StalledThenFailing {
+    inner: MemoryStore,
+    attempts: std::sync::Arc<std::sync::atomic::AtomicU32>,
+}
+
+impl Store for StalledThenFailing {
+    async fn complete(
+        &self,
+        completion: &idempotent_runtime::Completion<'_>,
+    ) -> Result<(), idempotent_runtime::StoreError> {
+        match self.attempts.fetch_add(1, std::sync::atomic::Ordering::SeqCst) {
+            0 => tokio::time::sleep(std::time::Duration::from_secs(60)).await,
+            1 | 2 => {
+                return Err(idempotent_runtime::StoreError::backend("stalled-then-failing", "the completion failed"));
+            }
+            _ => {}
+        }
+        self.inner.complete(completion).await
+    }
+
+    fn detach(&self, step: idempotent_runtime::Detached) {
+        idempotent_runtime::stores::spawn_detached(self.clone(), step);
+    }
+
+    idempotent_runtime::forward_store!(direct StalledThenFailing::inner; claim release extend);
+}
+
+impl StalledThenFailing {
+    fn inner(&self) -> &MemoryStore {
+        &self.inner
+    }
+}
+
+/// A completion left to the background after the renewals' cap (the end of the lease the claim
+/// held when its body ended) sends no renewal, but its claim, renewed until then, still lives for
+/// up to a lease after it: the completion is retried while it may, and lands. A 300 ms lease: the
+/// body ends at once, the call renews at 100 and 200 ms (the claim lives until 500 ms), stops at
+/// the cap (300 ms), and is dropped at 320 ms; the background completion fails twice, then lands.
+#[tokio::test(start_paused = true)]
+async fn memory_a_completion_detached_after_the_renewals_cap_is_retried_while_its_claim_lives() {
+    use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+    use std::time::Duration;
+
+    use idempotent_runtime::{Call, Error};
+
+    let lease = Duration::from_millis(300);
+    let store = StalledThenFailing { inner: MemoryStore::new(), attempts: std::sync::Arc::default() };
+    let bodies = AtomicU32::new(0);
+    let call = || {
+        Call::new("stalled-then-failing", &"k").lease(lease).run(&store, async {
+            bodies.fetch_add(1, SeqCst);
+            Ok::<_, Error>(7)
+        })
+    };
+    assert!(tokio::time::timeout(Duration::from_millis(320), call()).await.is_err(), "dropped while recording");
+    // Past every lease the claim could have had (500 ms) and the completions' retries.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(store.attempts.load(SeqCst), 4, "the hung completion, two failures in the background, then the record");
+    assert_eq!(call().await.unwrap(), 7);
+    assert_eq!(bodies.load(SeqCst), 1, "the result recorded in the background is replayed, not run again");
+}

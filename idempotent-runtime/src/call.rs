@@ -480,8 +480,9 @@ async fn alongside<F: Future>(mut main: Pin<&mut F>, mut side: Pin<&mut impl Fut
 enum Renew {
     /// Until the claim is lost or the caller stops polling: while the body runs.
     WhileHeld,
-    /// Also no renewal due at or after the end of the lease that the claim holds when the heartbeat
-    /// starts: while the result is recorded. The claim then outlasts the body by two leases at most.
+    /// Also no renewal due, or sent, at or after the end of the lease that the claim holds when the
+    /// heartbeat starts: while the result is recorded. The claim then outlasts the body by two
+    /// leases at most.
     WithinThisLease,
 }
 

@@ -687,3 +687,112 @@ async fn http_client_and_attribute_defaults_run_a_handler_that_charged_then_fail
     assert_eq!(headers.get("idempotency-key").unwrap().to_str().unwrap(), attempts.key, "the key, echoed");
     assert_eq!((attempts.count, attempts.stopped), (2, Some(Stopped::Replayed)));
 }
+
+// ---------------------------------------------------------------- review: keyed requests on methods the layer does not cover
+
+/// A server with the layer's defaults (and the caller choice it requires) over `PUT` and `POST`
+/// `/charge-then-fail`.
+async fn charge_then_fail_server(ledger: &Ledger) -> SocketAddr {
+    let app = Router::new()
+        .route("/charge-then-fail", post(charge_then_fail).put(charge_then_fail))
+        .route_layer(IdempotencyLayer::new(MemoryStore::new()).keys_shared_by_all_callers())
+        .layer(axum::middleware::from_fn_with_state(ledger.clone(), note_key))
+        .with_state(ledger.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.expect("the server runs") });
+    addr
+}
+
+/// The client retries a request that carries an `Idempotency-Key` whatever its method (and the
+/// methods it is given), on the promise that the server runs it once per key; the layer, with
+/// its defaults, covers `POST` and `PATCH` only and passes a keyed `PUT` through untouched. Both
+/// defaults together: a `PUT` whose handler charged and then answered `500` charges once per
+/// attempt, under one key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_client_keyed_put_and_server_defaults_run_a_handler_that_charged_then_failed_once() {
+    // The caller sets the key itself, as the client's docs invite ("a key the caller set makes any
+    // request retried with it").
+    let explicit = Ledger::default();
+    let addr = charge_then_fail_server(&explicit).await;
+    let response = client(RetryPolicy::default().jitter_seed(21))
+        .put(format!("http://{addr}/charge-then-fail"))
+        .header("idempotency-key", "3f0c6a9e-2b7d-4c1e-9a58-0d6e4b2f7a11")
+        .body("charge 100")
+        .send()
+        .await
+        .unwrap();
+    let (status, noted) = (response.status(), attempts(&response));
+    println!(
+        "keyed PUT: the handler ran {} time(s) under key {} in {} attempt(s); the client got {status} ({:?})",
+        explicit.runs(),
+        noted.key,
+        noted.count,
+        noted.stopped
+    );
+
+    // The client configured for PUT (`methods`), the server left with its defaults.
+    let configured = Ledger::default();
+    let addr = charge_then_fail_server(&configured).await;
+    let client = ClientBuilder::new(reqwest::Client::new())
+        .with(IdempotentRetry::new(RetryPolicy::default().jitter_seed(22)).methods([
+            Method::POST,
+            Method::PATCH,
+            Method::PUT,
+        ]))
+        .build();
+    let response = client.put(format!("http://{addr}/charge-then-fail")).body("charge 100").send().await.unwrap();
+    let configured_attempts = attempts(&response);
+    println!(
+        "PUT in the client's methods: the handler ran {} time(s) under key {} in {} attempt(s)",
+        configured.runs(),
+        configured_attempts.key,
+        configured_attempts.count
+    );
+    assert!(explicit.keys().iter().all(|k| *k == noted.key), "one key: {:?}", explicit.keys());
+    assert_eq!(explicit.runs(), 1, "a keyed PUT charged {} times under one key", explicit.runs());
+    assert_eq!(configured.runs(), 1, "a PUT keyed by the client charged {} times under one key", configured.runs());
+}
+
+/// `POST /validated`: the body must be `{"amount": <integer>}` (axum's `Json` extractor answers
+/// `422` when it is not); a valid one is charged (the ledger) and answered `201`.
+#[derive(serde::Deserialize)]
+struct Amount {
+    amount: u64,
+}
+
+async fn validated(State(ledger): State<Ledger>, axum::Json(charge): axum::Json<Amount>) -> Response {
+    let run = ledger.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    (StatusCode::CREATED, format!("charged {} (run {run})", charge.amount)).into_response()
+}
+
+/// A `422` that is the handler's own answer (here axum's `Json` rejection of a body of the wrong
+/// shape, recorded by the layer like any response) is not a reused key: the key is fresh, the
+/// request ran once and this is its answer. The client reports it as `OutboundError::KeyReused`,
+/// with the advice to send a new key, and the response (its status and body) is lost to the caller.
+#[tokio::test]
+async fn http_client_handler_422_on_a_fresh_key_is_the_answer_not_key_reused() {
+    let ledger = Ledger::default();
+    let app = Router::new()
+        .route("/validated", post(validated))
+        .route_layer(IdempotencyLayer::new(MemoryStore::new()).keys_shared_by_all_callers())
+        .layer(axum::middleware::from_fn_with_state(ledger.clone(), note_key))
+        .with_state(ledger.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.expect("the server runs") });
+    let result = client(patient())
+        .post(format!("http://{addr}/validated"))
+        .header("content-type", JSON)
+        .body(r#"{"amount":"ten"}"#)
+        .send()
+        .await;
+    match &result {
+        Ok(response) => println!("fresh key, invalid body: the client got {}", response.status()),
+        Err(error) => println!("fresh key, invalid body: the client got an error: {error}"),
+    }
+    assert_eq!(ledger.keys().len(), 1, "one attempt, one fresh key: {:?}", ledger.keys());
+    let response = result.expect("the server's own answer, a 422 that is not about the key");
+    assert_eq!(response.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(response.text().await.unwrap().contains("amount"), "the handler's explanation reaches the caller");
+}

@@ -23,8 +23,9 @@ use std::time::Duration;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum OutboundError {
-    /// The server answered `422`: it has seen this key with a *different* request (method, path
-    /// or body). A retry never changes that; the request is not retried.
+    /// The server answered `422` with the problem type `urn:idempotent:key-reused`: it has seen
+    /// this key with a *different* request (method, path or body). A retry never changes that; the
+    /// request is not retried. Another `422` (the handler's own) is returned as a response.
     #[error(
         "the server refused Idempotency-Key {key:?} for {url} with 422: the key was already used with a \
          different request (method, path or body differ). Send a new key for a new request, and reuse a key \

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use http::{Extensions, HeaderValue, Method, StatusCode};
-use reqwest::{Request, Response};
+use reqwest::{Request, Response, ResponseBuilderExt as _};
 use reqwest_middleware::{Middleware, Next};
 use tokio::time::Instant;
 
@@ -24,7 +24,8 @@ use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 /// | connection refused or lost, timeout (no response) | retried after a back-off |
 /// | `409`, `429`, `5xx` | retried after `Retry-After` if sent (at most the time budget), else after a back-off |
 /// | a replayed response (`Idempotent-Replayed: true`), whatever its status | returned as it is: it is the recorded outcome, and another attempt would get it again ([`Stopped::Replayed`] if its status asked for a retry) |
-/// | `422` | [`OutboundError::KeyReused`]: the key was used with another request |
+/// | `422` refusing the key (problem type `urn:idempotent:key-reused`, as [`IdempotencyLayer`](crate::http::IdempotencyLayer) sends it) | [`OutboundError::KeyReused`]: the key was used with another request |
+/// | any other `422` (the handler's own answer, a validation failure) | returned as it is |
 /// | any other status | returned as it is |
 /// | attempts or time budget used up | the last response, or [`OutboundError::GaveUp`] with the key |
 /// | a failure on a streaming body | returned without retry ([`OutboundError::NotReplayable`], or the response marked [`Stopped::BodyNotReplayable`]) |
@@ -161,7 +162,13 @@ impl IdempotentRetry {
             let result = next.clone().run(request, extensions).await;
             let retry_after = match classify(&result) {
                 Verdict::Done(stopped) => return Ok(mark(result?, &key, count, stopped)),
-                Verdict::KeyReused => return Err(key_reused(result?, key, url).await),
+                Verdict::KeyReused => {
+                    return match key_reused(result?, key.clone(), url).await {
+                        // Not the key's refusal: the server's answer, returned as it came.
+                        Ok(response) => Ok(mark(response, &key, count, None)),
+                        Err(error) => Err(error),
+                    };
+                }
                 Verdict::Retry { retry_after } => retry_after,
             };
             let Some(spare) = spare else {
@@ -264,17 +271,30 @@ fn mark(mut response: Response, key: &str, count: u32, stopped: Option<Stopped>)
     response
 }
 
-/// The typed `422` error, with the server's `detail` (problem JSON) or the start of its body.
-async fn key_reused(response: Response, key: String, url: String) -> reqwest_middleware::Error {
-    const MAX_DETAIL: usize = 500;
-    let body = response.bytes().await.unwrap_or_default();
-    let detail = serde_json::from_slice::<serde_json::Value>(&body)
-        .ok()
-        .and_then(|problem| problem.get("detail")?.as_str().map(str::to_owned))
-        .or_else(|| {
-            let text = String::from_utf8_lossy(&body);
-            let text = text.trim();
-            (!text.is_empty()).then(|| text.chars().take(MAX_DETAIL).collect())
-        });
-    reqwest_middleware::Error::middleware(OutboundError::KeyReused { key, url, detail })
+/// The problem type of `IdempotencyLayer`'s (and `HttpError`'s) refusal of a key used with
+/// another request.
+const KEY_REUSED_PROBLEM: &str = "urn:idempotent:key-reused";
+
+/// A `422` on a keyed request: the typed error if it is the server's refusal of a reused key (a
+/// problem document of type `urn:idempotent:key-reused`, with the server's `detail`), otherwise
+/// the response itself, rebuilt from its status, headers and body: a `422` the handler answered
+/// (a validation failure, axum's `Json` rejection) is its answer to a fresh key, not a reused one.
+async fn key_reused(mut response: Response, key: String, url: String) -> Result<Response, reqwest_middleware::Error> {
+    let (status, version, headers) = (response.status(), response.version(), response.headers().clone());
+    let (response_url, extensions) = (response.url().clone(), std::mem::take(response.extensions_mut()));
+    let body = response.bytes().await?;
+    let problem = serde_json::from_slice::<serde_json::Value>(&body).ok();
+    if problem.as_ref().and_then(|p| p.get("type")?.as_str()) != Some(KEY_REUSED_PROBLEM) {
+        let mut rebuilt = http::Response::builder()
+            .status(status)
+            .version(version)
+            .url(response_url)
+            .body(body)
+            .expect("the parts of a response that was received");
+        *rebuilt.headers_mut() = headers;
+        rebuilt.extensions_mut().extend(extensions);
+        return Ok(Response::from(rebuilt));
+    }
+    let detail = problem.and_then(|problem| problem.get("detail")?.as_str().map(str::to_owned));
+    Err(reqwest_middleware::Error::middleware(OutboundError::KeyReused { key, url, detail }))
 }

@@ -1344,3 +1344,47 @@ async fn http_a_handler_starved_past_its_lease_is_told_its_outcome_was_not_recor
     assert_eq!((later.status, later.replayed(), later.body), (201, true, Bytes::from("run 2")));
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
+
+// ---------------------------------------------------------------- review: `wait` with a lease shorter than the handler
+
+/// `wait` longer than the handler, the lease shorter than it: the heartbeat keeps the first
+/// request's claim, so the duplicates wait for its record and get it replayed; none of them runs
+/// the handler after the first lease has passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_layer_wait_with_a_lease_shorter_than_the_handler_runs_it_once() {
+    let counters = Counters::default();
+    let app = Router::new()
+        .route("/charges", post(charge))
+        .route_layer(
+            shared(MemoryStore::new())
+                .scope("wait-short-lease")
+                .lease(Duration::from_secs(1))
+                .wait(Duration::from_secs(6)),
+        )
+        .with_state(counters.clone());
+    let http = serve(app).await;
+    let k = key();
+    let headers = [("idempotency-key", k.as_str()), ("x-delay-ms", "2500")];
+    let mut replies = Vec::new();
+    let mut tasks = Vec::new();
+    for i in 0..8u64 {
+        let http = http.clone();
+        let headers: Vec<(String, String)> = headers.iter().map(|(n, v)| ((*n).to_owned(), (*v).to_owned())).collect();
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(i * 200)).await;
+            let headers: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+            http.post("/charges", &headers, "charge 5").await
+        }));
+    }
+    for task in tasks {
+        replies.push(task.await.unwrap());
+    }
+    let statuses: Vec<(u16, bool)> = replies.iter().map(|r| (r.status, r.replayed())).collect();
+    println!(
+        "wait 6 s, lease 1 s, handler 2.5 s: runs {}, replies {statuses:?}",
+        counters.charges.load(Ordering::SeqCst)
+    );
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 1);
+    assert!(replies.iter().all(|r| r.status == 201), "{statuses:?}");
+    assert_eq!(replies.iter().filter(|r| !r.replayed()).count(), 1, "{statuses:?}");
+}

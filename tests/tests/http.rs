@@ -1388,3 +1388,55 @@ async fn http_layer_wait_with_a_lease_shorter_than_the_handler_runs_it_once() {
     assert!(replies.iter().all(|r| r.status == 201), "{statuses:?}");
     assert_eq!(replies.iter().filter(|r| !r.replayed()).count(), 1, "{statuses:?}");
 }
+
+/// Answers `200` at once with a body streamed over `x-delay-ms` (five chunks), counting its runs.
+async fn slow_body(State(counters): State<Counters>, headers: HeaderMap) -> Response {
+    let run = counters.charges.fetch_add(1, Ordering::SeqCst) + 1;
+    let delay: u64 = headers.get("x-delay-ms").and_then(|v| v.to_str().ok()?.parse().ok()).unwrap_or(0);
+    let chunks = futures_util::stream::unfold(0u64, move |i| async move {
+        if i == 5 {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(delay / 5)).await;
+        Some((Ok::<_, std::io::Error>(Bytes::from(format!("run {run} chunk {i};"))), i + 1))
+    });
+    (StatusCode::OK, axum::body::Body::from_stream(chunks)).into_response()
+}
+
+/// The handler answers at once and its body streams for longer than the lease: a duplicate sent
+/// while the body still streams gets `409` (the claim is renewed while the body is read), and a
+/// retry after it gets the whole body replayed; the handler runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_layer_response_body_streaming_past_the_lease_runs_the_handler_once() {
+    let counters = Counters::default();
+    let app = Router::new()
+        .route("/slow-body", post(slow_body))
+        .route_layer(shared(MemoryStore::new()).scope("slow-body").lease(Duration::from_secs(1)))
+        .with_state(counters.clone());
+    let http = serve(app).await;
+    let k = key();
+    let first = {
+        let (http, k) = (http.clone(), k.clone());
+        tokio::spawn(
+            async move { http.post("/slow-body", &[("idempotency-key", &k), ("x-delay-ms", "2500")], "x").await },
+        )
+    };
+    tokio::time::sleep(Duration::from_millis(1_700)).await;
+    let during = http.post("/slow-body", &[("idempotency-key", &k), ("x-delay-ms", "2500")], "x").await;
+    let first = first.await.unwrap();
+    let after = http.post("/slow-body", &[("idempotency-key", &k), ("x-delay-ms", "2500")], "x").await;
+    println!(
+        "body streaming 2.5 s, lease 1 s: runs {}, first {} {:?}, during {}, after {} replayed {} {:?}",
+        counters.charges.load(Ordering::SeqCst),
+        first.status,
+        first.body,
+        during.status,
+        after.status,
+        after.replayed(),
+        after.body
+    );
+    assert_eq!(counters.charges.load(Ordering::SeqCst), 1);
+    assert_eq!(during.status, 409);
+    assert!(after.replayed());
+    assert_eq!(after.body, first.body);
+}

@@ -569,3 +569,44 @@ async fn grpc_tonic_client_retrying_a_passed_deadline_inside_an_idempotent_body_
     );
     assert_eq!(ledger.len(), 1, "the bank paid {} times for one order (one run of its body)", ledger.len());
 }
+
+/// The workaround for the case above, as things stand: take the derived key once, before the
+/// retry loop (`derived_key` with the method and path the interceptor would use), and send it on
+/// every attempt; the interceptor keeps a key a call carries. One payment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_tonic_client_retrying_inside_an_idempotent_body_with_a_key_pinned_before_the_loop_pays_once_memory() {
+    let ledger = Ledger::default();
+    let server = TestServer::start(layer(MemoryStore::new()), Bank::new(ledger.clone(), None)).await;
+    let channel = Channel::from_shared(format!("http://{}", server.addr)).unwrap().connect_lazy();
+    let client = PaymentsClient::with_interceptor(channel, IdempotencyKeys);
+    let shop = MemoryStore::new();
+    let receipt = Call::new("shop", "order-19")
+        .run(&shop, async move {
+            let mut client = client.clone();
+            let key = idempotent_runtime::derived_key("POST", "/payments.Payments/Pay").expect("inside a body");
+            let mut last = None;
+            for _ in 0..6 {
+                let mut request = pay(Some(&key), "judy", 7, "slow");
+                request.set_timeout(Duration::from_millis(200));
+                match client.pay(request).await {
+                    Ok(receipt) => return Ok::<_, Failed>((receipt.get_ref().seq, replayed(&receipt))),
+                    Err(status)
+                        if matches!(
+                            status.code(),
+                            Code::DeadlineExceeded | Code::Cancelled | Code::Unavailable | Code::Aborted
+                        ) =>
+                    {
+                        last = Some(status);
+                        tokio::time::sleep(Duration::from_millis(250)).await;
+                    }
+                    Err(status) => return Err(Failed::Rpc(status)),
+                }
+            }
+            Err(Failed::Rpc(last.expect("an attempt failed")))
+        })
+        .await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    println!("a key pinned before the loop: outcome {receipt:?}, the bank paid {} time(s)", ledger.len());
+    assert_eq!(receipt.unwrap(), (1, true), "the retry got the first attempt's recorded answer");
+    assert_eq!(ledger.len(), 1);
+}

@@ -796,3 +796,69 @@ async fn http_client_handler_422_on_a_fresh_key_is_the_answer_not_key_reused() {
     assert_eq!(response.status(), StatusCode::UNPROCESSABLE_ENTITY);
     assert!(response.text().await.unwrap().contains("amount"), "the handler's explanation reaches the caller");
 }
+
+// ---------------------------------------------------------------- review: derived keys across two services
+
+/// A service under `IdempotencyLayer` with its defaults (scope `"http"`, keys bound to `x-user`)
+/// whose handler pays at `bank` through `IdempotentRetry` (a derived key) and answers with the
+/// bank's status and body.
+async fn paying_service(bank: SocketAddr, route: &'static str) -> SocketAddr {
+    async fn pay_at_bank(State(bank): State<SocketAddr>, body: Bytes) -> Response {
+        let client = client(RetryPolicy::default().jitter_seed(30));
+        let answer = client.post(format!("http://{bank}/transfers")).body(body).send().await.unwrap();
+        let status = answer.status();
+        let replayed = answer.headers().get("idempotent-replayed").is_some();
+        let text = answer.text().await.unwrap();
+        (status, format!("{text} (bank replayed: {replayed})")).into_response()
+    }
+    let app = Router::new()
+        .route(route, post(pay_at_bank))
+        .route_layer(IdempotencyLayer::new(MemoryStore::new()).caller(|parts| {
+            parts.headers.get("x-user").and_then(|v| v.to_str().ok()).unwrap_or("anonymous").to_owned()
+        }))
+        .with_state(bank);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.expect("the server runs") });
+    addr
+}
+
+/// Two services, each with its own store and the layer's default scope, get one user's requests
+/// under one `Idempotency-Key` (a client that keys a user action, sent to both services; each
+/// service's own records are apart) and each pays the same amount at an internal bank whose keys
+/// are shared by its callers. The derived key is made of the scope, the caller-bound key, the
+/// position, the method and the path: the same for both services. The bank takes the second
+/// transfer for a retry of the first and replays the first one's receipt: the second service is
+/// told it paid, and nothing was paid for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_client_derived_keys_of_two_services_with_default_scopes_never_share_a_bank_record() {
+    let ledger = Ledger::default();
+    let bank_app = Router::new()
+        .route("/transfers", post(charge))
+        .route_layer(IdempotencyLayer::new(MemoryStore::new()).keys_shared_by_all_callers().scope("bank"))
+        .layer(axum::middleware::from_fn_with_state(ledger.clone(), note_key))
+        .with_state(ledger.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
+    let bank = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, bank_app).await.expect("the bank runs") });
+    let shop = paying_service(bank, "/orders").await;
+    let club = paying_service(bank, "/membership").await;
+
+    let user_action = "7d1f0e52-1c39-4b8a-9f0e-2a6b3c4d5e6f";
+    let plain = reqwest::Client::new();
+    let mut answers = Vec::new();
+    for url in [format!("http://{shop}/orders"), format!("http://{club}/membership")] {
+        let answer = plain
+            .post(url)
+            .header("idempotency-key", user_action)
+            .header("x-user", "kim")
+            .body(r#"{"amount":10}"#)
+            .send()
+            .await
+            .unwrap();
+        answers.push((answer.status(), answer.text().await.unwrap()));
+    }
+    println!("bank keys {:?}, bank runs {}, answers {answers:?}", ledger.keys(), ledger.runs());
+    assert!(answers.iter().all(|(status, _)| *status == StatusCode::CREATED), "{answers:?}");
+    assert_eq!(ledger.runs(), 2, "two services each paid once: {answers:?}");
+}

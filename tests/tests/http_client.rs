@@ -862,3 +862,56 @@ async fn http_client_derived_keys_of_two_services_with_default_scopes_never_shar
     assert!(answers.iter().all(|(status, _)| *status == StatusCode::CREATED), "{answers:?}");
     assert_eq!(ledger.runs(), 2, "two services each paid once: {answers:?}");
 }
+
+// ---------------------------------------------------------------- review: derived keys of concurrent requests
+
+/// A body makes two requests concurrently (`join!`), each after a read whose latency varies (a
+/// database, a token fetch: simulated by a sleep that differs between the two runs). The first
+/// run pays both banks and then fails (its `Err` releases the key); the second run sends the
+/// same two requests, but in the other order, so each gets the position, and so the derived key,
+/// the other had. Method and path are in the key: neither bank has seen its new key, and each
+/// pays again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_client_derived_keys_of_concurrent_requests_survive_a_rerun_of_the_body() {
+    let ledger = Ledger::default();
+    let bank_app = Router::new()
+        .route("/a", post(charge))
+        .route("/b", post(charge))
+        .route_layer(IdempotencyLayer::new(MemoryStore::new()).keys_shared_by_all_callers().scope("banks"))
+        .layer(axum::middleware::from_fn_with_state(ledger.clone(), note_key))
+        .with_state(ledger.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
+    let bank = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, bank_app).await.expect("the banks run") });
+    let client = client(RetryPolicy::default().jitter_seed(40));
+    let shop = MemoryStore::new();
+    for (run, (read_a, read_b)) in [(1, (10, 80)), (2, (80, 10))] {
+        let client = client.clone();
+        let result = idempotent_runtime::Call::new("shop", "order-77")
+            .run(&shop, async move {
+                let pay = |path: &'static str, read: u64| {
+                    let client = client.clone();
+                    async move {
+                        tokio::time::sleep(ms(read)).await; // the read before the request
+                        client
+                            .post(format!("http://{bank}{path}"))
+                            .body(r#"{"amount":5}"#)
+                            .send()
+                            .await
+                            .unwrap()
+                            .status()
+                    }
+                };
+                let (a, b) = tokio::join!(pay("/a", read_a), pay("/b", read_b));
+                if run == 1 {
+                    // Both paid; a later step fails before the order is recorded.
+                    return Err(idempotent_runtime::Error::Fingerprint("the order could not be saved".into()));
+                }
+                Ok((a.as_u16(), b.as_u16()))
+            })
+            .await;
+        println!("run {run}: {result:?}");
+    }
+    println!("bank keys {:?}, payments {}", ledger.keys(), ledger.runs());
+    assert_eq!(ledger.runs(), 2, "one payment per bank for one order, over both runs of its body");
+}

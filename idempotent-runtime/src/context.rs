@@ -7,8 +7,8 @@
 //! [`step`](crate::step) records through it.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use sha2::{Digest as _, Sha256};
 
@@ -25,6 +25,9 @@ tokio::task_local! {
 pub(crate) struct CallContext {
     /// The call's key or, for a step's body, the step's key (in the call's scope).
     key: Key,
+    /// What the call's request was aimed at, hashed as far as it was given ([`set_origin`]; a
+    /// step's body has its call's): part of every key derived in the run.
+    origin: OnceLock<Sha256>,
     /// Outbound requests given a derived key so far in this run.
     outbound: AtomicU64,
     /// Steps started so far in this run.
@@ -50,12 +53,14 @@ impl CallContext {
         {
             // `recycle` kept it only as a root with an empty queue.
             context.key.clone_from(key);
+            context.origin = OnceLock::new();
             *context.outbound.get_mut() = 0;
             *context.steps.get_mut() = 0;
             return spare;
         }
         Arc::new(CallContext {
             key: key.clone(),
+            origin: OnceLock::new(),
             outbound: AtomicU64::new(0),
             steps: AtomicU64::new(0),
             root: None,
@@ -72,6 +77,7 @@ impl CallContext {
         let identity = digest(&[b"step", self.key.key().as_bytes(), &position.to_be_bytes(), name.as_bytes()]);
         Ok(Arc::new(CallContext {
             key: Key::new(self.key.scope(), &format!("step-{identity}"))?,
+            origin: self.origin.clone(),
             outbound: AtomicU64::new(0),
             steps: AtomicU64::new(0),
             root: Some(Arc::clone(self.root.as_ref().unwrap_or(self))),
@@ -108,14 +114,16 @@ impl CallContext {
 
     fn next_outbound_key(&self, method: &str, path: &str) -> String {
         let position = self.outbound.fetch_add(1, Ordering::Relaxed);
-        digest(&[
-            b"outbound",
-            self.key.scope().as_bytes(),
-            self.key.key().as_bytes(),
-            &position.to_be_bytes(),
-            method.as_bytes(),
-            path.as_bytes(),
-        ])
+        let (scope, key, position) = (self.key.scope().as_bytes(), self.key.key().as_bytes(), position.to_be_bytes());
+        let (method, path) = (method.as_bytes(), path.as_bytes());
+        match self.origin.get() {
+            // A call given no origin (the attribute, `Call::run`) derives the keys it always did.
+            None => digest(&[b"outbound", scope, key, &position, method, path]),
+            Some(origin) => {
+                let origin: [u8; 32] = origin.clone().finalize().into();
+                digest(&[b"outbound", scope, key, &position, method, path, &origin])
+            }
+        }
     }
 }
 
@@ -129,6 +137,26 @@ fn digest(fields: &[&[u8]]) -> String {
     let bytes: [u8; 32] = hasher.finalize().into();
     let hex: [u8; 64] = crate::hex::encode(&bytes);
     String::from_utf8_lossy(&hex).into_owned()
+}
+
+/// Tells the current call what its request was aimed at (`fields`: the HTTP layer gives the method
+/// and the path as the client sent it, the gRPC layer the method's path), before its body runs.
+///
+/// Keys derived in the run then depend on it too. A layer's default scope is the same in every
+/// service that uses it, and a client chooses the key: one user who sends one key to two services
+/// would otherwise make both derive the same downstream keys, and a downstream service whose keys
+/// its callers share would replay the first one's answer to the second, which then reports work
+/// done that was never done. Only the target counts, not the body or the query: a retry after a
+/// released `Err` that the client re-formatted still derives the same keys.
+pub(crate) fn set_origin(fields: &[&[u8]]) {
+    if let Some(context) = current() {
+        let mut hasher = Sha256::new();
+        for field in fields {
+            hasher.update((field.len() as u64).to_be_bytes());
+            hasher.update(field);
+        }
+        let _ = context.origin.set(hasher);
+    }
 }
 
 /// Runs `body` with `context` as the current call.
@@ -145,7 +173,9 @@ pub(crate) fn current() -> Option<Arc<CallContext>> {
 /// requests that get a derived key), or `None` outside an idempotent body.
 ///
 /// The key is the SHA-256 (in hex) of the call's scope and key (or, inside a [`step`](crate::step),
-/// the step's identity), `n`, `method` and `path`. Every run of the body (a retry after a released
+/// the step's identity), `n`, `method` and `path`; behind the HTTP or gRPC layer, also of what the
+/// call's own request was aimed at (its method and path, or its gRPC method), so that two services
+/// on the layer's default scope that get one user's key derive different keys. Every run of the body (a retry after a released
 /// `Err`, a takeover after a crash) starts again at `n = 0`, so a body that makes the same requests
 /// in the same order sends the same keys. [`IdempotentRetry`](crate::client::IdempotentRetry) calls
 /// this for requests that carry no `Idempotency-Key`; other clients can call it themselves.
@@ -169,9 +199,17 @@ mod tests {
 
     /// The derived keys of one run of a body on `key` that then fails (so its key is released).
     async fn derived_keys_of_a_run(store: &MemoryStore, key: &str) -> Vec<String> {
+        derived_keys_of_a_run_from(store, key, None).await
+    }
+
+    /// The same, for a run told that its request was aimed at `origin` (as the layers tell it).
+    async fn derived_keys_of_a_run_from(store: &MemoryStore, key: &str, origin: Option<&str>) -> Vec<String> {
         let mut keys = Vec::new();
         let _ = Call::new("context-test", key)
             .run(store, async {
+                if let Some(origin) = origin {
+                    super::set_origin(&[b"POST", origin.as_bytes()]);
+                }
                 keys.push(derived_key("POST", "/a").expect("inside a body"));
                 keys.push(derived_key("POST", "/a").expect("inside a body"));
                 Err::<(), Error>(Error::Fingerprint("fail so that the key is released".into()))
@@ -190,5 +228,23 @@ mod tests {
         // The thread's spare context, made new for the same key, derives the same keys.
         assert_eq!(derived_keys_of_a_run(&store, "x").await, first);
         assert!(derived_key("POST", "/a").is_none(), "outside any body");
+    }
+
+    /// Behind a layer, two requests on different routes that share a scope and a key (one user's
+    /// key sent to two services on the layer's default scope) derive different keys; each run for
+    /// one route derives the same ones; and a call given no origin derives what it always did.
+    #[tokio::test(flavor = "current_thread")]
+    async fn memory_derived_keys_depend_on_the_route_the_call_was_aimed_at() {
+        let store = MemoryStore::new();
+        let orders = derived_keys_of_a_run_from(&store, "k", Some("/orders")).await;
+        let membership = derived_keys_of_a_run_from(&store, "k", Some("/membership")).await;
+        assert!(membership.iter().all(|key| !orders.contains(key)), "{orders:?} {membership:?}");
+        assert_eq!(derived_keys_of_a_run_from(&store, "k", Some("/orders")).await, orders, "a run again");
+        let plain = derived_keys_of_a_run(&store, "k").await;
+        assert!(plain.iter().all(|key| !orders.contains(key)), "{orders:?} {plain:?}");
+        // The keys of a call given no origin, as the derivation has made them since it began: the
+        // SHA-256 of "outbound", the scope, the key, the position, the method and the path.
+        let first = super::digest(&[b"outbound", b"context-test", b"k", &0u64.to_be_bytes(), b"POST", b"/a"]);
+        assert_eq!(plain[0], first);
     }
 }

@@ -69,7 +69,8 @@ use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 /// Inside the body of an idempotent call (the attribute, [`Call::run`](crate::Call::run), a
 /// handler behind [`IdempotencyLayer`](crate::http::IdempotencyLayer)), a request without an
 /// `Idempotency-Key` gets a key derived from the call's scope and key, the request's position among
-/// the body's derived-key requests, its method and its path (see [`derived_key`](crate::derived_key)),
+/// the body's derived-key requests, its method and its path, and behind a layer the route the
+/// call's own request came on (see [`derived_key`](crate::derived_key)),
 /// instead of a random one. So when the body runs again for the same key (its `Err` released the
 /// key, or its process died and the claim was taken over), it sends the same keys in the same
 /// order, and the downstream service replays instead of acting twice. This asks the body to be

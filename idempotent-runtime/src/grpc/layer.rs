@@ -265,6 +265,8 @@ impl<St: Store> Config<St> {
         let request = Request::from_parts(parts, Body::new(Full::new(bytes)));
         let mut first = None;
         let body = async {
+            // Keys the handler derives depend on the method it was called on.
+            crate::context::set_origin(&[method.path.as_bytes()]);
             let answer = AssertUnwindSafe(inner.call(request)).catch_unwind().await.map_err(|_| Failure::Panicked)?;
             let answer = answer.map_err(Failure::Inner)?;
             // From here on the handler has answered: the key is recorded whatever its body does.

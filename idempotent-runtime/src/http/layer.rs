@@ -358,6 +358,9 @@ impl<St: Store> Config<St> {
         let call = self.edge.call(&parts, &key, fingerprint);
         let mut first = None;
         let body = async {
+            // Keys the handler derives depend on the route it was called on (not the body: a
+            // re-formatted retry derives the same ones).
+            crate::context::set_origin(&[parts.method.as_str().as_bytes(), original_uri(&parts).path().as_bytes()]);
             // The request is put back together only here: a replay, a `409` or a `422` never hands
             // it on, and pays neither for its body's box nor for the extension.
             let request = handed_on(parts, Body::from(bytes));
@@ -446,12 +449,17 @@ async fn read_request(parts: &Parts, body: Body, limit: usize) -> Result<Bytes, 
 /// SHA-256 over the method, the path with its query as the client sent it, and the body (or, with
 /// `json`, a canonical form of a JSON body), each length-prefixed.
 fn request_fingerprint(parts: &Parts, body: &[u8], json: bool) -> Fingerprint {
-    // Under a nested router `parts.uri` lost the outer prefix; axum keeps the original.
-    let uri = parts.extensions.get::<OriginalUri>().map_or(&parts.uri, |original| &original.0);
+    let uri = original_uri(parts);
     let target = uri.path_and_query().map_or("/", http::uri::PathAndQuery::as_str);
     let canonical = if json && is_json(parts) { super::canonical_json::canonical(body) } else { None };
     let body = canonical.as_deref().unwrap_or(body);
     Fingerprint::of_fields(&[parts.method.as_str().as_bytes(), target.as_bytes(), body])
+}
+
+/// The request's URI as the client sent it: under a nested router `parts.uri` lost the outer
+/// prefix, and axum keeps the original.
+fn original_uri(parts: &Parts) -> &http::Uri {
+    parts.extensions.get::<OriginalUri>().map_or(&parts.uri, |original| &original.0)
 }
 
 /// `Content-Type: application/json` or `*/*+json`, with or without parameters.

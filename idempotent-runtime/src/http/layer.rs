@@ -223,6 +223,9 @@ impl<St: Store + 'static> IdempotencyLayer<St> {
         }
         /// The methods the layer applies to (default [`DEFAULT_METHODS`]: `POST` and `PATCH`).
         /// Requests with other methods pass through untouched, even with an `Idempotency-Key`.
+        /// A client that sends keys on another method (a `PUT` with a key set by hand, or
+        /// [`IdempotentRetry`](crate::client::IdempotentRetry) given more `methods`) retries it as
+        /// it retries a `POST`, trusting the server to run it once: list that method here too.
         ///
         /// ```
         /// use http::Method;

@@ -8,7 +8,7 @@
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use sha2::{Digest as _, Sha256};
 
@@ -28,8 +28,8 @@ pub(crate) struct CallContext {
     /// What the call's request was aimed at, hashed as far as it was given ([`set_origin`]; a
     /// step's body has its call's): part of every key derived in the run.
     origin: OnceLock<Sha256>,
-    /// Outbound requests given a derived key so far in this run.
-    outbound: AtomicU64,
+    /// Outbound requests given a derived key so far in this run, counted per method and path.
+    outbound: Mutex<Vec<(String, String, u64)>>,
     /// Steps started so far in this run.
     steps: AtomicU64,
     /// The call's context, for a step's: the one whose queue the call serves.
@@ -54,14 +54,14 @@ impl CallContext {
             // `recycle` kept it only as a root with an empty queue.
             context.key.clone_from(key);
             context.origin = OnceLock::new();
-            *context.outbound.get_mut() = 0;
+            context.outbound.get_mut().unwrap_or_else(PoisonError::into_inner).clear();
             *context.steps.get_mut() = 0;
             return spare;
         }
         Arc::new(CallContext {
             key: key.clone(),
             origin: OnceLock::new(),
-            outbound: AtomicU64::new(0),
+            outbound: Mutex::default(),
             steps: AtomicU64::new(0),
             root: None,
             queue: JobQueue::default(),
@@ -78,7 +78,7 @@ impl CallContext {
         Ok(Arc::new(CallContext {
             key: Key::new(self.key.scope(), &format!("step-{identity}"))?,
             origin: self.origin.clone(),
-            outbound: AtomicU64::new(0),
+            outbound: Mutex::default(),
             steps: AtomicU64::new(0),
             root: Some(Arc::clone(self.root.as_ref().unwrap_or(self))),
             queue: JobQueue::default(),
@@ -113,11 +113,25 @@ impl CallContext {
     }
 
     fn next_outbound_key(&self, method: &str, path: &str) -> String {
-        let position = self.outbound.fetch_add(1, Ordering::Relaxed);
+        // Counted per method and path: requests the body makes concurrently (a `join!`) to
+        // different routes may leave in another order on the next run, and keep their keys.
+        let position = {
+            let mut counts = self.outbound.lock().unwrap_or_else(PoisonError::into_inner);
+            match counts.iter_mut().find(|(m, p, _)| m == method && p == path) {
+                Some((_, _, count)) => {
+                    *count += 1;
+                    *count - 1
+                }
+                None => {
+                    counts.push((method.to_owned(), path.to_owned(), 1));
+                    0
+                }
+            }
+        };
         let (scope, key, position) = (self.key.scope().as_bytes(), self.key.key().as_bytes(), position.to_be_bytes());
         let (method, path) = (method.as_bytes(), path.as_bytes());
         match self.origin.get() {
-            // A call given no origin (the attribute, `Call::run`) derives the keys it always did.
+            // A call given no origin (the attribute, `Call::run`).
             None => digest(&[b"outbound", scope, key, &position, method, path]),
             Some(origin) => {
                 let origin: [u8; 32] = origin.clone().finalize().into();
@@ -169,8 +183,11 @@ pub(crate) fn current() -> Option<Arc<CallContext>> {
     CURRENT.try_with(Option::clone).ok().flatten()
 }
 
-/// The key the `n`-th outbound request of the current body run gets (`n` counted from 0 over the
-/// requests that get a derived key), or `None` outside an idempotent body.
+/// The key the `n`-th outbound request with `method` and `path` of the current body run gets (`n`
+/// counted from 0 over the run's requests with that method and path that get a derived key), or
+/// `None` outside an idempotent body. Counted per method and path, so requests to different routes
+/// that the body makes concurrently keep their keys when they leave in another order on the next
+/// run; concurrent requests with one method and path must leave in the same order on every run.
 ///
 /// The key is the SHA-256 (in hex) of the call's scope and key (or, inside a [`step`](crate::step),
 /// the step's identity), `n`, `method` and `path`; behind the HTTP or gRPC layer, also of what the
@@ -246,5 +263,33 @@ mod tests {
         // SHA-256 of "outbound", the scope, the key, the position, the method and the path.
         let first = super::digest(&[b"outbound", b"context-test", b"k", &0u64.to_be_bytes(), b"POST", b"/a"]);
         assert_eq!(plain[0], first);
+    }
+
+    /// Positions are counted per method and path: requests to two routes that leave in one order
+    /// in one run and in the other in the next keep their keys; two to one route are told apart.
+    #[tokio::test(flavor = "current_thread")]
+    async fn memory_derived_keys_are_counted_per_method_and_path() {
+        let store = MemoryStore::new();
+        let run = |order: [&'static str; 3]| {
+            let store = &store;
+            async move {
+                let mut keys = Vec::new();
+                let _ = Call::new("context-test", "k")
+                    .run(store, async {
+                        for path in order {
+                            keys.push((path, derived_key("POST", path).expect("inside a body")));
+                        }
+                        Err::<(), Error>(Error::Fingerprint("fail so that the key is released".into()))
+                    })
+                    .await;
+                keys.sort();
+                keys
+            }
+        };
+        let first = run(["/a", "/b", "/a"]).await;
+        assert_eq!(run(["/b", "/a", "/a"]).await, first);
+        assert_eq!(run(["/a", "/a", "/b"]).await, first);
+        let a: Vec<_> = first.iter().filter(|(path, _)| *path == "/a").collect();
+        assert_ne!(a[0].1, a[1].1, "two requests to one route: {first:?}");
     }
 }

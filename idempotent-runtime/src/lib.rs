@@ -56,15 +56,16 @@
 //! key; its process died and a retry took the claim over). Two things make those re-runs safe:
 //!
 //! - **Derived keys**: inside the body, [`client::IdempotentRetry`] gives each request without an
-//!   `Idempotency-Key` a key derived from the call's scope and key and the request's position,
-//!   method and path ([`derived_key`]), so every run sends the same keys and the other service
+//!   `Idempotency-Key` a key derived from the call's scope and key and the request's method, path
+//!   and position among the run's requests with that method and path ([`derived_key`]), so every run sends the same keys and the other service
 //!   replays. Opt out with `IdempotentRetry::derive_keys(false)` or [`without_derived_keys`].
 //! - **Recovery points**: [`step`] records a named piece of the body's result under the call,
 //!   fenced by the call's claim, and replays it on every later run instead of running it again.
 //!
 //! Both find things by position, so the body must be **deterministic** in what it asks: the same
-//! derived-key requests (method, path) and the same steps (names), in the same order, on every
-//! run for a key. Build them from the call's inputs and from step results, not from the clock or
+//! derived-key requests (method, path), in the same order for each method and path, and the same
+//! steps (names) in the same order, on every run for a key. Requests to different routes may
+//! leave in any order (concurrently, in a `join!`). Build them from the call's inputs and from step results, not from the clock or
 //! random numbers. Requests inside a step count within the step, so a replayed step does not move
 //! the requests after it. Code in a task the body spawns is outside the call.
 //!

@@ -870,9 +870,9 @@ async fn http_client_derived_keys_of_two_services_with_default_scopes_never_shar
 /// A body makes two requests concurrently (`join!`), each after a read whose latency varies (a
 /// database, a token fetch: simulated by a sleep that differs between the two runs). The first
 /// run pays both banks and then fails (its `Err` releases the key); the second run sends the
-/// same two requests, but in the other order, so each gets the position, and so the derived key,
-/// the other had. Method and path are in the key: neither bank has seen its new key, and each
-/// pays again.
+/// same two requests, but in the other order. With one position counter for the whole body each
+/// got the position, and so the derived key, the other had, and both banks paid again (4
+/// payments, found in review); counted per method and path, each keeps its key and both replay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http_client_derived_keys_of_concurrent_requests_survive_a_rerun_of_the_body() {
     let ledger = Ledger::default();

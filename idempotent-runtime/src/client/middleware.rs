@@ -68,8 +68,8 @@ use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 ///
 /// Inside the body of an idempotent call (the attribute, [`Call::run`](crate::Call::run), a
 /// handler behind [`IdempotencyLayer`](crate::http::IdempotencyLayer)), a request without an
-/// `Idempotency-Key` gets a key derived from the call's scope and key, the request's position among
-/// the body's derived-key requests, its method and its path, and behind a layer the route the
+/// `Idempotency-Key` gets a key derived from the call's scope and key, the request's method and
+/// path, its position among the run's derived-key requests with that method and path, and behind a layer the route the
 /// call's own request came on (see [`derived_key`](crate::derived_key)),
 /// instead of a random one. So when the body runs again for the same key (its `Err` released the
 /// key, or its process died and the claim was taken over), it sends the same keys in the same

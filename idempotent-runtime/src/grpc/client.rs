@@ -11,7 +11,7 @@ const KEY: &str = "idempotency-key";
 ///
 /// Inside an idempotent body (a [`Call`](crate::Call) or a function under
 /// [`#[idempotent]`](macro@crate::idempotent)) the key is [derived](crate::derived_key) from the
-/// body's own key, the call's position among the body's outbound requests and the method's path,
+/// body's own key, the method's path and the call's position among the body's calls of that method,
 /// so a body that runs again (after a crash, a takeover, a released `Err`) sends the same keys in
 /// the same order and the server replays what it did the first time. Elsewhere each call gets a
 /// fresh UUID.

@@ -789,3 +789,85 @@ async fn jetstream_a_lower_max_deliver_is_the_cap() {
     assert!(letters[0].1.contains("attempt 2 of 2"), "{letters:?}");
     streams.delete().await;
 }
+
+/// The store is down (a real Redis behind a proxy that refuses connections) for the consumer's
+/// `max_deliver` deliveries: each is `nak`ed as "not the message's fault" (README: "a store outage
+/// ... makes a message wait, never dead-letters it"). But JetStream does not deliver a message
+/// again after `max_deliver`: once the store is back, the message must still be handled (or at
+/// least dead-lettered), not dropped with its work never done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_a_store_outage_through_max_deliver_does_not_lose_the_message() {
+    const TEST: &str = "jetstream_a_store_outage_through_max_deliver_does_not_lose_the_message";
+    let Some(nats) = services::nats_url(TEST) else { return };
+    let Some((store, cleanup, proxy)) = fresh::redis_behind_proxy(TEST).await else { return };
+    let store = Arc::new(store);
+    let streams = Streams::create(&nats).await;
+    let work = streams.js.get_stream(&streams.work).await.expect("the work stream");
+    let config =
+        pull::Config { durable_name: Some("outage".into()), ack_wait: ACK_WAIT, max_deliver: 3, ..Default::default() };
+    let pull = work.create_consumer(config).await.expect("create the consumer");
+
+    // The store goes down.
+    proxy.set_mode(idempotent_tests::proxy::Mode::Refuse);
+    proxy.kill_connections();
+
+    let seen: Seen = Arc::default();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = tokio::spawn({
+        let (js, seen, runs, store) = (streams.js.clone(), Arc::clone(&seen), Arc::clone(&runs), Arc::clone(&store));
+        let dead_subject = streams.dead_subject.clone();
+        async move {
+            Consumer::new(js, pull)
+                .dead_letter(dead_subject)
+                .retry_delay(Duration::from_millis(100))
+                .on_settled(move |s| seen.lock().unwrap().push(s.clone()))
+                .run_until(
+                    |message| {
+                        let (runs, store) = (Arc::clone(&runs), Arc::clone(&store));
+                        async move {
+                            Call::new("outage", message.id())
+                                .run(&*store, async move {
+                                    runs.fetch_add(1, Ordering::SeqCst);
+                                    Ok::<_, Error>(())
+                                })
+                                .await
+                        }
+                    },
+                    async move {
+                        let _ = stopped.await;
+                    },
+                )
+                .await
+        }
+    });
+
+    streams.publish(Some(("Nats-Msg-Id", "order-1")), b"charge").await;
+    wait_for(&seen, |s| s.iter().filter(|s| s.disposition == Disposition::Retry).count() >= 3).await;
+    // The store is back; the message had its max_deliver deliveries, all nak'ed for the outage.
+    proxy.set_mode(idempotent_tests::proxy::Mode::Pass);
+    tokio::time::sleep(ACK_WAIT + Duration::from_secs(2)).await;
+    stop.send(()).expect("the consumer runs");
+    consumer.await.expect("the consumer task").expect("the consumer");
+
+    let settled: Vec<(Disposition, u32, Option<String>)> =
+        seen.lock().unwrap().iter().map(|s| (s.disposition, s.attempt, s.reason.clone())).collect();
+    let stream = streams.js.get_stream(&streams.work).await.expect("the stream");
+    let mut pull = stream.get_consumer::<pull::Config>("outage").await.expect("the consumer");
+    let info = drained(&mut pull).await;
+    let letters = streams.dead_letters().await;
+    println!(
+        "settlements {settled:?}; body runs {}; consumer pending {} / unacked {}; dead letters {}",
+        runs.load(Ordering::SeqCst),
+        info.num_pending,
+        info.num_ack_pending,
+        letters.len()
+    );
+    assert!(
+        runs.load(Ordering::SeqCst) == 1 || !letters.is_empty(),
+        "the message was neither handled once the store came back nor dead-lettered: \
+         JetStream dropped it after max_deliver nak's for the outage. settlements {settled:?}, dead letters {letters:?}"
+    );
+    streams.delete().await;
+    cleanup.run().await;
+}

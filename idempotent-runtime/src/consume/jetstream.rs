@@ -57,7 +57,9 @@
 //! [`max_attempts`](super::Consumer::max_attempts) is dead-lettered. Every delivery counts, also one
 //! that followed a crash or a `-NAK` for a key claimed elsewhere; only a failure of the handler
 //! ends in the dead-letter path. When the consumer's own `max_deliver` is lower, it is the cap:
-//! after it JetStream would not deliver the message again.
+//! after it JetStream would not deliver the message again. So on the delivery `max_deliver` every
+//! retry is dead-lettered, also one that is not the message's fault (the key claimed elsewhere,
+//! the store down): a `-NAK` there would drop the message silently, its work never done.
 //!
 //! JetStream redelivers a message whose ack does not arrive within the consumer's `ack_wait`. While
 //! the handler runs, the consumer tells JetStream that the work goes on (`+WPI`, "in progress"),
@@ -212,11 +214,9 @@ impl<E: HandlerError> Consume<JetStream, E> for Consumer<E> {
     ) -> Result<(), async_nats::Error> {
         let config = &self.broker.pull.cached_info().config;
         let ack_wait = if config.ack_wait.is_zero() { DEFAULT_ACK_WAIT } else { config.ack_wait };
-        let cap = match u32::try_from(config.max_deliver) {
-            Ok(max_deliver) if max_deliver > 0 => self.settings.max_attempts.min(max_deliver),
-            _ => self.settings.max_attempts,
-        };
-        let limits = Limits { progress_every: ack_wait / 3, cap };
+        let last = u32::try_from(config.max_deliver).ok().filter(|&max_deliver| max_deliver > 0);
+        let cap = last.map_or(self.settings.max_attempts, |max_deliver| self.settings.max_attempts.min(max_deliver));
+        let limits = Limits { progress_every: ack_wait / 3, cap, last };
         let messages = self.broker.pull.stream().max_messages_per_batch(self.settings.concurrency).messages().await?;
         let failure = Mutex::new(None);
         messages
@@ -271,7 +271,17 @@ impl<E: HandlerError> Consumer<E> {
                 self.decide(id, attempt, limits.cap, run).await
             }
         };
-        let Verdict { disposition, reason, .. } = verdict;
+        let Verdict { mut disposition, mut reason, .. } = verdict;
+        if disposition == Disposition::Retry && limits.last.is_some_and(|last| attempt >= last) {
+            // JetStream does not deliver a message again after the consumer's `max_deliver`: a
+            // `-NAK` now would drop it silently, its work never done. The dead-letter path keeps it.
+            let last = limits.last.unwrap_or(attempt);
+            let why = reason.take().unwrap_or_default();
+            reason = Some(format!(
+                "{why} (delivery {attempt} of the consumer's max_deliver {last}: JetStream would not deliver it again)"
+            ));
+            disposition = Disposition::DeadLetter;
+        }
         let settled = match disposition {
             Disposition::Ack => acker.ack().await,
             Disposition::Retry => acker.ack_with(AckKind::Nak(Some(self.settings.retry_delay))).await,
@@ -328,6 +338,9 @@ struct Limits {
     progress_every: Duration,
     /// On which delivery a failure is dead-lettered.
     cap: u32,
+    /// The consumer's `max_deliver`, if it has one: the last delivery JetStream makes, on which
+    /// any retry is dead-lettered instead.
+    last: Option<u32>,
 }
 
 /// Runs `work`, telling JetStream every `every` that the message is in progress (`+WPI`), so it

@@ -607,3 +607,98 @@ async fn amqp_max_attempts_sets_the_cap_and_each_copy_counts_its_attempt() {
     }
     let _ = connection.close(200, "done".into()).await;
 }
+
+/// A quorum queue with an `x-delivery-limit`, as the module docs advise to bound the loop of a
+/// worker killed inside the handler, and a store outage (a real Redis behind a proxy that refuses
+/// connections) of a couple of seconds. README: "a store outage or a key claimed elsewhere makes a
+/// message wait, never dead-letters it". The consumer's plain `nack` with `requeue` for an
+/// `Error::Store` counts as a delivery to the quorum queue (RabbitMQ 3.x counts every requeue; 4.0
+/// also gives quorum queues a default limit of 20), so once the limit is passed RabbitMQ
+/// dead-letters the message (or drops it, without a dead-letter exchange): its work never done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_a_store_outage_on_a_quorum_queue_with_a_delivery_limit_does_not_dead_letter() {
+    const TEST: &str = "amqp_a_store_outage_on_a_quorum_queue_with_a_delivery_limit_does_not_dead_letter";
+    let Some(amqp) = services::amqp_url(TEST) else { return };
+    let Some((store, cleanup, proxy)) = fresh::redis_behind_proxy(TEST).await else { return };
+    let store = Arc::new(store);
+    let (connection, channel) = connect(&amqp).await;
+    let queue = format!("idempotent-quorum-{}", fresh::suffix());
+    let dead = format!("{queue}.dead-letter");
+    channel
+        .queue_declare(dead.as_str().into(), QueueDeclareOptions::durable(), FieldTable::default())
+        .await
+        .expect("declare the dead-letter queue");
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-queue-type".into(), lapin::types::AMQPValue::LongString("quorum".into()));
+    arguments.insert("x-delivery-limit".into(), lapin::types::AMQPValue::LongLongInt(2));
+    arguments.insert("x-dead-letter-exchange".into(), lapin::types::AMQPValue::LongString("".into()));
+    arguments.insert("x-dead-letter-routing-key".into(), lapin::types::AMQPValue::LongString(dead.as_str().into()));
+    channel
+        .queue_declare(queue.as_str().into(), QueueDeclareOptions::durable(), arguments)
+        .await
+        .expect("declare the quorum queue");
+
+    // The store goes down.
+    proxy.set_mode(idempotent_tests::proxy::Mode::Refuse);
+    proxy.kill_connections();
+
+    let seen: Seen = Arc::default();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = tokio::spawn({
+        let (channel, queue, seen, runs, store) =
+            (channel.clone(), queue.clone(), Arc::clone(&seen), Arc::clone(&runs), Arc::clone(&store));
+        async move {
+            Consumer::new(channel, queue)
+                .retry_delay(Duration::from_millis(100))
+                .on_settled(move |s| seen.lock().unwrap().push((Instant::now(), s.clone())))
+                .run_until(
+                    |message| {
+                        let (runs, store) = (Arc::clone(&runs), Arc::clone(&store));
+                        async move {
+                            Call::new("quorum", message.id())
+                                .run(&*store, async move {
+                                    runs.fetch_add(1, Ordering::SeqCst);
+                                    Ok::<_, Error>(())
+                                })
+                                .await
+                        }
+                    },
+                    async move {
+                        let _ = stopped.await;
+                    },
+                )
+                .await
+        }
+    });
+
+    publish(&channel, &queue, Some("order-1"), b"charge").await;
+    // An outage of three retries (each claim fails after the Redis client's reconnection attempts).
+    wait_for(&seen, |s| s.iter().filter(|(_, s)| s.disposition == Disposition::Retry).count() >= 3).await;
+    proxy.set_mode(idempotent_tests::proxy::Mode::Pass);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while runs.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.send(()).expect("the consumer runs");
+    consumer.await.expect("the consumer task").expect("the consumer");
+
+    let settled: Vec<(Disposition, u32)> = seen.lock().unwrap().iter().map(|(_, s)| (s.disposition, s.attempt)).collect();
+    let (in_queue, dead_letters) = (message_count(&channel, &queue).await, message_count(&channel, &dead).await);
+    println!(
+        "settlements {settled:?}; body runs {}; left in the queue {in_queue}; dead letters {dead_letters}",
+        runs.load(Ordering::SeqCst)
+    );
+    assert_eq!(
+        (runs.load(Ordering::SeqCst), dead_letters),
+        (1, 0),
+        "the message waited out the store outage and ran once, not dead-lettered by the queue's delivery limit: \
+         {settled:?}"
+    );
+    for q in [&queue, &dead] {
+        channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.expect("delete a queue");
+    }
+    let _ = connection.close(200, "done".into()).await;
+    cleanup.run().await;
+}

@@ -702,3 +702,51 @@ async fn amqp_a_store_outage_on_a_quorum_queue_with_a_delivery_limit_does_not_de
     let _ = connection.close(200, "done".into()).await;
     cleanup.run().await;
 }
+
+/// The broker ends the consumption: `run_until` must return (with the channel's error), not wait
+/// for ever on a dead channel while the service looks alive. (1) RabbitMQ closes the consumer's
+/// channel with a channel error (here a passive declare of a missing queue on a clone of it);
+/// (2) the connection to RabbitMQ is cut (a proxy closes it, as a network failure does).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_a_closed_channel_or_connection_ends_the_run() {
+    const TEST: &str = "amqp_a_closed_channel_or_connection_ends_the_run";
+    let Some(amqp) = services::amqp_url(TEST) else { return };
+    let target = "127.0.0.1:5672";
+    let proxy = idempotent_tests::proxy::FaultProxy::start(target).await.expect("start the proxy");
+    let through_proxy = format!("amqp://guest:guest@{}/%2f", proxy.addr());
+    let (admin_connection, admin) = connect(&amqp).await;
+    let queue = format!("idempotent-closed-{}", fresh::suffix());
+    let dead = declare_with_dead_letter(&admin, &queue).await.expect("declare the queues");
+
+    for how in ["channel error", "connection cut"] {
+        let (connection, channel) = connect(&through_proxy).await;
+        let seen: Seen = Arc::default();
+        let consumer = tokio::spawn({
+            let (channel, queue, seen) = (channel.clone(), queue.clone(), Arc::clone(&seen));
+            async move {
+                Consumer::new(channel, queue)
+                    .on_settled(move |s| seen.lock().unwrap().push((Instant::now(), s.clone())))
+                    .run(|_message| async move { Ok::<_, Error>(()) })
+                    .await
+            }
+        });
+        publish(&admin, &queue, Some(&format!("before {how}")), b"x").await;
+        wait_for(&seen, |s| !s.is_empty()).await;
+        if how == "channel error" {
+            let options = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
+            let missing = format!("{queue}.missing");
+            let refused = channel.queue_declare(missing.as_str().into(), options, FieldTable::default()).await;
+            assert!(refused.is_err(), "RabbitMQ closes the channel: {refused:?}");
+        } else {
+            proxy.kill_connections();
+        }
+        let ended = tokio::time::timeout(Duration::from_secs(10), consumer).await;
+        println!("{how}: {ended:?}");
+        assert!(ended.is_ok(), "{how}: run_until still waits 10 s after the broker ended the consumption");
+        let _ = connection.close(200, "done".into()).await;
+    }
+    for q in [&queue, &dead] {
+        admin.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.expect("delete a queue");
+    }
+    let _ = admin_connection.close(200, "done".into()).await;
+}

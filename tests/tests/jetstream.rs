@@ -871,3 +871,89 @@ async fn jetstream_a_store_outage_through_max_deliver_does_not_lose_the_message(
     streams.delete().await;
     cleanup.run().await;
 }
+
+/// A pull consumer with `AckPolicy::All` (which JetStream accepts for a pull consumer): the
+/// consumer acks each message as it finishes, concurrently, and an ack of a later message acks
+/// every earlier one, also one whose handler is still running and then fails. That message must
+/// not be lost: either the consumer refuses the policy, or the failed message runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_an_ack_all_consumer_does_not_lose_a_failed_message() {
+    const TEST: &str = "jetstream_an_ack_all_consumer_does_not_lose_a_failed_message";
+    let Some(nats) = services::nats_url(TEST) else { return };
+    let streams = Streams::create(&nats).await;
+    let work = streams.js.get_stream(&streams.work).await.expect("the work stream");
+    let config = pull::Config {
+        durable_name: Some("ackall".into()),
+        ack_wait: ACK_WAIT,
+        ack_policy: jetstream::consumer::AckPolicy::All,
+        ..Default::default()
+    };
+    let pull = match work.create_consumer(config).await {
+        Ok(pull) => pull,
+        Err(e) => {
+            println!("JetStream refuses an AckPolicy::All pull consumer: {e}");
+            streams.delete().await;
+            return;
+        }
+    };
+
+    let seen: Seen = Arc::default();
+    let runs: Arc<Mutex<Vec<String>>> = Arc::default();
+    let failed_once = Arc::new(AtomicBool::new(false));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = tokio::spawn({
+        let (js, seen, runs, failed_once) =
+            (streams.js.clone(), Arc::clone(&seen), Arc::clone(&runs), Arc::clone(&failed_once));
+        async move {
+            Consumer::new(js, pull)
+                .concurrency(2)
+                .retry_delay(Duration::from_millis(50))
+                .on_settled(move |s| seen.lock().unwrap().push(s.clone()))
+                .run_until(
+                    |message| {
+                        runs.lock().unwrap().push(message.id().to_owned());
+                        let failed_once = Arc::clone(&failed_once);
+                        async move {
+                            if message.id() == "slow-fails-once" && !failed_once.swap(true, Ordering::SeqCst) {
+                                tokio::time::sleep(Duration::from_millis(500)).await;
+                                return Err(Declined);
+                            }
+                            Ok(())
+                        }
+                    },
+                    async move {
+                        let _ = stopped.await;
+                    },
+                )
+                .await
+        }
+    });
+    streams.publish(Some(("Nats-Msg-Id", "slow-fails-once")), b"slow").await;
+    streams.publish(Some(("Nats-Msg-Id", "fast")), b"fast").await;
+    // Time for the retry (50 ms delay) and, were the nak lost, for a redelivery after ack_wait.
+    let deadline = Instant::now() + ACK_WAIT * 3;
+    while Instant::now() < deadline && !consumer.is_finished() {
+        if seen
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|s| s.message_id.as_deref() == Some("slow-fails-once") && s.disposition == Disposition::Ack)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = stop.send(());
+    let result = consumer.await.expect("the consumer task");
+    let runs = runs.lock().unwrap().clone();
+    let settled: Vec<(Option<String>, Disposition)> =
+        seen.lock().unwrap().iter().map(|s| (s.message_id.clone(), s.disposition)).collect();
+    println!("run result {result:?}; runs {runs:?}; settled {settled:?}");
+    let slow_runs = runs.iter().filter(|id| *id == "slow-fails-once").count();
+    assert!(
+        result.is_err() || slow_runs >= 2,
+        "the failed message never ran again (JetStream took it as acked by the later message's ack): runs {runs:?}, \
+         settled {settled:?}"
+    );
+    streams.delete().await;
+}

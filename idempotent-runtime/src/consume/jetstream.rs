@@ -74,7 +74,7 @@ use std::future::Future;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
 use async_nats::jetstream::consumer::pull::MessagesErrorKind;
 use async_nats::jetstream::message::Acker;
 use async_nats::jetstream::{AckKind, Context};
@@ -179,9 +179,9 @@ impl Broker for JetStream {
 }
 
 impl<E: HandlerError> Consumer<E> {
-    /// Consumes from `consumer` (with an explicit ack policy, the default), taking each message's
-    /// id from its `Nats-Msg-Id` header (or, on a dead-letter copy, [`DEAD_LETTER_MESSAGE_ID`]).
-    /// `context` publishes dead-lettered copies.
+    /// Consumes from `consumer`, taking each message's id from its `Nats-Msg-Id` header (or, on a
+    /// dead-letter copy, [`DEAD_LETTER_MESSAGE_ID`]). `context` publishes dead-lettered copies.
+    /// `consumer` must have the explicit ack policy (the default): `run` fails at once on another.
     pub fn new(context: Context, consumer: PullConsumer) -> Self {
         super::Consumer::with_broker(JetStream {
             context,
@@ -213,6 +213,16 @@ impl<E: HandlerError> Consume<JetStream, E> for Consumer<E> {
         stop: impl Future<Output = ()>,
     ) -> Result<(), async_nats::Error> {
         let config = &self.broker.pull.cached_info().config;
+        if config.ack_policy != AckPolicy::Explicit {
+            // `All` acks every earlier message with each ack, also one whose handler still runs and
+            // then fails; `None` acks each on delivery. Either loses a message whose handler failed.
+            return Err(format!(
+                "the idempotent consumer needs a JetStream consumer with AckPolicy::Explicit, not {:?}: it \
+                 settles each message by its own outcome",
+                config.ack_policy
+            )
+            .into());
+        }
         let ack_wait = if config.ack_wait.is_zero() { DEFAULT_ACK_WAIT } else { config.ack_wait };
         let last = u32::try_from(config.max_deliver).ok().filter(|&max_deliver| max_deliver > 0);
         let cap = last.map_or(self.settings.max_attempts, |max_deliver| self.settings.max_attempts.min(max_deliver));

@@ -196,7 +196,8 @@ where
     ///
     /// The broker's error (`lapin::Error`, `async_nats::Error`): when the AMQP consumer cannot be
     /// started or its channel fails; when a JetStream pull fails for another reason than a missed
-    /// heartbeat (which is logged).
+    /// heartbeat (which is logged); at once, when the JetStream consumer's ack policy is not
+    /// `Explicit`.
     pub async fn run_until<F, Fut, T>(self, handler: F, stop: impl Future<Output = ()>) -> Result<(), B::Error>
     where
         F: Fn(B::Message) -> Fut,

@@ -684,7 +684,8 @@ async fn amqp_a_store_outage_on_a_quorum_queue_with_a_delivery_limit_does_not_de
     stop.send(()).expect("the consumer runs");
     consumer.await.expect("the consumer task").expect("the consumer");
 
-    let settled: Vec<(Disposition, u32)> = seen.lock().unwrap().iter().map(|(_, s)| (s.disposition, s.attempt)).collect();
+    let settled: Vec<(Disposition, u32)> =
+        seen.lock().unwrap().iter().map(|(_, s)| (s.disposition, s.attempt)).collect();
     let (in_queue, dead_letters) = (message_count(&channel, &queue).await, message_count(&channel, &dead).await);
     println!(
         "settlements {settled:?}; body runs {}; left in the queue {in_queue}; dead letters {dead_letters}",

@@ -74,8 +74,8 @@ use std::future::Future;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
 use async_nats::jetstream::consumer::pull::MessagesErrorKind;
+use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
 use async_nats::jetstream::message::Acker;
 use async_nats::jetstream::{AckKind, Context};
 use async_nats::{HeaderMap, Subject};

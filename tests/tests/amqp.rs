@@ -751,3 +751,62 @@ async fn amqp_a_closed_channel_or_connection_ends_the_run() {
     }
     let _ = admin_connection.close(200, "done".into()).await;
 }
+
+/// The amount in a payment message's body (panics on a malformed one, as `.expect` does).
+fn amount_in(data: &[u8]) -> u64 {
+    std::str::from_utf8(data).ok().and_then(|text| text.parse().ok()).expect("a payment message holds an amount")
+}
+
+/// A handler written as a closure that calls an `async fn` with an argument it decodes first:
+/// the decoding runs when the handler is called, before its future is polled. A panic there is a
+/// panic of the handler like any other (README: "Panics are failures, not crashes"): the message
+/// is retried, then dead-lettered as poison, and the consumer keeps running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_a_handler_that_panics_before_its_future_is_a_failure_not_a_crash() {
+    const TEST: &str = "amqp_a_handler_that_panics_before_its_future_is_a_failure_not_a_crash";
+    let Some(amqp) = services::amqp_url(TEST) else { return };
+    let (connection, channel) = connect(&amqp).await;
+    let queue = format!("idempotent-panic-early-{}", fresh::suffix());
+    let dead = declare_with_dead_letter(&channel, &queue).await.expect("declare the queues");
+
+    async fn pay(amount: u64) -> Result<u64, Error> {
+        Ok(amount)
+    }
+
+    let seen: Seen = Arc::default();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = tokio::spawn({
+        let (channel, queue, seen) = (channel.clone(), queue.clone(), Arc::clone(&seen));
+        async move {
+            Consumer::new(channel, queue)
+                .max_attempts(2)
+                .retry_delay(Duration::from_millis(50))
+                .on_settled(move |s| seen.lock().unwrap().push((Instant::now(), s.clone())))
+                .run_until(|message| pay(amount_in(message.data())), async move {
+                    let _ = stopped.await;
+                })
+                .await
+        }
+    });
+
+    publish(&channel, &queue, Some("malformed"), b"twelve").await;
+    publish(&channel, &queue, Some("fine"), b"12").await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline && !consumer.is_finished() && seen.lock().unwrap().len() < 3 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = stop.send(());
+    let ended = consumer.await;
+    let settled: Vec<(Option<String>, Disposition, u32)> =
+        seen.lock().unwrap().iter().map(|(_, s)| (s.message_id.clone(), s.disposition, s.attempt)).collect();
+    println!("consumer: {ended:?}; settled {settled:?}");
+    assert!(ended.is_ok(), "the consumer task panicked: {ended:?}; settled {settled:?}");
+    assert_eq!(settlements_of(&seen, "fine"), vec![(Disposition::Ack, None)]);
+    let malformed: Vec<Disposition> = settlements_of(&seen, "malformed").into_iter().map(|(d, _)| d).collect();
+    assert_eq!(malformed, vec![Disposition::Retry, Disposition::DeadLetter]);
+
+    for q in [&queue, &dead] {
+        channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.expect("delete a queue");
+    }
+    let _ = connection.close(200, "done".into()).await;
+}

@@ -957,3 +957,57 @@ async fn jetstream_an_ack_all_consumer_does_not_lose_a_failed_message() {
     );
     streams.delete().await;
 }
+
+/// The amount in a payment message's payload (panics on a malformed one, as `.expect` does).
+fn amount_in(data: &[u8]) -> u64 {
+    std::str::from_utf8(data).ok().and_then(|text| text.parse().ok()).expect("a payment message holds an amount")
+}
+
+/// A handler written as a closure that calls an `async fn` with an argument it decodes first:
+/// the decoding runs when the handler is called, before its future is polled. A panic there is a
+/// panic of the handler like any other: retried, then dead-lettered, the consumer keeps running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_a_handler_that_panics_before_its_future_is_a_failure_not_a_crash() {
+    const TEST: &str = "jetstream_a_handler_that_panics_before_its_future_is_a_failure_not_a_crash";
+    let Some(nats) = services::nats_url(TEST) else { return };
+    let streams = Streams::create(&nats).await;
+    let pull = streams.consumer("early").await;
+
+    async fn pay(amount: u64) -> Result<u64, Error> {
+        Ok(amount)
+    }
+
+    let seen: Seen = Arc::default();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = tokio::spawn({
+        let (js, seen, dead_subject) = (streams.js.clone(), Arc::clone(&seen), streams.dead_subject.clone());
+        async move {
+            Consumer::new(js, pull)
+                .dead_letter(dead_subject)
+                .max_attempts(2)
+                .retry_delay(Duration::from_millis(50))
+                .on_settled(move |s| seen.lock().unwrap().push(s.clone()))
+                .run_until(|message| pay(amount_in(message.payload())), async move {
+                    let _ = stopped.await;
+                })
+                .await
+        }
+    });
+
+    streams.publish(Some(("Nats-Msg-Id", "malformed")), b"twelve").await;
+    streams.publish(Some(("Nats-Msg-Id", "fine")), b"12").await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline && !consumer.is_finished() && seen.lock().unwrap().len() < 3 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = stop.send(());
+    let ended = consumer.await;
+    let settled: Vec<(Option<String>, Disposition, u32)> =
+        seen.lock().unwrap().iter().map(|s| (s.message_id.clone(), s.disposition, s.attempt)).collect();
+    println!("consumer: {ended:?}; settled {settled:?}");
+    assert!(ended.is_ok(), "the consumer task panicked: {ended:?}; settled {settled:?}");
+    assert_eq!(settlements_of(&seen, "fine"), vec![(Disposition::Ack, None)]);
+    let malformed: Vec<Disposition> = settlements_of(&seen, "malformed").into_iter().map(|(d, _)| d).collect();
+    assert_eq!(malformed, vec![Disposition::Retry, Disposition::DeadLetter]);
+    streams.delete().await;
+}

@@ -231,7 +231,10 @@ impl<E: HandlerError> Consumer<E> {
             None => Verdict::dead_letter(NO_ID),
             Some(id) => {
                 let message = Message { id: id.clone(), data, properties, redelivered, routing_key, attempt };
-                self.decide(id, attempt, self.settings.max_attempts, handler.handle(message)).await
+                // The handler is called inside the future that `decide` catches panics of: a closure
+                // that panics before it returns its future is a failed attempt too, not a crash.
+                let run = async move { handler.handle(message).await };
+                self.decide(id, attempt, self.settings.max_attempts, run).await
             }
         };
         let Verdict { disposition, reason, failed } = verdict;

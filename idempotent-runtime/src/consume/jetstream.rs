@@ -277,7 +277,9 @@ impl<E: HandlerError> Consumer<E> {
             None => Verdict::dead_letter(NO_ID),
             Some(id) => {
                 let message = Message { id: id.clone(), subject, payload, headers, delivered };
-                let run = with_progress(handler.handle(message), &acker, limits.progress_every);
+                // Called inside the future whose panics `decide` catches (see the AMQP consumer).
+                let work = async move { handler.handle(message).await };
+                let run = with_progress(work, &acker, limits.progress_every);
                 self.decide(id, attempt, limits.cap, run).await
             }
         };

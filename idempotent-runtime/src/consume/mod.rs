@@ -20,9 +20,10 @@
 //!
 //! # Panics and poison messages
 //!
-//! A handler that panics does not take the consumer down: the panic is caught, logged (level
-//! `ERROR`, target `idempotent::consume`) and treated as a failure of that attempt; the other
-//! deliveries in hand go on. A `#[idempotent]` body that panics releases its key, like an
+//! A handler that panics (in its future, or in the call that returns it: a closure that decodes
+//! the message before it calls an `async fn`) does not take the consumer down: the panic is
+//! caught, logged (level `ERROR`, target `idempotent::consume`) and treated as a failure of that
+//! attempt; the other deliveries in hand go on. A `#[idempotent]` body that panics releases its key, like an
 //! unrecorded error, so the retry runs the body again: what the body shares with other tasks (a
 //! `Mutex` it held, for example) is as the panic left it.
 //!

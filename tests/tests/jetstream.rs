@@ -963,6 +963,12 @@ fn amount_in(data: &[u8]) -> u64 {
     std::str::from_utf8(data).ok().and_then(|text| text.parse().ok()).expect("a payment message holds an amount")
 }
 
+/// The payment handler's `async fn`.
+async fn pay(amount: u64) -> Result<u64, Error> {
+    tokio::task::yield_now().await;
+    Ok(amount)
+}
+
 /// A handler written as a closure that calls an `async fn` with an argument it decodes first:
 /// the decoding runs when the handler is called, before its future is polled. A panic there is a
 /// panic of the handler like any other: retried, then dead-lettered, the consumer keeps running.
@@ -972,10 +978,6 @@ async fn jetstream_a_handler_that_panics_before_its_future_is_a_failure_not_a_cr
     let Some(nats) = services::nats_url(TEST) else { return };
     let streams = Streams::create(&nats).await;
     let pull = streams.consumer("early").await;
-
-    async fn pay(amount: u64) -> Result<u64, Error> {
-        Ok(amount)
-    }
 
     let seen: Seen = Arc::default();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

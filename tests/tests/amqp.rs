@@ -812,3 +812,57 @@ async fn amqp_a_handler_that_panics_before_its_future_is_a_failure_not_a_crash()
     }
     let _ = connection.close(200, "done".into()).await;
 }
+
+/// The id in a message's body, `id=<id>;...` (panics on a malformed one, as `.expect` does).
+fn id_field(data: &[u8]) -> String {
+    let text = std::str::from_utf8(data).expect("a text body");
+    text.strip_prefix("id=").and_then(|rest| rest.split(';').next()).expect("the body starts with its id").to_owned()
+}
+
+/// An id reader (`id_from`, "a field of the payload") that panics on a malformed message: the
+/// message has no id to run under, so it is dead-lettered like one without an id, and the consumer
+/// keeps running (rather than unwinding out of `run_until` with every delivery in hand).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_an_id_reader_that_panics_dead_letters_the_message_not_the_consumer() {
+    const TEST: &str = "amqp_an_id_reader_that_panics_dead_letters_the_message_not_the_consumer";
+    let Some(amqp) = services::amqp_url(TEST) else { return };
+    let (connection, channel) = connect(&amqp).await;
+    let queue = format!("idempotent-id-panic-{}", fresh::suffix());
+    let dead = declare_with_dead_letter(&channel, &queue).await.expect("declare the queues");
+
+    let seen: Seen = Arc::default();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = tokio::spawn({
+        let (channel, queue, seen) = (channel.clone(), queue.clone(), Arc::clone(&seen));
+        async move {
+            Consumer::new(channel, queue)
+                .id_from(|delivery| Some(id_field(&delivery.data)))
+                .on_settled(move |s| seen.lock().unwrap().push((Instant::now(), s.clone())))
+                .run_until(|_message| async move { Ok::<_, Error>(()) }, async move {
+                    let _ = stopped.await;
+                })
+                .await
+        }
+    });
+
+    publish(&channel, &queue, None, b"malformed").await;
+    publish(&channel, &queue, None, b"id=order-1;amount=12").await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline && !consumer.is_finished() && seen.lock().unwrap().len() < 2 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = stop.send(());
+    let ended = consumer.await;
+    let settled: Vec<(Option<String>, Disposition)> =
+        seen.lock().unwrap().iter().map(|(_, s)| (s.message_id.clone(), s.disposition)).collect();
+    println!("consumer: {ended:?}; settled {settled:?}");
+    assert!(ended.is_ok(), "the consumer task panicked: {ended:?}; settled {settled:?}");
+    assert!(settled.contains(&(Some("order-1".to_owned()), Disposition::Ack)), "{settled:?}");
+    assert!(settled.contains(&(None, Disposition::DeadLetter)), "{settled:?}");
+    assert_eq!(message_count(&channel, &dead).await, 1);
+
+    for q in [&queue, &dead] {
+        channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.expect("delete a queue");
+    }
+    let _ = connection.close(200, "done".into()).await;
+}

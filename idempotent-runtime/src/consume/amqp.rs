@@ -180,7 +180,8 @@ impl<E: HandlerError> Consumer<E> {
     }
 
     /// Takes each message's id from `id_of` (a header, a field of the payload) instead of the
-    /// `message_id` property. `None` (or an empty id) sends the message to the dead-letter path.
+    /// `message_id` property. `None` (or an empty id, or a panic of `id_of`, logged) sends the
+    /// message to the dead-letter path.
     pub fn id_from(mut self, id_of: impl Fn(&Delivery) -> Option<String> + Send + Sync + 'static) -> Self {
         self.broker.id_of = Box::new(id_of);
         self
@@ -220,7 +221,7 @@ impl<E: HandlerError> Consume<Amqp, E> for Consumer<E> {
 
 impl<E: HandlerError> Consumer<E> {
     async fn settle(&self, delivery: Delivery, handler: &impl Handle<Amqp, E>) {
-        let id = (self.broker.id_of)(&delivery).filter(|id| !id.is_empty());
+        let id = super::read_id(&*self.broker.id_of, &delivery);
         let attempt = header_count(&delivery.properties, ATTEMPT).unwrap_or(1).max(1);
         let Delivery { acker, data, properties, redelivered, routing_key, .. } = delivery;
         let data = Bytes::from(data);

@@ -199,7 +199,8 @@ impl<E: HandlerError> Consumer<E> {
     }
 
     /// Takes each message's id from `id_of` (another header, a field of the payload) instead of
-    /// the default reader. `None` (or an empty id) sends the message to the dead-letter path.
+    /// the default reader. `None` (or an empty id, or a panic of `id_of`, logged) sends the
+    /// message to the dead-letter path.
     pub fn id_from(mut self, id_of: impl Fn(&async_nats::Message) -> Option<String> + Send + Sync + 'static) -> Self {
         self.broker.id_of = Box::new(id_of);
         self
@@ -262,7 +263,7 @@ impl<E: HandlerError> Consumer<E> {
         handler: &impl Handle<JetStream, E>,
         limits: Limits,
     ) {
-        let id = (self.broker.id_of)(&message.message).filter(|id| !id.is_empty());
+        let id = super::read_id(&*self.broker.id_of, &message.message);
         let (delivered, source) = match message.info() {
             Ok(info) => (info.delivered, format!("{}.{}.{}", info.stream, info.consumer, info.stream_sequence)),
             Err(_) => (1, String::new()),

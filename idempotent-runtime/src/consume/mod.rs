@@ -324,6 +324,22 @@ impl<B, E: HandlerError> Consumer<B, E> {
     }
 }
 
+/// A message's id by the consumer's id reader: `None` for no id, an empty one, or a reader that
+/// panicked (logged: the message goes to the dead-letter path, the consumer keeps running).
+pub(crate) fn read_id<M: ?Sized>(id_of: &(dyn Fn(&M) -> Option<String> + Send + Sync), message: &M) -> Option<String> {
+    match std::panic::catch_unwind(AssertUnwindSafe(|| id_of(message))) {
+        Ok(id) => id.filter(|id| !id.is_empty()),
+        Err(panic) => {
+            let panic = panic_message(&*panic);
+            tracing::error!(
+                target: "idempotent::consume", panic,
+                "the id reader panicked; the message is taken as having no id"
+            );
+            None
+        }
+    }
+}
+
 /// The text of a panic's payload (`panic!` gives a `&str` or a `String`).
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     match (payload.downcast_ref::<&str>(), payload.downcast_ref::<String>()) {

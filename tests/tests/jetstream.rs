@@ -1013,3 +1013,46 @@ async fn jetstream_a_handler_that_panics_before_its_future_is_a_failure_not_a_cr
     assert_eq!(malformed, vec![Disposition::Retry, Disposition::DeadLetter]);
     streams.delete().await;
 }
+
+/// The module docs' setup: a stream that keeps `<prefix>.>` (the work subject and the dead-letter
+/// subject both), a consumer without a filter subject, and `.dead_letter("<prefix>.dead-letter")`.
+/// The dead-letter copy of a message without an id lands in the stream the consumer reads: it
+/// must be dead-lettered once, not copied again and again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_a_dead_letter_subject_the_consumer_also_reads_does_not_loop() {
+    const TEST: &str = "jetstream_a_dead_letter_subject_the_consumer_also_reads_does_not_loop";
+    let Some(nats) = services::nats_url(TEST) else { return };
+    let client = async_nats::connect(&nats).await.expect("connect to NATS");
+    let js = jetstream::new(client);
+    let suffix = fresh::suffix();
+    let (name, prefix) = (format!("IDEM_ALL_{suffix}"), format!("idem.{suffix}"));
+    let config = stream::Config { name: name.clone(), subjects: vec![format!("{prefix}.>")], ..Default::default() };
+    let stream = js.create_stream(config).await.expect("create the stream");
+    let config = pull::Config { durable_name: Some("workers".into()), ack_wait: ACK_WAIT, ..Default::default() };
+    let pull = stream.create_consumer(config).await.expect("the consumer");
+
+    let seen: Seen = Arc::default();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = tokio::spawn({
+        let (js, seen, dead) = (js.clone(), Arc::clone(&seen), format!("{prefix}.dead-letter"));
+        async move {
+            Consumer::new(js, pull)
+                .dead_letter(dead)
+                .on_settled(move |s| seen.lock().unwrap().push(s.clone()))
+                .run_until(|_message| async move { Ok::<_, Error>(()) }, async move {
+                    let _ = stopped.await;
+                })
+                .await
+        }
+    });
+    js.publish(format!("{prefix}.payments"), "no id".into()).await.expect("publish").await.expect("a publish ack");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.send(()).expect("the consumer runs");
+    consumer.await.expect("the consumer task").expect("the consumer");
+
+    let dead = seen.lock().unwrap().iter().filter(|s| s.disposition == Disposition::DeadLetter).count();
+    let stored = js.get_stream(&name).await.expect("the stream").info().await.expect("its info").state.messages;
+    println!("dead-letter settlements in 3 s: {dead}; messages in the stream: {stored}");
+    assert!(dead <= 2, "the copies are dead-lettered again and again: {dead} in 3 s, {stored} messages stored");
+    let _ = js.delete_stream(&name).await;
+}

@@ -35,7 +35,9 @@
 //! its headers, its reason in [`DEAD_LETTER_REASON`] and its id in [`DEAD_LETTER_MESSAGE_ID`], to
 //! the [`dead_letter`](super::Consumer::dead_letter) subject (JetStream has no dead-letter queue of
 //! its own), and then terminated with `+TERM` so it is never delivered again. Without a
-//! dead-letter subject, the message is only terminated, and only the log keeps it.
+//! dead-letter subject, the message is only terminated, and only the log keeps it. A message read
+//! from the dead-letter subject itself (a consumer that takes in its own dead letters) is only
+//! terminated too: it is stored there already, and a new copy would be read and copied again.
 //!
 //! # The dead-letter copy's id
 //!
@@ -273,7 +275,14 @@ impl<E: HandlerError> Consumer<E> {
         let (message, acker) = message.split();
         let async_nats::Message { subject, payload, headers, .. } = message;
         // What a dead-lettered copy needs after the handler took the message.
-        let keep = self.broker.dead_letter.as_ref().map(|_| (payload.clone(), headers.clone()));
+        // A message read from the dead-letter subject itself (a consumer whose filter takes it in) is
+        // already stored there: another copy would be read and copied again, without end.
+        let keep = self
+            .broker
+            .dead_letter
+            .as_ref()
+            .filter(|dead_letter| **dead_letter != subject)
+            .map(|_| (payload.clone(), headers.clone()));
         let verdict = match &id {
             None => Verdict::dead_letter(NO_ID),
             Some(id) => {

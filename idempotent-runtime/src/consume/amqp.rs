@@ -44,7 +44,11 @@
 //! waits for RabbitMQ's publisher confirm (the consumer puts its channel in confirm mode), and
 //! only then acks the delivery. On the attempt [`max_attempts`](super::Consumer::max_attempts) a
 //! failure dead-letters the message instead. Other retries (the key claimed elsewhere, the store
-//! down) are plain requeues and leave the count alone.
+//! down) return a copy the same way with the count left alone: a plain requeue would count
+//! towards a quorum queue's `x-delivery-limit` (RabbitMQ 3.x counts every requeue), and an outage
+//! longer than that many retry delays dead-lettered messages whose work had never run
+//! (`amqp_a_store_outage_on_a_quorum_queue_with_a_delivery_limit_does_not_dead_letter`, found in
+//! review). Should the copy not be confirmed, the delivery is requeued as before.
 //!
 //! What this means: the copy goes to the back of the queue; a crash between the copy's confirm and
 //! the ack leaves both, which the idempotency key makes harmless (one runs, the other replays or
@@ -242,9 +246,13 @@ impl<E: HandlerError> Consumer<E> {
         let settled = match disposition {
             Disposition::Ack => acker.ack(BasicAckOptions::default()).await,
             Disposition::Retry => {
-                // Held, not requeued at once: a requeued message is redelivered immediately.
+                // Held, not requeued at once: a requeued message is redelivered immediately. Then
+                // a copy, counted only after a failure: a plain requeue would count towards a
+                // quorum queue's `x-delivery-limit`, and a store outage or a key claimed
+                // elsewhere would then dead-letter a message whose work never ran.
                 tokio::time::sleep(self.settings.retry_delay).await;
-                if failed && self.copy_for_retry(keep, attempt + 1, id.as_deref()).await {
+                let next = if failed { attempt + 1 } else { attempt };
+                if self.copy_for_retry(keep, next, id.as_deref()).await {
                     acker.ack(BasicAckOptions::default()).await
                 } else {
                     acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() }).await
@@ -266,7 +274,7 @@ impl<E: HandlerError> Consumer<E> {
         }
     }
 
-    /// Publishes the copy of a failed message for its attempt `next`, straight to the queue, and
+    /// Publishes the copy of a message to retry for its attempt `next`, straight to the queue, and
     /// waits for the broker's confirm. `false` (logged): the copy is not known to be stored, and
     /// the original is requeued instead (without the count).
     async fn copy_for_retry(

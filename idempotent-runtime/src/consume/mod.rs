@@ -10,7 +10,7 @@
 //! | outcome of the handler | settlement |
 //! |---|---|
 //! | `Ok` (executed, or replayed from the record) | ack, only after the call returned: the record is written |
-//! | [`Error::InProgress`], [`Error::Store`] | requeue (AMQP) or `nak` (JetStream) after [`retry_delay`](Consumer::retry_delay) |
+//! | [`Error::InProgress`], [`Error::Store`] | a confirmed copy of the message returned to the queue (AMQP) or `nak` (JetStream) after [`retry_delay`](Consumer::retry_delay) |
 //! | your own error (the claim was released) | your [`on_failure`](Consumer::on_failure) policy: retry after the delay (default), ack, or dead-letter |
 //! | a panic (the claim was released) | retry after the delay |
 //! | your own error or a panic, on the [`max_attempts`](Consumer::max_attempts)-th attempt (default [`DEFAULT_MAX_ATTEMPTS`]) | dead-letter, with the reason logged |

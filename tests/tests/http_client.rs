@@ -35,6 +35,14 @@ use reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
 use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
+/// Serves `app` on a loopback port of its own, in the background; its address.
+async fn serve(app: Router) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
+    let addr = listener.local_addr().expect("the bound address");
+    tokio::spawn(async move { axum::serve(listener, app).await.expect("the server runs") });
+    addr
+}
+
 const JSON: &str = "application/json";
 
 fn ms(n: u64) -> Duration {
@@ -572,9 +580,7 @@ async fn http_client_and_server_defaults_run_a_handler_that_charged_then_failed_
         .route_layer(IdempotencyLayer::new(MemoryStore::new()).keys_shared_by_all_callers())
         .layer(axum::middleware::from_fn_with_state(ledger.clone(), note_key))
         .with_state(ledger.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.expect("the server runs") });
+    let addr = serve(app).await;
     let client = client(RetryPolicy::default().jitter_seed(20));
     let response = client.post(format!("http://{addr}/charge-then-fail")).body("charge 100").send().await.unwrap();
     let attempts = attempts(&response);
@@ -671,9 +677,7 @@ async fn http_client_and_attribute_defaults_run_a_handler_that_charged_then_fail
         .route("/charge-then-fail", post(charge_then_fail_attribute))
         .route_layer(RunToCompletionLayer)
         .with_state(state);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.expect("the server runs") });
+    let addr = serve(app).await;
     let response = client(RetryPolicy::default().jitter_seed(25))
         .post(format!("http://{addr}/charge-then-fail"))
         .send()
@@ -699,9 +703,7 @@ async fn charge_then_fail_server(ledger: &Ledger) -> SocketAddr {
         .route_layer(layer.methods([Method::POST, Method::PATCH, Method::PUT]))
         .layer(axum::middleware::from_fn_with_state(ledger.clone(), note_key))
         .with_state(ledger.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.expect("the server runs") });
+    let addr = serve(app).await;
     addr
 }
 
@@ -780,9 +782,7 @@ async fn http_client_handler_422_on_a_fresh_key_is_the_answer_not_key_reused() {
         .route_layer(IdempotencyLayer::new(MemoryStore::new()).keys_shared_by_all_callers())
         .layer(axum::middleware::from_fn_with_state(ledger.clone(), note_key))
         .with_state(ledger.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.expect("the server runs") });
+    let addr = serve(app).await;
     let result = client(patient())
         .post(format!("http://{addr}/validated"))
         .header("content-type", JSON)
@@ -819,9 +819,7 @@ async fn paying_service(bank: SocketAddr, route: &'static str) -> SocketAddr {
             parts.headers.get("x-user").and_then(|v| v.to_str().ok()).unwrap_or("anonymous").to_owned()
         }))
         .with_state(bank);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.expect("the server runs") });
+    let addr = serve(app).await;
     addr
 }
 
@@ -840,9 +838,7 @@ async fn http_client_derived_keys_of_two_services_with_default_scopes_never_shar
         .route_layer(IdempotencyLayer::new(MemoryStore::new()).keys_shared_by_all_callers().scope("bank"))
         .layer(axum::middleware::from_fn_with_state(ledger.clone(), note_key))
         .with_state(ledger.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a free port");
-    let bank = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, bank_app).await.expect("the bank runs") });
+    let bank = serve(bank_app).await;
     let shop = paying_service(bank, "/orders").await;
     let club = paying_service(bank, "/membership").await;
 

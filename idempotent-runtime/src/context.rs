@@ -117,15 +117,12 @@ impl CallContext {
         // different routes may leave in another order on the next run, and keep their keys.
         let position = {
             let mut counts = self.outbound.lock().unwrap_or_else(PoisonError::into_inner);
-            match counts.iter_mut().find(|(m, p, _)| m == method && p == path) {
-                Some((_, _, count)) => {
-                    *count += 1;
-                    *count - 1
-                }
-                None => {
-                    counts.push((method.to_owned(), path.to_owned(), 1));
-                    0
-                }
+            if let Some((_, _, count)) = counts.iter_mut().find(|(m, p, _)| m == method && p == path) {
+                *count += 1;
+                *count - 1
+            } else {
+                counts.push((method.to_owned(), path.to_owned(), 1));
+                0
             }
         };
         let (scope, key, position) = (self.key.scope().as_bytes(), self.key.key().as_bytes(), position.to_be_bytes());
@@ -162,6 +159,7 @@ fn digest(fields: &[&[u8]]) -> String {
 /// its callers share would replay the first one's answer to the second, which then reports work
 /// done that was never done. Only the target counts, not the body or the query: a retry after a
 /// released `Err` that the client re-formatted still derives the same keys.
+#[cfg(any(test, feature = "axum"))]
 pub(crate) fn set_origin(fields: &[&[u8]]) {
     if let Some(context) = current() {
         let mut hasher = Sha256::new();

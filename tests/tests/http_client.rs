@@ -703,8 +703,7 @@ async fn charge_then_fail_server(ledger: &Ledger) -> SocketAddr {
         .route_layer(layer.methods([Method::POST, Method::PATCH, Method::PUT]))
         .layer(axum::middleware::from_fn_with_state(ledger.clone(), note_key))
         .with_state(ledger.clone());
-    let addr = serve(app).await;
-    addr
+    serve(app).await
 }
 
 /// The client retries a request that carries an `Idempotency-Key` whatever its method (and the
@@ -819,8 +818,7 @@ async fn paying_service(bank: SocketAddr, route: &'static str) -> SocketAddr {
             parts.headers.get("x-user").and_then(|v| v.to_str().ok()).unwrap_or("anonymous").to_owned()
         }))
         .with_state(bank);
-    let addr = serve(app).await;
-    addr
+    serve(app).await
 }
 
 /// Two services, each with its own store and the layer's default scope, get one user's requests

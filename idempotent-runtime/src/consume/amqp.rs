@@ -62,12 +62,12 @@
 //! A requeued message goes back to the head of its queue and is delivered again at once: a plain
 //! `nack` of a message whose id is still claimed elsewhere would spin between the consumers at
 //! network speed until the claim ends. So the delivery is held, unacknowledged, for the retry
-//! delay, and only then requeued. The alternative, a delay queue (publish a copy with a TTL to a
-//! queue that dead-letters back into this one, then ack the original), needs a second queue and
-//! publisher confirms, and copies the message; holding it needs nothing but a concurrency slot,
-//! keeps the message itself (a crash during the wait redelivers it at once, as for any unacked
-//! message), and its cost is bounded: a waiting delivery occupies one of the consumer's
-//! [`concurrency`](Consumer::concurrency) slots, the others keep working.
+//! delay, and only then returned (as a copy, above). The alternative, a delay queue (publish a
+//! copy with a TTL to a queue that dead-letters back into this one, then ack the original), needs
+//! a second queue; holding it needs nothing but a concurrency slot (a crash during the wait
+//! redelivers it at once, as for any unacked message), and its cost is bounded: a waiting
+//! delivery occupies one of the consumer's [`concurrency`](Consumer::concurrency) slots, the
+//! others keep working.
 
 pub use lapin;
 
@@ -147,13 +147,14 @@ impl Message {
     }
 
     /// Whether the broker delivered this message before (to this or another consumer). A copy
-    /// returned after a failure is a new message to RabbitMQ: see [`attempt`](Self::attempt).
+    /// returned for a retry (after a failure, or while the key was claimed elsewhere or the store
+    /// was down) is a new message to RabbitMQ: see [`attempt`](Self::attempt).
     #[must_use]
     pub fn redelivered(&self) -> bool {
         self.redelivered
     }
 
-    /// The routing key it was published with (for a copy returned after a failure, the
+    /// The routing key it was published with (for a copy returned for a retry, the
     /// original's, kept in [`ROUTING_KEY`]).
     #[must_use]
     pub fn routing_key(&self) -> &str {
@@ -230,7 +231,7 @@ impl<E: HandlerError> Consumer<E> {
         let Delivery { acker, data, properties, redelivered, routing_key, .. } = delivery;
         let data = Bytes::from(data);
         let routing_key = header_text(&properties, ROUTING_KEY).unwrap_or_else(|| routing_key.to_string());
-        // What a copy returned after a failure needs, once the handler has taken the message.
+        // What a copy returned for a retry needs, once the handler has taken the message.
         let keep = (data.clone(), properties.clone(), routing_key.clone());
         let verdict = match &id {
             None => Verdict::dead_letter(NO_ID),

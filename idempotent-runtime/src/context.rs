@@ -25,7 +25,7 @@ tokio::task_local! {
 pub(crate) struct CallContext {
     /// The call's key or, for a step's body, the step's key (in the call's scope).
     key: Key,
-    /// What the call's request was aimed at, hashed as far as it was given ([`set_origin`]; a
+    /// What the call's request was aimed at, fed to a hash not yet finished ([`set_origin`]; a
     /// step's body has its call's): part of every key derived in the run.
     origin: OnceLock<Sha256>,
     /// Outbound requests given a derived key so far in this run, counted per method and path.
@@ -190,9 +190,10 @@ pub(crate) fn current() -> Option<Arc<CallContext>> {
 /// The key is the SHA-256 (in hex) of the call's scope and key (or, inside a [`step`](crate::step),
 /// the step's identity), `n`, `method` and `path`; behind the HTTP or gRPC layer, also of what the
 /// call's own request was aimed at (its method and path, or its gRPC method), so that two services
-/// on the layer's default scope that get one user's key derive different keys. Every run of the body (a retry after a released
-/// `Err`, a takeover after a crash) starts again at `n = 0`, so a body that makes the same requests
-/// in the same order sends the same keys. [`IdempotentRetry`](crate::client::IdempotentRetry) calls
+/// on the layer's default scope that get one user's key derive different keys. Every run of the
+/// body (a retry after a released `Err`, a takeover after a crash) starts every count again at 0,
+/// so a body that makes the same requests, in the same order for each method and path, sends the
+/// same keys. [`IdempotentRetry`](crate::client::IdempotentRetry) calls
 /// this for requests that carry no `Idempotency-Key`; other clients can call it themselves.
 #[must_use]
 pub fn derived_key(method: &str, path: &str) -> Option<String> {

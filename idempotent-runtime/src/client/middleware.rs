@@ -164,7 +164,7 @@ impl IdempotentRetry {
             let retry_after = match classify(&result) {
                 Verdict::Done(stopped) => return Ok(mark(result?, &key, count, stopped)),
                 Verdict::KeyReused => {
-                    return match key_reused(result?, key.clone(), url).await {
+                    return match refusal_or_answer(result?, key.clone(), url).await {
                         // Not the key's refusal: the server's answer, returned as it came.
                         Ok(response) => Ok(mark(response, &key, count, None)),
                         Err(error) => Err(error),
@@ -280,7 +280,11 @@ const KEY_REUSED_PROBLEM: &str = "urn:idempotent:key-reused";
 /// problem document of type `urn:idempotent:key-reused`, with the server's `detail`), otherwise
 /// the response itself, rebuilt from its status, headers and body: a `422` the handler answered
 /// (a validation failure, axum's `Json` rejection) is its answer to a fresh key, not a reused one.
-async fn key_reused(mut response: Response, key: String, url: String) -> Result<Response, reqwest_middleware::Error> {
+async fn refusal_or_answer(
+    mut response: Response,
+    key: String,
+    url: String,
+) -> Result<Response, reqwest_middleware::Error> {
     let (status, version, headers) = (response.status(), response.version(), response.headers().clone());
     let (response_url, extensions) = (response.url().clone(), std::mem::take(response.extensions_mut()));
     let body = response.bytes().await?;

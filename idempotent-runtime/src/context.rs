@@ -8,7 +8,7 @@
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use sha2::{Digest as _, Sha256};
 
@@ -25,9 +25,10 @@ tokio::task_local! {
 pub(crate) struct CallContext {
     /// The call's key or, for a step's body, the step's key (in the call's scope).
     key: Key,
-    /// What the call's request was aimed at, fed to a hash not yet finished ([`set_origin`]; a
-    /// step's body has its call's): part of every key derived in the run.
-    origin: OnceLock<Sha256>,
+    /// What the call's request was aimed at, its fields length-prefixed as [`set_origin`] got them
+    /// (empty if it never was; a step's body has its call's): hashed into every key derived in
+    /// the run, and only then. A recycled context keeps the buffer's capacity.
+    origin: Mutex<Vec<u8>>,
     /// Outbound requests given a derived key so far in this run, counted per method and path.
     outbound: Mutex<Vec<(String, String, u64)>>,
     /// Steps started so far in this run.
@@ -53,14 +54,14 @@ impl CallContext {
         {
             // `recycle` kept it only as a root with an empty queue.
             context.key.clone_from(key);
-            context.origin = OnceLock::new();
+            context.origin.get_mut().unwrap_or_else(PoisonError::into_inner).clear();
             context.outbound.get_mut().unwrap_or_else(PoisonError::into_inner).clear();
             *context.steps.get_mut() = 0;
             return spare;
         }
         Arc::new(CallContext {
             key: key.clone(),
-            origin: OnceLock::new(),
+            origin: Mutex::default(),
             outbound: Mutex::default(),
             steps: AtomicU64::new(0),
             root: None,
@@ -77,7 +78,7 @@ impl CallContext {
         let identity = digest(&[b"step", self.key.key().as_bytes(), &position.to_be_bytes(), name.as_bytes()]);
         Ok(Arc::new(CallContext {
             key: Key::new(self.key.scope(), &format!("step-{identity}"))?,
-            origin: self.origin.clone(),
+            origin: Mutex::new(self.origin.lock().unwrap_or_else(PoisonError::into_inner).clone()),
             outbound: Mutex::default(),
             steps: AtomicU64::new(0),
             root: Some(Arc::clone(self.root.as_ref().unwrap_or(self))),
@@ -127,13 +128,13 @@ impl CallContext {
         };
         let (scope, key, position) = (self.key.scope().as_bytes(), self.key.key().as_bytes(), position.to_be_bytes());
         let (method, path) = (method.as_bytes(), path.as_bytes());
-        match self.origin.get() {
+        let origin = self.origin.lock().unwrap_or_else(PoisonError::into_inner);
+        if origin.is_empty() {
             // A call given no origin (the attribute, `Call::run`).
-            None => digest(&[b"outbound", scope, key, &position, method, path]),
-            Some(origin) => {
-                let origin: [u8; 32] = origin.clone().finalize().into();
-                digest(&[b"outbound", scope, key, &position, method, path, &origin])
-            }
+            digest(&[b"outbound", scope, key, &position, method, path])
+        } else {
+            let origin: [u8; 32] = Sha256::digest(&*origin).into();
+            digest(&[b"outbound", scope, key, &position, method, path, &origin])
         }
     }
 }
@@ -162,12 +163,13 @@ fn digest(fields: &[&[u8]]) -> String {
 #[cfg(any(test, feature = "axum"))]
 pub(crate) fn set_origin(fields: &[&[u8]]) {
     if let Some(context) = current() {
-        let mut hasher = Sha256::new();
-        for field in fields {
-            hasher.update((field.len() as u64).to_be_bytes());
-            hasher.update(field);
+        let mut origin = context.origin.lock().unwrap_or_else(PoisonError::into_inner);
+        if origin.is_empty() {
+            for field in fields {
+                origin.extend_from_slice(&(field.len() as u64).to_be_bytes());
+                origin.extend_from_slice(field);
+            }
         }
-        let _ = context.origin.set(hasher);
     }
 }
 

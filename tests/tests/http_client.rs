@@ -911,3 +911,46 @@ async fn http_client_derived_keys_of_concurrent_requests_survive_a_rerun_of_the_
     println!("bank keys {:?}, payments {}", ledger.keys(), ledger.runs());
     assert_eq!(ledger.runs(), 2, "one payment per bank for one order, over both runs of its body");
 }
+
+/// README: a handler's derived keys hash the method and path its request came on, not the body
+/// or the query, so a retry after the key was released (here the handler answered `503` marked
+/// `NotProcessed`) that the client re-formatted, with its query in another order, derives the same
+/// keys. Another path under the same key derives others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_client_derived_keys_ignore_the_body_and_query_of_a_released_retry() {
+    async fn derive(uri: axum::http::Uri) -> Response {
+        let derived = idempotent_runtime::derived_key("POST", "/bank").expect("inside the call");
+        if uri.path() == "/orders" {
+            (StatusCode::SERVICE_UNAVAILABLE, idempotent_runtime::http::NotProcessed, derived).into_response()
+        } else {
+            (StatusCode::CREATED, derived).into_response()
+        }
+    }
+    let app = Router::new()
+        .route("/orders", post(derive))
+        .route("/refunds", post(derive))
+        .route_layer(IdempotencyLayer::new(MemoryStore::new()).keys_shared_by_all_callers());
+    let addr = serve(app).await;
+    let plain = reqwest::Client::new();
+    let mut derived = Vec::new();
+    for (target, body) in [
+        ("/orders?a=1&b=2", r#"{"amount":10}"#),
+        ("/orders?b=2&a=1", "{ \"amount\": 10 }"),
+        ("/refunds?a=1&b=2", r#"{"amount":10}"#),
+    ] {
+        let answer = plain
+            .post(format!("http://{addr}{target}"))
+            .header("idempotency-key", "0b6f0c2e-5d1a-4c8e-9f3b-7a2d4e6c8b10")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        derived.push((answer.status(), answer.text().await.unwrap()));
+    }
+    println!("derived keys: {derived:?}");
+    assert_eq!(derived[0].0, StatusCode::SERVICE_UNAVAILABLE, "the first run released its key");
+    assert_eq!(derived[1].0, StatusCode::SERVICE_UNAVAILABLE, "the re-formatted retry ran again");
+    assert_eq!(derived[0].1, derived[1].1, "one route, one derived key: {derived:?}");
+    assert_eq!(derived[2].0, StatusCode::CREATED);
+    assert_ne!(derived[2].1, derived[0].1, "another route, another key: {derived:?}");
+}

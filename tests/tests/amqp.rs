@@ -70,6 +70,14 @@ async fn publish_to(channel: &Channel, exchange: &str, routing_key: &str, id: Op
     assert!(confirm.await.expect("a confirmation").is_ack(), "RabbitMQ refused a message");
 }
 
+/// Deletes a test's queues and closes its connection.
+async fn delete_and_close(connection: Connection, channel: &Channel, queues: [&str; 2]) {
+    for queue in queues {
+        channel.queue_delete(queue.into(), QueueDeleteOptions::default()).await.expect("delete a queue");
+    }
+    let _ = connection.close(200, "done".into()).await;
+}
+
 async fn message_count(channel: &Channel, queue: &str) -> u32 {
     let options = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
     channel.queue_declare(queue.into(), options, FieldTable::default()).await.expect("the queue").message_count()
@@ -186,10 +194,7 @@ async fn amqp_workers_sigkilled_before_the_ack_apply_each_message_once() {
         elapsed.as_secs_f64()
     );
 
-    for q in [&queue, &dead] {
-        channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.expect("delete a queue");
-    }
-    let _ = connection.close(200, "done".into()).await;
+    delete_and_close(connection, &channel, [&queue, &dead]).await;
     ledger.drop_table().await;
     cleanup.run().await;
 }
@@ -305,10 +310,7 @@ async fn amqp_settles_each_outcome_as_documented() {
     assert_eq!(message_count(&channel, &dead).await, 2, "the reused id and the message without an id");
     assert_eq!(message_count(&channel, &queue).await, 0);
 
-    for q in [&queue, &dead] {
-        channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.expect("delete a queue");
-    }
-    let _ = connection.close(200, "done".into()).await;
+    delete_and_close(connection, &channel, [&queue, &dead]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -346,10 +348,7 @@ async fn amqp_a_failing_handler_follows_its_policy() {
     assert_eq!(failures[0].1.reason.as_deref(), Some("the handler failed: declined"));
     assert_eq!(message_count(&channel, &dead).await, 1);
 
-    for q in [&queue, &dead] {
-        channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.expect("delete a queue");
-    }
-    let _ = connection.close(200, "done".into()).await;
+    delete_and_close(connection, &channel, [&queue, &dead]).await;
 }
 
 /// A handler's own error (not an idempotency error).
@@ -451,10 +450,7 @@ async fn amqp_a_panicking_handler_is_retried_and_the_consumer_keeps_running() {
     assert_eq!(message_count(&channel, &queue).await, 0);
     assert_eq!(message_count(&channel, &dead).await, 0);
 
-    for q in [&queue, &dead] {
-        channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.expect("delete a queue");
-    }
-    let _ = connection.close(200, "done".into()).await;
+    delete_and_close(connection, &channel, [&queue, &dead]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -515,10 +511,7 @@ async fn amqp_a_message_that_always_fails_is_dead_lettered_after_the_default_att
     assert_eq!(message_count(&channel, &queue).await, 0);
     assert_eq!(message_count(&channel, &dead).await, 2, "both are in the dead-letter queue");
 
-    for q in [&queue, &dead] {
-        channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.expect("delete a queue");
-    }
-    let _ = connection.close(200, "done".into()).await;
+    delete_and_close(connection, &channel, [&queue, &dead]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -604,10 +597,7 @@ async fn amqp_max_attempts_sets_the_cap_and_each_copy_counts_its_attempt() {
     assert_eq!(id.as_deref(), Some("always"));
     letter.delivery.ack(BasicAckOptions::default()).await.expect("ack it");
 
-    for q in [&queue, &dead] {
-        channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.expect("delete a queue");
-    }
-    let _ = connection.close(200, "done".into()).await;
+    delete_and_close(connection, &channel, [&queue, &dead]).await;
 }
 
 /// A quorum queue with an `x-delivery-limit`, as the module docs advise to bound the loop of a
@@ -700,10 +690,7 @@ async fn amqp_a_store_outage_on_a_quorum_queue_with_a_delivery_limit_does_not_de
         "the message waited out the store outage and ran once, not dead-lettered by the queue's delivery limit: \
          {settled:?}"
     );
-    for q in [&queue, &dead] {
-        channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.expect("delete a queue");
-    }
-    let _ = connection.close(200, "done".into()).await;
+    delete_and_close(connection, &channel, [&queue, &dead]).await;
     cleanup.run().await;
 }
 
@@ -810,10 +797,7 @@ async fn amqp_a_handler_that_panics_before_its_future_is_a_failure_not_a_crash()
     let malformed: Vec<Disposition> = settlements_of(&seen, "malformed").into_iter().map(|(d, _)| d).collect();
     assert_eq!(malformed, vec![Disposition::Retry, Disposition::DeadLetter]);
 
-    for q in [&queue, &dead] {
-        channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.expect("delete a queue");
-    }
-    let _ = connection.close(200, "done".into()).await;
+    delete_and_close(connection, &channel, [&queue, &dead]).await;
 }
 
 /// The id in a message's body, `id=<id>;...` (panics on a malformed one, as `.expect` does).
@@ -864,8 +848,5 @@ async fn amqp_an_id_reader_that_panics_dead_letters_the_message_not_the_consumer
     assert!(settled.contains(&(None, Disposition::DeadLetter)), "{settled:?}");
     assert_eq!(message_count(&channel, &dead).await, 1);
 
-    for q in [&queue, &dead] {
-        channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.expect("delete a queue");
-    }
-    let _ = connection.close(200, "done".into()).await;
+    delete_and_close(connection, &channel, [&queue, &dead]).await;
 }

@@ -294,10 +294,9 @@ impl<E: HandlerError> Consumer<E> {
             }
         };
         let Verdict { mut disposition, mut reason, .. } = verdict;
-        if disposition == Disposition::Retry && limits.last.is_some_and(|last| attempt >= last) {
+        if let Some(last) = limits.last.filter(|&last| disposition == Disposition::Retry && attempt >= last) {
             // JetStream does not deliver a message again after the consumer's `max_deliver`: a
             // `-NAK` now would drop it silently, its work never done. The dead-letter path keeps it.
-            let last = limits.last.unwrap_or(attempt);
             let why = reason.take().unwrap_or_default();
             reason = Some(format!(
                 "{why} (delivery {attempt} of the consumer's max_deliver {last}: JetStream would not deliver it again)"

@@ -790,6 +790,127 @@ async fn jetstream_a_lower_max_deliver_is_the_cap() {
     streams.delete().await;
 }
 
+/// A message's last delivery (`max_deliver` 1) is dead-lettered while the dead-letter subject
+/// has no stream to store it (an operator's mistake, or JetStream unable to store for a while):
+/// the copy fails. JetStream would not deliver the message again, so a `-NAK` would leave it,
+/// never handled and never dead-lettered, where only its stream sequence finds it. The consumer
+/// must keep it in progress and publish the copy once the subject takes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_a_dead_letter_copy_that_fails_on_the_last_delivery_is_published_once_it_can_be() {
+    const TEST: &str = "jetstream_a_dead_letter_copy_that_fails_on_the_last_delivery_is_published_once_it_can_be";
+    let Some(nats) = services::nats_url(TEST) else { return };
+    let streams = Streams::create(&nats).await;
+    streams.js.delete_stream(&streams.dead).await.expect("delete the dead-letter stream");
+    let work = streams.js.get_stream(&streams.work).await.expect("the work stream");
+    let config =
+        pull::Config { durable_name: Some("last".into()), ack_wait: ACK_WAIT, max_deliver: 1, ..Default::default() };
+    let pull = work.create_consumer(config).await.expect("create the consumer");
+
+    let seen: Seen = Arc::default();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = tokio::spawn({
+        let (js, seen, runs, dead_subject) =
+            (streams.js.clone(), Arc::clone(&seen), Arc::clone(&runs), streams.dead_subject.clone());
+        async move {
+            Consumer::new(js, pull)
+                .dead_letter(dead_subject)
+                .retry_delay(Duration::from_millis(100))
+                .on_settled(move |s| seen.lock().unwrap().push(s.clone()))
+                .run_until(
+                    move |_message| {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        async move { Err::<(), _>(Declined) }
+                    },
+                    async move {
+                        let _ = stopped.await;
+                    },
+                )
+                .await
+        }
+    });
+    streams.publish(Some(("Nats-Msg-Id", "last")), b"always fails").await;
+    // The handler fails on the only delivery; the copy finds no stream. Longer than `ack_wait`,
+    // so a message not kept in progress would be past saving.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while runs.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "the message was not delivered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(ACK_WAIT + Duration::from_secs(1)).await;
+    let config = stream::Config {
+        name: streams.dead.clone(),
+        subjects: vec![streams.dead_subject.clone()],
+        ..Default::default()
+    };
+    streams.js.create_stream(config).await.expect("create the dead-letter stream");
+    wait_for(&seen, |s| s.iter().any(|s| s.disposition == Disposition::DeadLetter)).await;
+    stop.send(()).expect("the consumer runs");
+    consumer.await.expect("the consumer task").expect("the consumer");
+
+    let letters = streams.dead_letters().await;
+    assert_eq!(letters.len(), 1, "one copy: {letters:?}");
+    assert_eq!(letters[0].2.as_deref(), Some("last"), "{letters:?}");
+    assert!(letters[0].1.contains("attempt 1 of 1"), "{letters:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "JetStream delivered it once");
+    let stream = streams.js.get_stream(&streams.work).await.expect("the stream");
+    let mut pull = stream.get_consumer::<pull::Config>("last").await.expect("the consumer");
+    let info = drained(&mut pull).await;
+    assert_eq!((info.num_pending, info.num_ack_pending), (0, 0), "the delivery was settled");
+    streams.delete().await;
+}
+
+/// As above, but the dead-letter subject never gets a stream, and the consumer is stopped while
+/// the copy keeps failing, with its one slot taken by that message: `run_until` returns (the
+/// message is given up with an `ERROR`), it does not wait for a copy that cannot be stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_a_consumer_stopped_while_a_last_delivery_copy_fails_returns() {
+    const TEST: &str = "jetstream_a_consumer_stopped_while_a_last_delivery_copy_fails_returns";
+    let Some(nats) = services::nats_url(TEST) else { return };
+    let streams = Streams::create(&nats).await;
+    streams.js.delete_stream(&streams.dead).await.expect("delete the dead-letter stream");
+    let work = streams.js.get_stream(&streams.work).await.expect("the work stream");
+    let config = pull::Config {
+        durable_name: Some("given-up".into()),
+        ack_wait: ACK_WAIT,
+        max_deliver: 1,
+        ..Default::default()
+    };
+    let pull = work.create_consumer(config).await.expect("create the consumer");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = tokio::spawn({
+        let (js, runs, dead_subject) = (streams.js.clone(), Arc::clone(&runs), streams.dead_subject.clone());
+        async move {
+            Consumer::new(js, pull)
+                .dead_letter(dead_subject)
+                .concurrency(1)
+                .retry_delay(Duration::from_millis(100))
+                .run_until(
+                    move |_message| {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        async move { Err::<(), _>(Declined) }
+                    },
+                    async move {
+                        let _ = stopped.await;
+                    },
+                )
+                .await
+        }
+    });
+    streams.publish(Some(("Nats-Msg-Id", "given-up")), b"always fails").await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while runs.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "the message was not delivered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.send(()).expect("the consumer runs");
+    let returned = tokio::time::timeout(Duration::from_secs(5), consumer).await;
+    returned.expect("run_until returns once stopped").expect("the consumer task").expect("the consumer");
+    streams.delete().await;
+}
+
 /// The store is down (a real Redis behind a proxy that refuses connections) for the consumer's
 /// `max_deliver` deliveries: each is `nak`ed as "not the message's fault" (README: "a store outage
 /// ... makes a message wait, never dead-letters it"). But JetStream does not deliver a message

@@ -61,7 +61,12 @@
 //! ends in the dead-letter path. When the consumer's own `max_deliver` is lower, it is the cap:
 //! after it JetStream would not deliver the message again. So on the delivery `max_deliver` every
 //! retry is dead-lettered, also one that is not the message's fault (the key claimed elsewhere,
-//! the store down): a `-NAK` there would drop the message silently, its work never done.
+//! the store down): a `-NAK` there would drop the message silently, its work never done. For the
+//! same reason, a dead-letter copy that cannot be published on that delivery (no stream takes the
+//! subject, JetStream cannot store) is not `-NAK`ed: the message is kept in progress and the copy
+//! is tried again every [`retry_delay`](super::Consumer::retry_delay) (at least 100 ms) until it
+//! is stored. Only a consumer that stops first gives it up, with an `ERROR` naming its stream
+//! sequence; JetStream keeps it in the stream, but will not deliver it to this consumer again.
 //!
 //! JetStream redelivers a message whose ack does not arrive within the consumer's `ack_wait`. While
 //! the handler runs, the consumer tells JetStream that the work goes on (`+WPI`, "in progress"),
@@ -82,7 +87,7 @@ use async_nats::jetstream::message::Acker;
 use async_nats::jetstream::{AckKind, Context};
 use async_nats::{HeaderMap, Subject};
 use bytes::Bytes;
-use futures_util::StreamExt as _;
+use futures_util::{FutureExt as _, StreamExt as _};
 
 use super::broker::{Broker, Consume, Handle};
 use super::{Disposition, HandlerError, NO_ID, Settled, Verdict};
@@ -96,6 +101,9 @@ pub const DEAD_LETTER_MESSAGE_ID: &str = "Idempotent-Message-Id";
 
 /// JetStream's default `ack_wait`, for a consumer whose info does not say.
 const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
+
+/// The shortest wait between two tries of a dead-letter copy on a message's last delivery.
+const MIN_COPY_DELAY: Duration = Duration::from_millis(100);
 
 /// A JetStream consumer: the one [`Consumer`](super::Consumer) type, with its JetStream half.
 pub type Consumer<E> = super::Consumer<JetStream, E>;
@@ -232,8 +240,11 @@ impl<E: HandlerError> Consume<JetStream, E> for Consumer<E> {
         let limits = Limits { progress_every: ack_wait / 3, cap, last };
         let messages = self.broker.pull.stream().max_messages_per_batch(self.settings.concurrency).messages().await?;
         let failure = Mutex::new(None);
+        // Shared: a delivery that waits to be dead-lettered on its last delivery gives up when it
+        // fires, even while every slot is taken and the stream is not polled.
+        let stop = stop.shared();
         messages
-            .take_until(stop)
+            .take_until(stop.clone())
             .scan((), |(), item| {
                 let next = match item {
                     Ok(message) => Some(Some(message)),
@@ -249,7 +260,9 @@ impl<E: HandlerError> Consume<JetStream, E> for Consumer<E> {
                 std::future::ready(next)
             })
             .filter_map(std::future::ready)
-            .for_each_concurrent(self.settings.concurrency, |message| self.settle(message, &handler, limits))
+            .for_each_concurrent(self.settings.concurrency, |message| {
+                self.settle(message, &handler, limits, stop.clone())
+            })
             .await;
         match failure.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner) {
             Some(e) => Err(e.into()),
@@ -264,6 +277,7 @@ impl<E: HandlerError> Consumer<E> {
         message: async_nats::jetstream::Message,
         handler: &impl Handle<JetStream, E>,
         limits: Limits,
+        stop: impl Future<Output = ()>,
     ) {
         let id = super::read_id(&*self.broker.id_of, &message.message);
         let (delivered, source) = match message.info() {
@@ -294,7 +308,8 @@ impl<E: HandlerError> Consumer<E> {
             }
         };
         let Verdict { mut disposition, mut reason, .. } = verdict;
-        if let Some(last) = limits.last.filter(|&last| disposition == Disposition::Retry && attempt >= last) {
+        let last_delivery = limits.last.is_some_and(|last| attempt >= last);
+        if let Some(last) = limits.last.filter(|_| disposition == Disposition::Retry && last_delivery) {
             // JetStream does not deliver a message again after the consumer's `max_deliver`: a
             // `-NAK` now would drop it silently, its work never done. The dead-letter path keeps it.
             let why = reason.take().unwrap_or_default();
@@ -308,17 +323,35 @@ impl<E: HandlerError> Consumer<E> {
             Disposition::Retry => acker.ack_with(AckKind::Nak(Some(self.settings.retry_delay))).await,
             Disposition::DeadLetter => {
                 let reason = reason.as_deref().unwrap_or_default();
-                match self.copy_to_dead_letter(keep, id.as_deref(), reason, &source).await {
-                    Ok(()) => acker.ack_with(AckKind::Term).await,
-                    Err(e) => {
+                let copied = match self.copy_to_dead_letter(keep.as_ref(), id.as_deref(), reason, &source).await {
+                    Err(e) if last_delivery => {
+                        let copying = self.copy_until_published(keep.as_ref(), id.as_deref(), reason, &source, e);
+                        tokio::select! {
+                            copied = with_progress(copying, &acker, limits.progress_every) => copied,
+                            () = stop => Err("the consumer stopped before the copy was stored".into()),
+                        }
+                    }
+                    copied => copied,
+                };
+                if let Err(e) = copied {
+                    let message_id = id.as_deref().unwrap_or("<none>");
+                    if last_delivery {
                         tracing::error!(
-                            target: "idempotent::consume", message_id = id.as_deref().unwrap_or("<none>"), reason, error = %e,
+                            target: "idempotent::consume", message_id, reason, source, error = %e,
+                            "could not publish to the dead-letter subject before the consumer stopped, on the last \
+                             delivery the consumer's max_deliver allows: JetStream keeps the message in its stream \
+                             (`source` is stream.consumer.sequence) but will not deliver it to this consumer again"
+                        );
+                    } else {
+                        tracing::error!(
+                            target: "idempotent::consume", message_id, reason, error = %e,
                             "could not publish to the dead-letter subject; the message is retried after the delay"
                         );
-                        let _ = acker.ack_with(AckKind::Nak(Some(self.settings.retry_delay))).await;
-                        return;
                     }
+                    let _ = acker.ack_with(AckKind::Nak(Some(self.settings.retry_delay))).await;
+                    return;
                 }
+                acker.ack_with(AckKind::Term).await
             }
         };
         match settled {
@@ -332,13 +365,13 @@ impl<E: HandlerError> Consumer<E> {
 
     async fn copy_to_dead_letter(
         &self,
-        keep: Option<(Bytes, Option<HeaderMap>)>,
+        keep: Option<&(Bytes, Option<HeaderMap>)>,
         id: Option<&str>,
         reason: &str,
         source: &str,
     ) -> Result<(), async_nats::Error> {
         let (Some(subject), Some((payload, headers))) = (&self.broker.dead_letter, keep) else { return Ok(()) };
-        let mut headers = headers.unwrap_or_default();
+        let mut headers = headers.clone().unwrap_or_default();
         let printable: String = reason.chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
         headers.insert(DEAD_LETTER_REASON, printable);
         if let Some(id) = id {
@@ -347,8 +380,38 @@ impl<E: HandlerError> Consumer<E> {
         if !source.is_empty() {
             headers.insert(async_nats::header::NATS_MESSAGE_ID, source);
         }
-        self.broker.context.publish_with_headers(subject.clone(), headers, payload).await?.await?;
+        self.broker.context.publish_with_headers(subject.clone(), headers, payload.clone()).await?.await?;
         Ok(())
+    }
+
+    /// Publishes the dead-letter copy again, every retry delay (at least 100 ms), until it is
+    /// stored: on the last delivery JetStream makes, a `-NAK` would leave the message undelivered
+    /// for good. `first` is the failure of the first try. Runs until the copy is stored; the
+    /// caller gives up when the consumer stops.
+    async fn copy_until_published(
+        &self,
+        keep: Option<&(Bytes, Option<HeaderMap>)>,
+        id: Option<&str>,
+        reason: &str,
+        source: &str,
+        first: async_nats::Error,
+    ) -> Result<(), async_nats::Error> {
+        let delay = self.settings.retry_delay.max(MIN_COPY_DELAY);
+        tracing::error!(
+            target: "idempotent::consume", message_id = id.unwrap_or("<none>"), reason, error = %first,
+            "could not publish to the dead-letter subject on the message's last delivery; the message is kept \
+             in progress and the copy is tried again every {delay:?} until it is stored"
+        );
+        loop {
+            tokio::time::sleep(delay).await;
+            match self.copy_to_dead_letter(keep, id, reason, source).await {
+                Ok(()) => return Ok(()),
+                Err(e) => tracing::warn!(
+                    target: "idempotent::consume", message_id = id.unwrap_or("<none>"), error = %e,
+                    "the dead-letter copy failed again; trying again"
+                ),
+            }
+        }
     }
 }
 

@@ -25,7 +25,10 @@
 //! caught, logged (level `ERROR`, target `idempotent::consume`) and treated as a failure of that
 //! attempt; the other deliveries in hand go on. A `#[idempotent]` body that panics releases its key, like an
 //! unrecorded error, so the retry runs the body again: what the body shares with other tasks (a
-//! `Mutex` it held, for example) is as the panic left it.
+//! `Mutex` it held, for example) is as the panic left it. The same holds for your other callbacks:
+//! an [`on_failure`](Consumer::on_failure) policy that panics counts as a failed attempt (retried,
+//! then dead-lettered), and an [`on_settled`](Consumer::on_settled) observer that panics is logged
+//! (its delivery is settled already); the id reader's panic is in its builder's docs.
 //!
 //! A message whose handler fails every time (a *poison* message) would otherwise be retried
 //! forever and take a concurrency slot on every attempt. The consumer counts attempts and
@@ -291,7 +294,17 @@ impl<B, E: HandlerError> Consumer<B, E> {
         let mut verdict = match AssertUnwindSafe(run).catch_unwind().await {
             Ok(result) => {
                 let own_error = matches!(&result, Err(e) if e.idempotency_error().is_none());
-                let (disposition, reason) = disposition(&result, &*self.on_failure);
+                // The policy is the user's code: a panic in it is a failed attempt, not the end
+                // of the consumer.
+                let decided = std::panic::catch_unwind(AssertUnwindSafe(|| disposition(&result, &*self.on_failure)));
+                let (disposition, reason) = decided.unwrap_or_else(|panic| {
+                    let panic = panic_message(&*panic);
+                    tracing::error!(
+                        target: "idempotent::consume", message_id = id, attempt, panic,
+                        "the on_failure policy panicked; the attempt counts as failed"
+                    );
+                    (Disposition::Retry, Some(format!("the on_failure policy panicked: {panic}")))
+                });
                 Verdict { disposition, reason, failed: own_error && disposition == Disposition::Retry }
             }
             Err(panic) => {
@@ -319,7 +332,11 @@ impl<B, E: HandlerError> Consumer<B, E> {
     pub(crate) fn settled(&self, settled: &Settled) {
         log(settled);
         if let Some(observer) = &self.observer {
-            observer(settled);
+            // The delivery is settled already; a panicking observer must not end the consumer.
+            if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(|| observer(settled))) {
+                let panic = panic_message(&*panic);
+                tracing::error!(target: "idempotent::consume", panic, "the on_settled observer panicked");
+            }
         }
     }
 }
@@ -557,5 +574,40 @@ mod tests {
         };
         let (d, _, failed) = decided(&waiting, 9, down);
         assert_eq!((d, failed), (Disposition::Retry, false));
+    }
+
+    #[test]
+    fn consume_a_failure_policy_that_panics_counts_as_a_failed_attempt() {
+        // A panic in `on_failure` used to unwind through the consumer and end its `run`.
+        let panicking = super::Consumer::<(), Declined>::with_broker(()).on_failure(|_| panic!("policy bug"));
+        let (d, reason, failed) = decided(&panicking, 1, async { Err(Declined) });
+        assert_eq!(
+            (d, reason.as_deref(), failed),
+            (Disposition::Retry, Some("the on_failure policy panicked: policy bug"), true)
+        );
+        let (d, _, _) = decided(&panicking, 3, async { Err(Declined) });
+        assert_eq!(d, Disposition::DeadLetter);
+        // A success never asks the policy.
+        assert_eq!(decided(&panicking, 1, async { Ok(()) }).0, Disposition::Ack);
+    }
+
+    #[test]
+    fn consume_an_observer_that_panics_does_not_end_the_consumer() {
+        let seen = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let counted = std::sync::Arc::clone(&seen);
+        let consumer = super::Consumer::<(), Declined>::with_broker(()).on_settled(move |_| {
+            counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            panic!("observer bug");
+        });
+        let settled = super::Settled {
+            message_id: Some("id".into()),
+            disposition: Disposition::Ack,
+            redelivered: false,
+            attempt: 1,
+            reason: None,
+        };
+        consumer.settled(&settled);
+        consumer.settled(&settled);
+        assert_eq!(seen.load(std::sync::atomic::Ordering::Relaxed), 2);
     }
 }

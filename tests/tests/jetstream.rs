@@ -790,6 +790,57 @@ async fn jetstream_a_lower_max_deliver_is_the_cap() {
     streams.delete().await;
 }
 
+/// A consumer (`max_deliver` 1, `concurrency` as given) whose handler always fails, started on a
+/// message while its dead-letter subject has no stream: the dead-letter copy of that only
+/// delivery fails.
+struct FailingCopy {
+    seen: Seen,
+    runs: Arc<AtomicUsize>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    consumer: tokio::task::JoinHandle<Result<(), async_nats::Error>>,
+}
+
+impl FailingCopy {
+    /// Starts the consumer `name` on `streams` and returns once its handler has run.
+    async fn start(streams: &Streams, name: &str, concurrency: usize) -> FailingCopy {
+        streams.js.delete_stream(&streams.dead).await.expect("delete the dead-letter stream");
+        let work = streams.js.get_stream(&streams.work).await.expect("the work stream");
+        let config =
+            pull::Config { durable_name: Some(name.into()), ack_wait: ACK_WAIT, max_deliver: 1, ..Default::default() };
+        let pull = work.create_consumer(config).await.expect("create the consumer");
+        let (seen, runs): (Seen, _) = (Arc::default(), Arc::new(AtomicUsize::new(0)));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let consumer = tokio::spawn({
+            let (js, seen, runs, dead_subject) =
+                (streams.js.clone(), Arc::clone(&seen), Arc::clone(&runs), streams.dead_subject.clone());
+            async move {
+                Consumer::new(js, pull)
+                    .dead_letter(dead_subject)
+                    .concurrency(concurrency)
+                    .retry_delay(Duration::from_millis(100))
+                    .on_settled(move |s| seen.lock().unwrap().push(s.clone()))
+                    .run_until(
+                        move |_message| {
+                            runs.fetch_add(1, Ordering::SeqCst);
+                            async move { Err::<(), _>(Declined) }
+                        },
+                        async move {
+                            let _ = stopped.await;
+                        },
+                    )
+                    .await
+            }
+        });
+        streams.publish(Some(("Nats-Msg-Id", name)), b"always fails").await;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while runs.load(Ordering::SeqCst) == 0 {
+            assert!(Instant::now() < deadline, "the message was not delivered");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        FailingCopy { seen, runs, stop, consumer }
+    }
+}
+
 /// A message's last delivery (`max_deliver` 1) is dead-lettered while the dead-letter subject
 /// has no stream to store it (an operator's mistake, or JetStream unable to store for a while):
 /// the copy fails. JetStream would not deliver the message again, so a `-NAK` would leave it,
@@ -800,43 +851,8 @@ async fn jetstream_a_dead_letter_copy_that_fails_on_the_last_delivery_is_publish
     const TEST: &str = "jetstream_a_dead_letter_copy_that_fails_on_the_last_delivery_is_published_once_it_can_be";
     let Some(nats) = services::nats_url(TEST) else { return };
     let streams = Streams::create(&nats).await;
-    streams.js.delete_stream(&streams.dead).await.expect("delete the dead-letter stream");
-    let work = streams.js.get_stream(&streams.work).await.expect("the work stream");
-    let config =
-        pull::Config { durable_name: Some("last".into()), ack_wait: ACK_WAIT, max_deliver: 1, ..Default::default() };
-    let pull = work.create_consumer(config).await.expect("create the consumer");
-
-    let seen: Seen = Arc::default();
-    let runs = Arc::new(AtomicUsize::new(0));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let consumer = tokio::spawn({
-        let (js, seen, runs, dead_subject) =
-            (streams.js.clone(), Arc::clone(&seen), Arc::clone(&runs), streams.dead_subject.clone());
-        async move {
-            Consumer::new(js, pull)
-                .dead_letter(dead_subject)
-                .retry_delay(Duration::from_millis(100))
-                .on_settled(move |s| seen.lock().unwrap().push(s.clone()))
-                .run_until(
-                    move |_message| {
-                        runs.fetch_add(1, Ordering::SeqCst);
-                        async move { Err::<(), _>(Declined) }
-                    },
-                    async move {
-                        let _ = stopped.await;
-                    },
-                )
-                .await
-        }
-    });
-    streams.publish(Some(("Nats-Msg-Id", "last")), b"always fails").await;
-    // The handler fails on the only delivery; the copy finds no stream. Longer than `ack_wait`,
-    // so a message not kept in progress would be past saving.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while runs.load(Ordering::SeqCst) == 0 {
-        assert!(Instant::now() < deadline, "the message was not delivered");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let FailingCopy { seen, runs, stop, consumer } = FailingCopy::start(&streams, "last", 16).await;
+    // Longer than `ack_wait`, so a message not kept in progress would be past saving.
     tokio::time::sleep(ACK_WAIT + Duration::from_secs(1)).await;
     let config = stream::Config {
         name: streams.dead.clone(),
@@ -868,46 +884,12 @@ async fn jetstream_a_consumer_stopped_while_a_last_delivery_copy_fails_returns()
     const TEST: &str = "jetstream_a_consumer_stopped_while_a_last_delivery_copy_fails_returns";
     let Some(nats) = services::nats_url(TEST) else { return };
     let streams = Streams::create(&nats).await;
-    streams.js.delete_stream(&streams.dead).await.expect("delete the dead-letter stream");
-    let work = streams.js.get_stream(&streams.work).await.expect("the work stream");
-    let config = pull::Config {
-        durable_name: Some("given-up".into()),
-        ack_wait: ACK_WAIT,
-        max_deliver: 1,
-        ..Default::default()
-    };
-    let pull = work.create_consumer(config).await.expect("create the consumer");
-    let runs = Arc::new(AtomicUsize::new(0));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let consumer = tokio::spawn({
-        let (js, runs, dead_subject) = (streams.js.clone(), Arc::clone(&runs), streams.dead_subject.clone());
-        async move {
-            Consumer::new(js, pull)
-                .dead_letter(dead_subject)
-                .concurrency(1)
-                .retry_delay(Duration::from_millis(100))
-                .run_until(
-                    move |_message| {
-                        runs.fetch_add(1, Ordering::SeqCst);
-                        async move { Err::<(), _>(Declined) }
-                    },
-                    async move {
-                        let _ = stopped.await;
-                    },
-                )
-                .await
-        }
-    });
-    streams.publish(Some(("Nats-Msg-Id", "given-up")), b"always fails").await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while runs.load(Ordering::SeqCst) == 0 {
-        assert!(Instant::now() < deadline, "the message was not delivered");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let FailingCopy { seen, stop, consumer, .. } = FailingCopy::start(&streams, "given-up", 1).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop.send(()).expect("the consumer runs");
     let returned = tokio::time::timeout(Duration::from_secs(5), consumer).await;
     returned.expect("run_until returns once stopped").expect("the consumer task").expect("the consumer");
+    assert!(seen.lock().unwrap().is_empty(), "nothing was settled: {:?}", seen.lock().unwrap());
     streams.delete().await;
 }
 

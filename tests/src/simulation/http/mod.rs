@@ -189,13 +189,28 @@ pub async fn run_history<S: Store + Clone + 'static>(
         .collect();
     let mut verdict = Verdict::default();
     let mut finals = Vec::new();
+    let mut unfinished = Vec::new();
     let deadline = Instant::now() + HISTORY_LIMIT;
-    for caller in callers {
-        let Ok(done) = tokio::time::timeout_at(deadline, caller).await else {
-            verdict.violations.push(format!("the callers did not finish within {HISTORY_LIMIT:?}"));
-            break;
-        };
-        finals.push(done.expect("a caller task"));
+    for (i, caller) in callers.into_iter().enumerate() {
+        match tokio::time::timeout_at(deadline, caller).await {
+            Ok(done) => finals.push(done.expect("a caller task")),
+            Err(_) => unfinished.push(i),
+        }
+    }
+    if !unfinished.is_empty() {
+        // Where the requests were when time ran out: at the proxy, in the server, or neither.
+        let stats = proxy.stats();
+        verdict.violations.push(format!(
+            "callers {unfinished:?} did not finish within {HISTORY_LIMIT:?}; the server then had {} requests in \
+             flight and {} handler runs going; the proxy had accepted {} connections, refused {}, held {} chunks \
+             and forwarded {} bytes",
+            server.in_flight.load(Ordering::Relaxed),
+            server.running(),
+            stats.accepted.load(Ordering::Relaxed),
+            stats.refused.load(Ordering::Relaxed),
+            stats.held_chunks.load(Ordering::Relaxed),
+            stats.bytes.load(Ordering::Relaxed),
+        ));
     }
     let _ = network.await;
     proxy.set_mode(Mode::Pass);

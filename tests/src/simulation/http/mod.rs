@@ -62,7 +62,7 @@ use super::faults::{FaultRates, FaultStore};
 use super::history::{Event, Fault, History};
 use super::rng::SplitMix64;
 use crate::proxy::{FaultProxy, Mode};
-use clients::{break_the_network, call};
+use clients::{Final, break_the_network, call};
 use judge::{judge, probe};
 use plan::draw;
 use server::{Downstream, Server, router};
@@ -134,6 +134,36 @@ const HISTORY_LIMIT: Duration = Duration::from_secs(60);
 /// steps are a panicking handler's releases.
 const STORE_FAULTS: FaultRates = FaultRates { fail: 6, lose_reply: 6, delay: 3, extend_fail: 6, background: false };
 
+/// Waits for each caller until `deadline`: the last outcomes of those that finished, and the
+/// indices of those that did not.
+async fn finish(callers: Vec<tokio::task::JoinHandle<Final>>, deadline: Instant) -> (Vec<Final>, Vec<usize>) {
+    let (mut finals, mut unfinished) = (Vec::new(), Vec::new());
+    for (i, caller) in callers.into_iter().enumerate() {
+        match tokio::time::timeout_at(deadline, caller).await {
+            Ok(done) => finals.push(done.expect("a caller task")),
+            Err(_) => unfinished.push(i),
+        }
+    }
+    (finals, unfinished)
+}
+
+/// The violation of callers that did not finish in time, with where their requests were then:
+/// at the proxy, in the server, or neither.
+fn unfinished_callers(unfinished: &[usize], server: &Server, proxy: &FaultProxy) -> String {
+    let stats = proxy.stats();
+    format!(
+        "callers {unfinished:?} did not finish within {HISTORY_LIMIT:?}; the server then had {} requests in \
+         flight and {} handler runs going; the proxy had accepted {} connections, refused {}, held {} chunks \
+         and forwarded {} bytes",
+        server.in_flight.load(Ordering::Relaxed),
+        server.running(),
+        stats.accepted.load(Ordering::Relaxed),
+        stats.refused.load(Ordering::Relaxed),
+        stats.held_chunks.load(Ordering::Relaxed),
+        stats.bytes.load(Ordering::Relaxed),
+    )
+}
+
 /// Runs the history of `seed` against a server of its own over `store`, its keys under `prefix`,
 /// with `bug` planted in the layer's configuration (or none).
 pub async fn run_history<S: Store + Clone + 'static>(
@@ -188,29 +218,10 @@ pub async fn run_history<S: Store + Clone + 'static>(
         })
         .collect();
     let mut verdict = Verdict::default();
-    let mut finals = Vec::new();
-    let mut unfinished = Vec::new();
     let deadline = Instant::now() + HISTORY_LIMIT;
-    for (i, caller) in callers.into_iter().enumerate() {
-        match tokio::time::timeout_at(deadline, caller).await {
-            Ok(done) => finals.push(done.expect("a caller task")),
-            Err(_) => unfinished.push(i),
-        }
-    }
+    let (finals, unfinished) = finish(callers, deadline).await;
     if !unfinished.is_empty() {
-        // Where the requests were when time ran out: at the proxy, in the server, or neither.
-        let stats = proxy.stats();
-        verdict.violations.push(format!(
-            "callers {unfinished:?} did not finish within {HISTORY_LIMIT:?}; the server then had {} requests in \
-             flight and {} handler runs going; the proxy had accepted {} connections, refused {}, held {} chunks \
-             and forwarded {} bytes",
-            server.in_flight.load(Ordering::Relaxed),
-            server.running(),
-            stats.accepted.load(Ordering::Relaxed),
-            stats.refused.load(Ordering::Relaxed),
-            stats.held_chunks.load(Ordering::Relaxed),
-            stats.bytes.load(Ordering::Relaxed),
-        ));
+        verdict.violations.push(unfinished_callers(&unfinished, &server, &proxy));
     }
     let _ = network.await;
     proxy.set_mode(Mode::Pass);

@@ -10,6 +10,7 @@ pub mod fresh;
 #[cfg(feature = "grpc")]
 pub mod grpc;
 pub mod proxy;
+pub mod python;
 #[cfg(feature = "redis")]
 pub mod replicated;
 pub mod services;

@@ -6,14 +6,13 @@
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use idempotent_runtime::grpc::{GrpcIdempotencyLayer, IdempotencyKeys};
 use idempotent_runtime::{Call, Error, MemoryStore, Store};
 use idempotent_tests::grpc::{Bank, Ledger, PAY, PayRequest, PaymentsClient, TestServer, request_id};
 use idempotent_tests::proxy::FaultProxy;
-use idempotent_tests::services::absent;
 use serde_json::Value;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
@@ -48,34 +47,7 @@ fn replayed<T>(response: &tonic::Response<T>) -> bool {
 /// The Python interpreter of a virtual environment with grpcio 1.85.0, made once under
 /// `target/` (from `PyPI`); `None`, loudly, when it cannot be made and services are not required.
 fn python() -> Option<PathBuf> {
-    static MADE: Mutex<Option<Result<PathBuf, String>>> = Mutex::new(None);
-    let mut made = MADE.lock().unwrap();
-    let result = made.get_or_insert_with(|| {
-        let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/grpc-venv");
-        let python = venv.join("bin/python");
-        let ready = || Command::new(&python).args(["-c", "import grpc; assert grpc.__version__ == '1.85.0'"]).output();
-        if ready().is_ok_and(|out| out.status.success()) {
-            return Ok(python);
-        }
-        let run = |program: &std::path::Path, args: &[&str]| -> Result<(), String> {
-            let out = Command::new(program).args(args).output().map_err(|e| format!("{}: {e}", program.display()))?;
-            if out.status.success() {
-                Ok(())
-            } else {
-                Err(format!("{} {args:?}: {}", program.display(), String::from_utf8_lossy(&out.stderr)))
-            }
-        };
-        run("python3".as_ref(), &["-m", "venv", venv.to_str().unwrap()])?;
-        run(&venv.join("bin/pip"), &["install", "--quiet", "grpcio==1.85.0"])?;
-        Ok(python)
-    });
-    match result {
-        Ok(python) => Some(python.clone()),
-        Err(error) => {
-            absent(&format!("grpc python tests: cannot install grpcio 1.85.0 from PyPI ({error})"));
-            None
-        }
-    }
+    idempotent_tests::python::venv("grpc", "grpcio==1.85.0", "import grpc; assert grpc.__version__ == '1.85.0'")
 }
 
 /// Runs `tests/grpc/pay_client.py` against `target` with `calls`; one JSON object per call.

@@ -743,7 +743,10 @@ impl<S: Store + ?Sized> Drop for Guard<'_, S> {
         let step = match phase {
             Phase::Idle | Phase::Done => return,
             Phase::Claiming | Phase::Releasing => release(self),
-            Phase::Running if self.body_polling || std::thread::panicking() => {
+            // Only the body's own panic (the flag is still set): a call dropped by the unwinding of
+            // a panic elsewhere in its task (another branch of a `join!`) was cancelled, and its
+            // body's effects may still land, so `on_cancel` decides, as for any other drop.
+            Phase::Running if self.body_polling => {
                 tracing::warn!(target: "idempotent", "the body panicked; releasing the key");
                 release(self)
             }

@@ -427,3 +427,42 @@ async fn memory_a_completion_detached_after_the_renewals_cap_is_retried_while_it
     assert_eq!(call().await.unwrap(), 7);
     assert_eq!(bodies.load(SeqCst), 1, "the result recorded in the background is replayed, not run again");
 }
+
+/// A call whose task panics elsewhere (the other branch of a `join!`) is dropped, while its body
+/// waits, by the panic's unwinding: the body was cancelled, it did not panic. Under
+/// `OnCancel::Keep` (the default) its claim stays for the lease, so a retry at once finds it in
+/// progress and does not run the body while the first body's charge may still land.
+#[tokio::test(start_paused = true)]
+async fn memory_a_call_dropped_by_another_futures_panic_keeps_its_claim() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+    use std::time::Duration;
+
+    use idempotent_runtime::{Call, Error};
+
+    let store = Arc::new(MemoryStore::new());
+    let runs = Arc::new(AtomicU32::new(0));
+    let charge = |store: Arc<MemoryStore>, runs: Arc<AtomicU32>| async move {
+        Call::new("sibling-panic", "order-1")
+            .run(&*store, async {
+                runs.fetch_add(1, SeqCst);
+                // The charge is sent; its answer takes a while.
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                Ok::<_, Error>(1)
+            })
+            .await
+    };
+    let first = charge(store.clone(), runs.clone());
+    let task = tokio::spawn(async move {
+        let sibling = async {
+            tokio::task::yield_now().await;
+            panic!("another branch of the handler panics (planted)");
+        };
+        let ((), _) = tokio::join!(sibling, first);
+    });
+    assert!(task.await.unwrap_err().is_panic());
+    assert_eq!(runs.load(SeqCst), 1, "the first body started before the panic");
+    let retry = charge(store.clone(), runs.clone()).await;
+    assert!(matches!(retry, Err(Error::InProgress { .. })), "a retry at once: {retry:?}");
+    assert_eq!(runs.load(SeqCst), 1, "the body ran again while the first one's charge was in flight");
+}

@@ -247,17 +247,26 @@ pub(crate) async fn drain<S: Store + ?Sized>(steps: &Steps<'_, S>, queue: &JobQu
 impl<S: Store + ?Sized> Steps<'_, S> {
     async fn serve(&self, job: Job) {
         match job {
+            // Its step was dropped before the lookup was served (the body has ended, or gave up
+            // on it): nothing to look up, nothing to claim.
+            Job::Lookup { reply, .. } if reply.is_closed() => {}
             Job::Lookup { key, reply } => {
-                let _ = reply.send(self.lookup(&key).await);
+                // A step dropped before its lookup was answered cannot release the key the lookup
+                // claimed for it: released here, or the next run would wait out its lease.
+                if let Err(Ok(None)) = reply.send(self.lookup(&key).await) {
+                    self.release(&key).await;
+                }
             }
             Job::Record { key, outcome, reply } => {
                 let _ = reply.send(self.record(&key, &outcome).await);
             }
-            Job::Release { key } => {
-                if let Err(error) = timed(self.store, StoreStep::Release, self.store.release(&key, self.token)).await {
-                    tracing::warn!(target: "idempotent", %error, "could not release a failed step's key; it frees itself when its lease ends");
-                }
-            }
+            Job::Release { key } => self.release(&key).await,
+        }
+    }
+
+    async fn release(&self, key: &Key) {
+        if let Err(error) = timed(self.store, StoreStep::Release, self.store.release(key, self.token)).await {
+            tracing::warn!(target: "idempotent", %error, "could not release a failed step's key; it frees itself when its lease ends");
         }
     }
 

@@ -466,3 +466,36 @@ async fn memory_a_call_dropped_by_another_futures_panic_keeps_its_claim() {
     assert!(matches!(retry, Err(Error::InProgress { .. })), "a retry at once: {retry:?}");
     assert_eq!(runs.load(SeqCst), 1, "the body ran again while the first one's charge was in flight");
 }
+
+/// A step dropped before its lookup was answered (a zero budget for it; a `select!`) frees its
+/// key, as a step dropped later does: the next run of the body does not wait for a claim that
+/// nobody will record or renew.
+#[tokio::test(start_paused = true)]
+async fn memory_a_step_dropped_before_its_lookup_leaves_no_claim_behind() {
+    use std::time::Duration;
+
+    use idempotent_runtime::{Call, Error, step};
+    use tokio::time::Instant;
+
+    let store = MemoryStore::new();
+    let run = |budget: Option<Duration>| {
+        Call::new("dropped-step", "order-3").run(&store, async move {
+            let quote = step("quote", async { Ok::<u32, Error>(5) });
+            match budget {
+                Some(budget) => match tokio::time::timeout(budget, quote).await {
+                    Ok(quote) => quote,
+                    Err(_) => Err(Error::Fingerprint("no quote in time (planted)".into())),
+                },
+                None => quote.await,
+            }
+        })
+    };
+    assert!(run(Some(Duration::ZERO)).await.is_err(), "the first run gave up on its step");
+    let started = Instant::now();
+    assert_eq!(run(None).await.unwrap(), 5);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "the retry's step waited {:?} for a claim left by a step that was dropped",
+        started.elapsed()
+    );
+}

@@ -328,11 +328,13 @@ impl Call {
                 let serve = pin!(step::serve(&steps, context.queue()));
                 with_heartbeat(&mut guard.body_polling, body, beat, serve).await
             };
-            if context.had_steps() {
-                step::drain(&steps, context.queue()).await;
-            }
+            // What the body's steps left (the release of a step that failed just before it ended) is
+            // served by `record`, once the outcome is in the guard: a call dropped meanwhile has its
+            // result recorded in the background, as when dropped while recording.
+            let left = context.had_steps().then(|| (&steps, context.queue()));
+            let result = record(&mut guard, retention, &lease_end, held, &policy, result, left, observer).await;
             CallContext::recycle(context);
-            record(&mut guard, retention, &lease_end, held, &policy, result, observer).await
+            result
         });
         in_span(observer.span(), protocol).await
     }
@@ -538,7 +540,9 @@ async fn heartbeat<S: Store + ?Sized>(
 /// While the result is being recorded, a claim still `held` is renewed until the lease it holds
 /// now would have ended: a completion slower than the lease (a slow store, a pool's queue) keeps
 /// duplicates out, and a store that keeps failing completions blocks the key for two leases at
-/// most.
+/// most. The step jobs the body `left` are served first, with the outcome already in the guard
+/// (before the key is released, so a retry does not find a failed step's key still claimed).
+#[allow(clippy::too_many_arguments)]
 async fn record<S, T, E>(
     guard: &mut Guard<'_, S>,
     retention: Duration,
@@ -546,6 +550,7 @@ async fn record<S, T, E>(
     held: bool,
     policy: &impl ErrorPolicy<E>,
     result: Result<T, E>,
+    left: Option<(&Steps<'_, S>, &step::JobQueue)>,
     observer: &CallObserver,
 ) -> Result<T, E>
 where
@@ -562,6 +567,9 @@ where
         None => {
             observer.outcome(Outcome::Released);
             guard.phase = Phase::Releasing;
+            if let Some((steps, queue)) = left {
+                step::drain(steps, queue).await;
+            }
             match timed(store, StoreStep::Release, store.release(key, token)).await {
                 Ok(()) => tracing::debug!(target: "idempotent", "released after an error"),
                 Err(e) => tracing::warn!(
@@ -584,6 +592,9 @@ where
     // it stands now, as this one is.
     let ends = *lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     guard.phase = Phase::Recording { outcome, retention, lease_end: ends, held };
+    if let Some((steps, queue)) = left {
+        step::drain(steps, queue).await;
+    }
     let Phase::Recording { outcome, .. } = &guard.phase else { unreachable!("set above") };
     let completion = Completion::new(key, token, fingerprint, outcome, retention);
     // What `complete_renewed` does for a detached completion, written out: one more future around

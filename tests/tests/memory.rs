@@ -467,6 +467,61 @@ async fn memory_a_call_dropped_by_another_futures_panic_keeps_its_claim() {
     assert_eq!(runs.load(SeqCst), 1, "the body ran again while the first one's charge was in flight");
 }
 
+/// The memory store, each release of which takes as long as a slow remote store's round trip.
+struct SlowRelease {
+    inner: MemoryStore,
+    delay: std::time::Duration,
+}
+
+impl SlowRelease {
+    fn inner(&self) -> &MemoryStore {
+        &self.inner
+    }
+}
+
+impl Store for SlowRelease {
+    idempotent_runtime::forward_store!(direct SlowRelease::inner; claim complete extend detach);
+
+    async fn release(
+        &self,
+        key: &idempotent_runtime::Key,
+        token: &idempotent_runtime::Token,
+    ) -> Result<(), idempotent_runtime::StoreError> {
+        tokio::time::sleep(self.delay).await;
+        self.inner.release(key, token).await
+    }
+}
+
+/// A body that handled a failed step and returned `Ok` has finished: a call dropped after that
+/// (here while the failed step's key is being released) has its result recorded in the
+/// background, as any call dropped while recording, and the body never runs again.
+#[tokio::test(start_paused = true)]
+async fn memory_a_call_dropped_after_its_body_ended_while_a_failed_step_is_released_is_recorded() {
+    use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+    use std::time::Duration;
+
+    use idempotent_runtime::{Call, Error, step};
+
+    let store = SlowRelease { inner: MemoryStore::new(), delay: Duration::from_secs(1) };
+    let orders = AtomicU32::new(0);
+    let order = || {
+        Call::new("drained", "order-2").run(&store, async {
+            // The quote fails; the body goes on with a default (the step's key is released).
+            let quote = step("quote", async { Err::<u32, Error>(Error::Fingerprint("no quote (planted)".into())) });
+            let price = quote.await.unwrap_or(7);
+            orders.fetch_add(1, SeqCst);
+            Ok::<_, Error>(price)
+        })
+    };
+    // The caller gives up after 500 ms: the body has ended, the step's release is in flight.
+    assert!(tokio::time::timeout(Duration::from_millis(500), order()).await.is_err());
+    assert_eq!(orders.load(SeqCst), 1, "the body ended before the drop");
+    // Past the call's lease (60 s), a retry.
+    tokio::time::sleep(Duration::from_secs(61)).await;
+    assert_eq!(order().await.unwrap(), 7);
+    assert_eq!(orders.load(SeqCst), 1, "the order was placed again: the finished body's result was not recorded");
+}
+
 /// A step dropped before its lookup was answered (a zero budget for it; a `select!`) frees its
 /// key, as a step dropped later does: the next run of the body does not wait for a claim that
 /// nobody will record or renew.

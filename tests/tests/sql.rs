@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use idempotent_runtime::admin::{self, ListQuery, Released, State};
 use idempotent_runtime::stores::sql::{SqlStore, SqlTxStore, TimedOut, is_unique_violation, sqlx};
 use idempotent_runtime::{Claim, Error, Key, Store, StoreError, Token, idempotent};
 use idempotent_tests::conformance::claim_request as request;
@@ -634,6 +635,50 @@ macro_rules! sql_tests {
             .unwrap();
             assert_eq!(replay, receipt);
             assert_eq!(balance(store.pool(), &user).await, 900);
+            fresh.cleanup().await;
+        }
+
+        // ---- The operator's view (`Admin`, what the `idempotent` command runs) ----
+
+        /// An operator's release is bounded by the store's timeout, like every step of a call.
+        /// A transactional call that took over an expired claim holds its row until its
+        /// transaction ends; the release of the expired claim as inspected (its `DELETE`) waits
+        /// for that row lock: on PostgreSQL without a `lock_timeout` for as long as the
+        /// transaction stays open, on MariaDB for `innodb_lock_wait_timeout` (50 s), on SQLite
+        /// for the busy timeout (30 s). It must fail with `TimedOut` instead, deleting nothing.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn admin_release_of_a_row_an_open_transaction_holds_is_bounded_by_the_timeout() {
+            let Some(fresh) = fresh("admrel").await else { return };
+            let store = fresh.store.clone().with_timeout(Duration::from_secs(1));
+            let key = Key::new("adm", &"held").unwrap();
+            let crashed = Token::new();
+            assert_eq!(store.claim(&request(&key, &crashed, None, 1)).await.unwrap(), Claim::Claimed);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let seen = admin::Admin::inspect(&store, &key).await.unwrap().expect("the expired claim");
+            assert_eq!((seen.state, seen.token.as_str()), (State::Expired, crashed.as_str()));
+
+            let tx = store.begin().await.unwrap();
+            let taker = Token::new();
+            assert_eq!(tx.claim(&request(&key, &taker, None, 30_000)).await.unwrap(), Claim::Claimed);
+            let started = std::time::Instant::now();
+            let released = tokio::time::timeout(Duration::from_secs(8), admin::Admin::release(&store, &key, &seen)).await;
+            let waited = started.elapsed();
+            tx.rollback().await.unwrap();
+            eprintln!("{}: the release returned after {waited:.2?}: {released:?}", module_path!());
+            let released = released.unwrap_or_else(|_| {
+                panic!("the release was still waiting after {waited:.2?}, with the store's timeout at 1 s")
+            });
+            assert!(
+                matches!(&released, Err(StoreError::Backend { source, .. }) if source.downcast_ref::<TimedOut>().is_some()),
+                "{released:?}"
+            );
+            assert!(waited < Duration::from_secs(3), "{waited:?}");
+            // The transaction rolled back: the expired claim is as inspected, and is released,
+            // by this release or by the timed-out one, whose `DELETE` the server may still run
+            // once the lock is free (fenced as inspected: the taker's claim was never at risk).
+            let again = admin::Admin::release(&store, &key, &seen).await.unwrap();
+            assert!(matches!(again, Released::Deleted | Released::Changed), "{again:?}");
+            assert_eq!(admin::Admin::inspect(&store, &key).await.unwrap(), None);
             fresh.cleanup().await;
         }
     };

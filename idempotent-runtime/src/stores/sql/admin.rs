@@ -5,6 +5,14 @@
 //! cursor is the last key returned. A scope is matched with `LIKE 'scope:%'`. `stats` groups the
 //! whole table on the server (one aggregate, no rows sent) and finds the running claim closest to
 //! its end through the `expires_at` index. Every time is the database's own clock.
+//!
+//! Each method's statements are bounded by the store's timeout
+//! ([`with_timeout`](SqlStore::with_timeout)), as a call's steps are, and fail with
+//! [`TimedOut`](super::TimedOut) past it: a release whose `DELETE` waits on a row that an open
+//! transaction holds (a transactional call took the key over) would otherwise wait as long as that
+//! transaction, on PostgreSQL without a `lock_timeout` for ever. A release that timed out may
+//! still take effect on the server once the lock is free (fenced as inspected): inspect the key
+//! again.
 
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -155,11 +163,15 @@ macro_rules! sql_admin {
             async fn inspect(&self, key: &Key) -> Result<Option<Entry>, StoreError> {
                 let fail = super::steps::backend::<$dialect>;
                 let sql = $sql.inspect(self.table());
-                let row = sqlx::query::<$db>(sqlx::AssertSqlSafe(sql))
-                    .bind(key.as_str())
-                    .fetch_optional(self.pool())
-                    .await
-                    .map_err(fail)?;
+                let row = self
+                    .step("inspect", async |s| {
+                        sqlx::query::<$db>(sqlx::AssertSqlSafe(sql))
+                            .bind(key.as_str())
+                            .fetch_optional(&mut *s.conn)
+                            .await
+                            .map_err(fail)
+                    })
+                    .await?;
                 let Some(row) = row else { return Ok(None) };
                 let stored: String = row.try_get(1).map_err(fail)?;
                 Ok(Some(entry(
@@ -183,7 +195,8 @@ macro_rules! sql_admin {
                 if let Some(within) = query.expiring_within {
                     q = q.bind(micros(within));
                 }
-                let rows = q.bind(i64::try_from(size + 1).unwrap_or(i64::MAX)).fetch_all(self.pool()).await.map_err(fail)?;
+                let q = q.bind(i64::try_from(size + 1).unwrap_or(i64::MAX));
+                let rows = self.step("list", async |s| q.fetch_all(&mut *s.conn).await.map_err(fail)).await?;
                 let mut entries = Vec::with_capacity(rows.len());
                 for row in rows.iter().take(size) {
                     let stored: String = row.try_get(1).map_err(fail)?;
@@ -202,21 +215,35 @@ macro_rules! sql_admin {
 
             async fn release(&self, key: &Key, seen: &Entry) -> Result<Released, StoreError> {
                 let sql = $sql.release(self.table(), seen.state);
-                let done = sqlx::query::<$db>(sqlx::AssertSqlSafe(sql))
-                    .bind(key.as_str())
-                    .bind(seen.token.as_str())
-                    .execute(self.pool())
-                    .await
-                    .map_err(super::steps::backend::<$dialect>)?;
+                let done = self
+                    .step("release", async |s| {
+                        sqlx::query::<$db>(sqlx::AssertSqlSafe(sql))
+                            .bind(key.as_str())
+                            .bind(seen.token.as_str())
+                            .execute(&mut *s.conn)
+                            .await
+                            .map_err(super::steps::backend::<$dialect>)
+                    })
+                    .await?;
                 Ok(if done.rows_affected() == 1 { Released::Deleted } else { Released::Changed })
             }
 
             async fn stats(&self) -> Result<Stats, StoreError> {
                 let fail = super::steps::backend::<$dialect>;
-                let rows = sqlx::query::<$db>(sqlx::AssertSqlSafe($sql.counts(self.table())))
-                    .fetch_all(self.pool())
-                    .await
-                    .map_err(fail)?;
+                let (counts_sql, soonest_sql) = ($sql.counts(self.table()), $sql.soonest(self.table()));
+                let (rows, soonest) = self
+                    .step("stats", async |s| {
+                        let rows = sqlx::query::<$db>(sqlx::AssertSqlSafe(counts_sql))
+                            .fetch_all(&mut *s.conn)
+                            .await
+                            .map_err(fail)?;
+                        let soonest = sqlx::query::<$db>(sqlx::AssertSqlSafe(soonest_sql))
+                            .fetch_optional(&mut *s.conn)
+                            .await
+                            .map_err(fail)?;
+                        Ok((rows, soonest))
+                    })
+                    .await?;
                 let mut counts = std::collections::BTreeMap::new();
                 for row in rows {
                     let scope: String = row.try_get(0).map_err(fail)?;
@@ -225,10 +252,6 @@ macro_rules! sql_admin {
                     let state = State::parse(&state).unwrap_or(State::Expired);
                     *counts.entry((scope, state)).or_default() += count.unsigned_abs();
                 }
-                let soonest = sqlx::query::<$db>(sqlx::AssertSqlSafe($sql.soonest(self.table())))
-                    .fetch_optional(self.pool())
-                    .await
-                    .map_err(fail)?;
                 let next = match soonest {
                     Some(row) => {
                         let key: String = row.try_get(0).map_err(fail)?;

@@ -228,8 +228,9 @@ impl<D: Dialect> SqlStore<D> {
         super::spawn_purge(self.clone(), every, D::NAME)
     }
 
-    /// Runs one step on a pooled connection, its statements within the store's timeout.
-    async fn step<T>(
+    /// Runs one step on a pooled connection, its statements within the store's timeout (the
+    /// operator's methods in `admin.rs` run theirs so too).
+    pub(super) async fn step<T>(
         &self,
         operation: &'static str,
         step: impl AsyncFnOnce(&mut Session<'_, D>) -> Result<T, StoreError>,

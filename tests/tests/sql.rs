@@ -681,6 +681,28 @@ macro_rules! sql_tests {
             assert_eq!(admin::Admin::inspect(&store, &key).await.unwrap(), None);
             fresh.cleanup().await;
         }
+
+        /// Scopes are case-sensitive (`pay` and `Pay` are two scopes, whose keys never share a
+        /// record), and a listing of one scope shows that scope's records only.
+        #[tokio::test]
+        async fn admin_list_of_a_scope_leaves_out_scopes_that_differ_in_case() {
+            let Some(fresh) = fresh("admscope").await else { return };
+            let store = &fresh.store;
+            for scope in ["pay", "Pay", "PAY", "payx", "pa*"] {
+                let key = Key::new(scope, &"1").unwrap();
+                assert_eq!(store.claim(&request(&key, &Token::new(), None, 30_000)).await.unwrap(), Claim::Claimed);
+            }
+            let page = admin::Admin::list(store, &ListQuery::new(10).scope("pay")).await.unwrap();
+            let keys: Vec<&str> = page.entries.iter().map(|e| e.key.as_str()).collect();
+            assert_eq!(keys, ["pay:1"], "list --scope pay");
+            let page = admin::Admin::list(store, &ListQuery::new(10).scope("Pay").state(State::Running)).await.unwrap();
+            let keys: Vec<&str> = page.entries.iter().map(|e| e.key.as_str()).collect();
+            assert_eq!(keys, ["Pay:1"], "list --scope Pay --state running");
+            let page = admin::Admin::list(store, &ListQuery::new(10).scope("pa*")).await.unwrap();
+            let keys: Vec<&str> = page.entries.iter().map(|e| e.key.as_str()).collect();
+            assert_eq!(keys, ["pa*:1"], "list --scope 'pa*'");
+            fresh.cleanup().await;
+        }
     };
 }
 

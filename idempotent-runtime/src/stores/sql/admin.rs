@@ -2,9 +2,10 @@
 //!
 //! A listing is a keyset page of the primary key, `WHERE idempotency_key > <cursor> ... ORDER BY
 //! idempotency_key LIMIT <page + 1>`, so each page reads about as many rows as it returns; its
-//! cursor is the last key returned. A scope is matched with `LIKE 'scope:%'`. `stats` groups the
-//! whole table on the server (one aggregate, no rows sent) and finds the running claim closest to
-//! its end through the `expires_at` index. Every time is the database's own clock.
+//! cursor is the last key returned. A scope is matched with `LIKE 'scope:%'` (on SQLite, whose
+//! `LIKE` ignores the case of ASCII letters, with `GLOB 'scope:*'`). `stats` groups the whole table
+//! on the server (one aggregate, no rows sent) and finds the running claim closest to its end
+//! through the `expires_at` index. Every time is the database's own clock.
 //!
 //! Each method's statements are bounded by the store's timeout
 //! ([`with_timeout`](SqlStore::with_timeout)), as a call's steps are, and fail with
@@ -36,6 +37,9 @@ struct Sql {
     key: &'static str,
     /// `$n` placeholders (PostgreSQL) rather than `?`.
     numbered: bool,
+    /// How a scope's keys are matched: SQLite's `LIKE` ignores the case of ASCII letters, and
+    /// scopes are case-sensitive, so it matches with `GLOB` instead.
+    glob: bool,
 }
 
 impl Sql {
@@ -83,7 +87,11 @@ impl Sql {
             rem = self.remaining
         );
         if query.scope.is_some() {
-            sql.push_str(" AND idempotency_key LIKE ? ESCAPE '!'");
+            sql.push_str(if self.glob {
+                " AND idempotency_key GLOB ?"
+            } else {
+                " AND idempotency_key LIKE ? ESCAPE '!'"
+            });
         }
         if let Some(state) = query.state {
             let _ = write!(sql, " AND {}", self.state_condition(state));
@@ -117,6 +125,30 @@ impl Sql {
             running = self.state_condition(State::Running)
         )
     }
+}
+
+impl Sql {
+    /// The pattern matching the keys of `scope`, for `LIKE` or `GLOB` as the backend uses.
+    fn scope_pattern(&self, scope: &str) -> String {
+        if self.glob { scope_glob(scope) } else { scope_pattern(scope) }
+    }
+}
+
+/// `scope:*` for SQLite's `GLOB` (case-sensitive), its `*`, `?` and `[` each in brackets.
+fn scope_glob(scope: &str) -> String {
+    let mut pattern = String::with_capacity(scope.len() + 2);
+    for ch in scope.chars() {
+        match ch {
+            '*' | '?' | '[' => {
+                pattern.push('[');
+                pattern.push(ch);
+                pattern.push(']');
+            }
+            _ => pattern.push(ch),
+        }
+    }
+    pattern.push_str(":*");
+    pattern
 }
 
 /// `scope:%` for `LIKE ... ESCAPE '!'`.
@@ -190,7 +222,7 @@ macro_rules! sql_admin {
                 let sql = $sql.list(self.table(), query);
                 let mut q = sqlx::query::<$db>(sqlx::AssertSqlSafe(sql)).bind(query.cursor.clone().unwrap_or_default());
                 if let Some(scope) = &query.scope {
-                    q = q.bind(scope_pattern(scope));
+                    q = q.bind($sql.scope_pattern(scope));
                 }
                 if let Some(within) = query.expiring_within {
                     q = q.bind(micros(within));
@@ -273,6 +305,7 @@ sql_admin! {
         scope: "split_part(idempotency_key, ':', 1)",
         key: "idempotency_key",
         numbered: true,
+        glob: false,
     };
     "mysql", super::MySqlDialect, sqlx::MySql, Sql {
         now: "UTC_TIMESTAMP(6)",
@@ -280,6 +313,7 @@ sql_admin! {
         scope: "CONVERT(SUBSTRING_INDEX(idempotency_key, ':', 1) USING utf8mb4)",
         key: "CONVERT(idempotency_key USING utf8mb4)",
         numbered: false,
+        glob: false,
     };
     "sqlite", super::SqliteDialect, sqlx::Sqlite, Sql {
         now: "strftime('%Y-%m-%d %H:%M:%f', 'now')",
@@ -287,6 +321,7 @@ sql_admin! {
         scope: "substr(idempotency_key, 1, instr(idempotency_key, ':') - 1)",
         key: "idempotency_key",
         numbered: false,
+        glob: true,
     };
 }
 
@@ -298,11 +333,13 @@ mod tests {
     fn sql_admin_scopes_are_escaped_for_like() {
         assert_eq!(scope_pattern("pay"), "pay:%");
         assert_eq!(scope_pattern("a_b%c!"), "a!_b!%c!!:%");
+        assert_eq!(scope_glob("pay"), "pay:*");
+        assert_eq!(scope_glob("a*b?c[d]"), "a[*]b[?]c[[]d]:*");
     }
 
     #[test]
     fn sql_admin_placeholders_are_numbered_for_postgres() {
-        let sql = Sql { now: "n()", remaining: "r", scope: "s", key: "k", numbered: true };
+        let sql = Sql { now: "n()", remaining: "r", scope: "s", key: "k", numbered: true, glob: false };
         assert_eq!(sql.placeholders("a = ? AND b = ?"), "a = $1 AND b = $2");
         let q = sql.list("t", &ListQuery::new(5).scope("s").state(State::Running));
         assert!(q.contains("idempotency_key > $1 AND idempotency_key LIKE $2") && q.ends_with("LIMIT $3"), "{q}");

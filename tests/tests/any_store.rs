@@ -156,6 +156,8 @@ async fn memory_any_store_bad_urls_are_typed_errors_that_name_the_fix() {
         ("memory://extra", "nothing after"),
         ("sqlite://", "needs a file path"),
         ("sqlite://?mode=rwc", "needs a file path"),
+        ("sqlite://:memory:", "use memory://"),
+        ("sqlite://file::memory:?cache=shared", "use memory://"),
         ("redis://", "needs a host"),
         ("redis:///0", "needs a host"),
         ("postgres://user@/db", "needs a host"),
@@ -165,6 +167,41 @@ async fn memory_any_store_bad_urls_are_typed_errors_that_name_the_fix() {
         assert!(matches!(error, StoreUrlError::Malformed { .. }), "{url}: {error:?}");
         assert!(error.to_string().contains(says), "{url}: {error}");
     }
+}
+
+/// `sqlite://:memory:` names SQLite's in-memory database, of which each connection has its own:
+/// the store's pool would hold several databases, the table created in one only. Either the URL
+/// is refused with a typed error that names `memory://`, or the store it opens is one database:
+/// 32 first calls on 32 keys at once all run and record.
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_any_store_from_url_in_memory_is_one_database_or_refused() {
+    let store = match AnyStore::from_url("sqlite://:memory:").await {
+        Err(error @ StoreUrlError::Malformed { .. }) => {
+            assert!(error.to_string().contains("memory://"), "{error}");
+            return;
+        }
+        Err(error) => panic!("sqlite://:memory:: {error:?}"),
+        Ok(store) => store,
+    };
+    let scope = format!("any-mem-{}", uuid::Uuid::new_v4().simple());
+    let start = std::sync::Arc::new(tokio::sync::Barrier::new(32));
+    let calls: Vec<_> = (0..32u32)
+        .map(|k| {
+            let (store, scope, start) = (store.clone(), scope.clone(), std::sync::Arc::clone(&start));
+            tokio::spawn(async move {
+                start.wait().await;
+                Call::new(&scope, &k).run(&store, async { Ok::<_, Error>(k) }).await
+            })
+        })
+        .collect();
+    let mut failed = Vec::new();
+    for call in calls {
+        if let Err(error) = call.await.unwrap() {
+            failed.push(error.to_string());
+        }
+    }
+    assert!(failed.is_empty(), "{} of 32 calls failed, the first: {:?}", failed.len(), failed.first());
 }
 
 #[cfg(feature = "postgres")]

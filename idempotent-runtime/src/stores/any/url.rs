@@ -130,6 +130,14 @@ pub(super) async fn open(url: &str) -> Result<AnyStore, StoreUrlError> {
             if path.is_empty() {
                 return Err(malformed("sqlite:// needs a file path, such as sqlite://data/idempotency.db"));
             }
+            // SQLite gives each connection of the pool an in-memory database of its own: the
+            // table would be in one of them, and records in each apart from the others.
+            if matches!(path, ":memory:" | "file::memory:") {
+                return Err(malformed(
+                    "an in-memory SQLite database is one per connection of the store's pool, not one store; \
+                     use memory:// for a store in this process's memory",
+                ));
+            }
             open_sqlite(path, &shown).await
         }
         Scheme::Redis => {

@@ -24,7 +24,8 @@ pub use any::{AnyStore, StoreUrlError};
 pub struct TimedOut {
     /// Which store: `postgres`, `mysql`, `sqlite`, `redis`, `redis-cluster`.
     pub backend: &'static str,
-    /// The step: `claim`, `complete`, `release`, `extend` or `purge`.
+    /// The step: `claim`, `complete`, `release`, `extend` or `purge`, or an operator's method of
+    /// [`Admin`](crate::admin::Admin): `inspect`, `list`, `release` or `stats`.
     pub operation: &'static str,
     /// The limit it exceeded.
     pub after: std::time::Duration,

@@ -878,11 +878,14 @@ async fn jetstream_a_dead_letter_copy_that_fails_on_the_last_delivery_is_publish
 
 /// As above, but the dead-letter subject never gets a stream, and the consumer is stopped while
 /// the copy keeps failing, with its one slot taken by that message: `run_until` returns (the
-/// message is given up with an `ERROR`), it does not wait for a copy that cannot be stored.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// message is given up with an `ERROR` naming its stream sequence), it does not wait for a copy
+/// that cannot be stored.
+// A current-thread runtime: the log capture sees every task of the test.
+#[tokio::test]
 async fn jetstream_a_consumer_stopped_while_a_last_delivery_copy_fails_returns() {
     const TEST: &str = "jetstream_a_consumer_stopped_while_a_last_delivery_copy_fails_returns";
     let Some(nats) = services::nats_url(TEST) else { return };
+    let logs = LogCapture::install();
     let streams = Streams::create(&nats).await;
     let FailingCopy { seen, stop, consumer, .. } = FailingCopy::start(&streams, "given-up", 1).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -890,6 +893,14 @@ async fn jetstream_a_consumer_stopped_while_a_last_delivery_copy_fails_returns()
     let returned = tokio::time::timeout(Duration::from_secs(5), consumer).await;
     returned.expect("run_until returns once stopped").expect("the consumer task").expect("the consumer");
     assert!(seen.lock().unwrap().is_empty(), "nothing was settled: {:?}", seen.lock().unwrap());
+    let sequence = format!("{}.given-up.1", streams.work);
+    let given_up: Vec<String> = logs
+        .events()
+        .into_iter()
+        .filter(|e| e.starts_with("ERROR idempotent::consume:") && e.contains("before the consumer stopped"))
+        .collect();
+    assert_eq!(given_up.len(), 1, "given up once, at ERROR: {:?}", logs.events());
+    assert!(given_up[0].contains(&sequence), "the log names {sequence}: {given_up:?}");
     streams.delete().await;
 }
 

@@ -119,6 +119,14 @@ impl Streams {
         letters
     }
 
+    /// The work stream's consumer `durable` once nothing is pending or unacknowledged on it (or
+    /// after 10 s): its info, to assert on.
+    async fn drained(&self, durable: &str) -> jetstream::consumer::Info {
+        let stream = self.js.get_stream(&self.work).await.expect("the stream");
+        let mut pull = stream.get_consumer::<pull::Config>(durable).await.expect("the consumer");
+        drained(&mut pull).await
+    }
+
     async fn delete(self) {
         for name in [&self.work, &self.dead] {
             let _ = self.js.delete_stream(name).await;
@@ -458,9 +466,7 @@ async fn jetstream_a_panicking_handler_is_retried_and_the_consumer_keeps_running
         .filter(|e| e.starts_with("ERROR idempotent::consume:") && e.contains("boom"))
         .collect();
     assert_eq!(logged.len(), 1, "the panic is logged once, as an error: {:?}", logs.events());
-    let stream = streams.js.get_stream(&streams.work).await.expect("the stream");
-    let mut pull = stream.get_consumer::<pull::Config>("panic").await.expect("the consumer");
-    let info = drained(&mut pull).await;
+    let info = streams.drained("panic").await;
     assert_eq!((info.num_pending, info.num_ack_pending), (0, 0), "{info:?}");
     streams.delete().await;
 }
@@ -574,9 +580,7 @@ async fn jetstream_a_handler_longer_than_ack_wait_is_not_redelivered_while_it_ru
     assert!(took >= HANDLER_TAKES, "the handler ran its {HANDLER_TAKES:?} ({took:?})");
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran once, not again while it ran: {seen:?}");
     assert_eq!(settlements_of(&seen, "slow"), vec![(Disposition::Ack, None)]);
-    let stream = streams.js.get_stream(&streams.work).await.expect("the stream");
-    let mut pull = stream.get_consumer::<pull::Config>("slow").await.expect("the consumer");
-    let info = drained(&mut pull).await;
+    let info = streams.drained("slow").await;
     assert_eq!(info.num_redelivered, 0, "JetStream redelivered nothing: {info:?}");
     assert_eq!((info.num_pending, info.num_ack_pending), (0, 0), "{info:?}");
     println!("a {HANDLER_TAKES:?} handler with ack_wait {SHORT_ACK_WAIT:?}: settled after {took:?}, 1 run");
@@ -869,9 +873,7 @@ async fn jetstream_a_dead_letter_copy_that_fails_on_the_last_delivery_is_publish
     assert_eq!(letters[0].2.as_deref(), Some("last"), "{letters:?}");
     assert!(letters[0].1.contains("attempt 1 of 1"), "{letters:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 1, "JetStream delivered it once");
-    let stream = streams.js.get_stream(&streams.work).await.expect("the stream");
-    let mut pull = stream.get_consumer::<pull::Config>("last").await.expect("the consumer");
-    let info = drained(&mut pull).await;
+    let info = streams.drained("last").await;
     assert_eq!((info.num_pending, info.num_ack_pending), (0, 0), "the delivery was settled");
     streams.delete().await;
 }
@@ -966,9 +968,7 @@ async fn jetstream_a_store_outage_through_max_deliver_does_not_lose_the_message(
 
     let settled: Vec<(Disposition, u32, Option<String>)> =
         seen.lock().unwrap().iter().map(|s| (s.disposition, s.attempt, s.reason.clone())).collect();
-    let stream = streams.js.get_stream(&streams.work).await.expect("the stream");
-    let mut pull = stream.get_consumer::<pull::Config>("outage").await.expect("the consumer");
-    let info = drained(&mut pull).await;
+    let info = streams.drained("outage").await;
     let letters = streams.dead_letters().await;
     println!(
         "settlements {settled:?}; body runs {}; consumer pending {} / unacked {}; dead letters {}",

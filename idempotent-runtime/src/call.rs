@@ -252,6 +252,7 @@ impl Call {
                 phase: Phase::Idle,
                 body_polling: false,
                 span: observer.span(),
+                context: None,
             };
             let deadline = wait.map(|wait| Instant::now() + wait);
             // `replied`: when the last claim's reply came (read for its latency metric, or when asked).
@@ -308,8 +309,9 @@ impl Call {
             let lease_end = Mutex::new(lease_end);
             // The body runs with its call's identity (derived outbound keys, steps); its steps are
             // served here, with the store.
-            let context = CallContext::root(key);
-            let body = context::scoped(Arc::clone(&context), body);
+            // Kept by the guard, which frees what steps the body left unrecorded if the call is dropped.
+            let context = &*guard.context.insert(CallContext::root(key));
+            let body = context::scoped(Arc::clone(context), body);
             let steps = Steps {
                 store,
                 call: key,
@@ -331,9 +333,9 @@ impl Call {
             // What the body's steps left (the release of a step that failed just before it ended) is
             // served by `record`, once the outcome is in the guard: a call dropped meanwhile has its
             // result recorded in the background, as when dropped while recording.
-            let left = context.had_steps().then(|| (&steps, context.queue()));
+            let left = context.had_steps().then_some(&steps);
             let result = record(&mut guard, retention, &lease_end, held, &policy, result, left, observer).await;
-            CallContext::recycle(context);
+            CallContext::recycle(guard.context.take());
             result
         });
         in_span(observer.span(), protocol).await
@@ -550,7 +552,7 @@ async fn record<S, T, E>(
     held: bool,
     policy: &impl ErrorPolicy<E>,
     result: Result<T, E>,
-    left: Option<(&Steps<'_, S>, &step::JobQueue)>,
+    left: Option<&Steps<'_, S>>,
     observer: &CallObserver,
 ) -> Result<T, E>
 where
@@ -567,8 +569,8 @@ where
         None => {
             observer.outcome(Outcome::Released);
             guard.phase = Phase::Releasing;
-            if let Some((steps, queue)) = left {
-                step::drain(steps, queue).await;
+            if let (Some(steps), Some(context)) = (left, &guard.context) {
+                step::drain(steps, context.queue()).await;
             }
             match timed(store, StoreStep::Release, store.release(key, token)).await {
                 Ok(()) => tracing::debug!(target: "idempotent", "released after an error"),
@@ -592,8 +594,8 @@ where
     // it stands now, as this one is.
     let ends = *lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     guard.phase = Phase::Recording { outcome, retention, lease_end: ends, held };
-    if let Some((steps, queue)) = left {
-        step::drain(steps, queue).await;
+    if let (Some(steps), Some(context)) = (left, &guard.context) {
+        step::drain(steps, context.queue()).await;
     }
     let Phase::Recording { outcome, .. } = &guard.phase else { unreachable!("set above") };
     let completion = Completion::new(key, token, fingerprint, outcome, retention);
@@ -740,6 +742,25 @@ struct Guard<'a, S: Store + ?Sized> {
     /// The call's span, entered while the destructor reports and detaches (the protocol's
     /// future is dropped outside it: see `in_span`).
     span: &'a tracing::Span,
+    /// The body's context while it runs: its queue holds the releases of steps that ended
+    /// without a record, which the call serves, or this destructor detaches.
+    context: Option<Arc<CallContext>>,
+}
+
+impl<S: Store + ?Sized> Guard<'_, S> {
+    /// Releases the keys of the steps that ended without a record and whose releases the call
+    /// will not serve now: a step whose body panicked, or that was dropped with the call. Without
+    /// this, the retry that the call's own release lets in would wait out each such step's claim
+    /// (one lease) inside the step. Detached before the call's own release, so a retry that finds
+    /// the call's key free finds the steps' free too (on a store that runs detached steps in
+    /// order, as the memory store does at once).
+    fn release_steps(&self) {
+        if let Some(context) = &self.context {
+            context.queue().take_releases(|key| {
+                self.store.detach(Detached::Release { key, token: self.token.clone() });
+            });
+        }
+    }
 }
 
 impl<S: Store + ?Sized> Drop for Guard<'_, S> {
@@ -753,12 +774,17 @@ impl<S: Store + ?Sized> Drop for Guard<'_, S> {
         let _entered = self.span.enter();
         let step = match phase {
             Phase::Idle | Phase::Done => return,
-            Phase::Claiming | Phase::Releasing => release(self),
+            Phase::Claiming => release(self),
+            Phase::Releasing => {
+                self.release_steps();
+                release(self)
+            }
             // Only the body's own panic (the flag is still set): a call dropped by the unwinding of
             // a panic elsewhere in its task (another branch of a `join!`) was cancelled, and its
             // body's effects may still land, so `on_cancel` decides, as for any other drop.
             Phase::Running if self.body_polling => {
                 tracing::warn!(target: "idempotent", "the body panicked; releasing the key");
+                self.release_steps();
                 release(self)
             }
             Phase::Running => match self.on_cancel {
@@ -771,6 +797,7 @@ impl<S: Store + ?Sized> Drop for Guard<'_, S> {
                 }
                 OnCancel::Release => {
                     tracing::debug!(target: "idempotent", "cancelled while the body ran; releasing (on_cancel = release)");
+                    self.release_steps();
                     release(self)
                 }
             },

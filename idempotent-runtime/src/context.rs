@@ -88,8 +88,9 @@ impl CallContext {
 
     /// Keeps a finished call's context as this thread's spare, if nothing else holds it (the
     /// body's task-local and steps are gone, nothing leaked it) and its queue is empty.
-    pub(crate) fn recycle(mut context: Arc<Self>) {
-        if let Some(inner) = Arc::get_mut(&mut context)
+    pub(crate) fn recycle(context: Option<Arc<Self>>) {
+        if let Some(mut context) = context
+            && let Some(inner) = Arc::get_mut(&mut context)
             && inner.root.is_none()
             && inner.queue.reset()
         {

@@ -46,6 +46,17 @@ impl JobQueue {
         self.jobs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop_front()
     }
 
+    /// Takes out the releases of steps that ended without a record (a failed or dropped step's),
+    /// for a call that will not serve them because it is being dropped, and hands each key to
+    /// `release`. Other jobs are dropped: their steps are gone too.
+    pub(crate) fn take_releases(&self, mut release: impl FnMut(Key)) {
+        while let Some(job) = self.pop() {
+            if let Job::Release { key } = job {
+                release(key);
+            }
+        }
+    }
+
     /// Makes the queue as new, if it holds no job (through `&mut`: no locking); `false` if it
     /// holds one.
     pub(crate) fn reset(&mut self) -> bool {
@@ -167,10 +178,17 @@ where
 }
 
 /// Releases a claimed step's key when the step ends without a record (its body failed or was
-/// dropped, or recording failed).
+/// dropped, or recording failed), or when the call's job that may hold it (a lookup, a release)
+/// is dropped before it ends: by queueing a [`Job::Release`] for the call to serve.
 struct Pending<'a> {
     queue: &'a JobQueue,
     key: Option<Key>,
+}
+
+impl Pending<'_> {
+    fn key(&self) -> &Key {
+        self.key.as_ref().expect("a pending step key is set until the job ends")
+    }
 }
 
 impl Drop for Pending<'_> {
@@ -230,7 +248,7 @@ pub(crate) fn serve<'a, S: Store + ?Sized>(
                 }
             }
             match queue.pop() {
-                Some(job) => current = Some(Box::pin(steps.serve(job))),
+                Some(job) => current = Some(Box::pin(steps.serve(job, queue))),
                 None => return Poll::Pending,
             }
         }
@@ -240,33 +258,51 @@ pub(crate) fn serve<'a, S: Store + ?Sized>(
 /// Serves what the body left when it ended: the release of a step that failed just before it.
 pub(crate) async fn drain<S: Store + ?Sized>(steps: &Steps<'_, S>, queue: &JobQueue) {
     while let Some(job) = queue.pop() {
-        Box::pin(steps.serve(job)).await;
+        Box::pin(steps.serve(job, queue)).await;
     }
 }
 
 impl<S: Store + ?Sized> Steps<'_, S> {
-    async fn serve(&self, job: Job) {
+    async fn serve(&self, job: Job, queue: &JobQueue) {
         match job {
             // Its step was dropped before the lookup was served (the body has ended, or gave up
             // on it): nothing to look up, nothing to claim.
             Job::Lookup { reply, .. } if reply.is_closed() => {}
             Job::Lookup { key, reply } => {
+                // Dropped while the lookup's claim is in flight (the call was dropped, or its body
+                // ended), the key it may have claimed is queued for release.
+                let mut held = Pending { queue, key: Some(key) };
+                let found = self.lookup(held.key()).await;
                 // A step dropped before its lookup was answered cannot release the key the lookup
                 // claimed for it: released here, or the next run would wait out its lease.
-                if let Err(Ok(None)) = reply.send(self.lookup(&key).await) {
-                    self.release(&key).await;
+                if let Err(Ok(None)) = reply.send(found) {
+                    self.release(held.key()).await;
                 }
+                held.key = None;
             }
             Job::Record { key, outcome, reply } => {
                 let _ = reply.send(self.record(&key, &outcome).await);
             }
-            Job::Release { key } => self.release(&key).await,
+            Job::Release { key } => {
+                // Dropped before the release is answered, it goes back in the queue: `drain`, or
+                // the call's guard if the call is being dropped, sends it again.
+                let mut held = Pending { queue, key: Some(key) };
+                self.release(held.key()).await;
+                held.key = None;
+            }
         }
     }
 
     async fn release(&self, key: &Key) {
-        if let Err(error) = timed(self.store, StoreStep::Release, self.store.release(key, self.token)).await {
-            tracing::warn!(target: "idempotent", %error, "could not release a failed step's key; it frees itself when its lease ends");
+        match timed(self.store, StoreStep::Release, self.store.release(key, self.token)).await {
+            Ok(()) => {}
+            // Not held by this run: a release sent again after its first attempt was dropped (that
+            // one landed), or a lookup that claimed nothing.
+            Err(StoreError::NotOwner) => tracing::debug!(target: "idempotent", "the step's key was not held"),
+            Err(error) => tracing::warn!(
+                target: "idempotent", %error,
+                "could not release a failed step's key; it frees itself when its lease ends"
+            ),
         }
     }
 

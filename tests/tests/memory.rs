@@ -554,3 +554,163 @@ async fn memory_a_step_dropped_before_its_lookup_leaves_no_claim_behind() {
         started.elapsed()
     );
 }
+
+/// A step whose body panics frees its key with the call's: the panic releases the call's key,
+/// and the retry runs the step at once instead of waiting out the step's claim (one lease, 60 s)
+/// inside it.
+#[tokio::test(start_paused = true)]
+async fn memory_a_step_that_panics_leaves_no_claim_behind() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+    use std::time::Duration;
+
+    use idempotent_runtime::{Call, Error, step};
+    use tokio::time::Instant;
+
+    let store = Arc::new(MemoryStore::new());
+    let quotes = Arc::new(AtomicU32::new(0));
+    let order = |store: Arc<MemoryStore>, quotes: Arc<AtomicU32>| async move {
+        Call::new("panicking-step", "order-4")
+            .run(&*store, async {
+                step("quote", async {
+                    assert!(quotes.fetch_add(1, SeqCst) > 0, "the quote service's client panics (planted)");
+                    Ok::<u32, Error>(5)
+                })
+                .await
+            })
+            .await
+    };
+    let first = tokio::spawn(order(store.clone(), quotes.clone()));
+    assert!(first.await.unwrap_err().is_panic());
+    let started = Instant::now();
+    assert_eq!(order(store, quotes.clone()).await.unwrap(), 5);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "the retry's step waited {:?} for the claim of a step that panicked",
+        started.elapsed()
+    );
+    assert_eq!(quotes.load(SeqCst), 2, "the step's body ran again, once");
+}
+
+/// A call dropped under `OnCancel::Release` while a step's body runs releases the step's key with
+/// its own: the retry the release allows runs the step at once, not after the step's lease.
+#[tokio::test(start_paused = true)]
+async fn memory_a_call_released_on_cancel_while_a_step_runs_leaves_no_claim_behind() {
+    use std::time::Duration;
+
+    use idempotent_runtime::{Call, Error, OnCancel, step};
+    use tokio::time::Instant;
+
+    let store = MemoryStore::new();
+    let order = |slow: bool| {
+        Call::new("cancelled-step", "order-5").on_cancel(OnCancel::Release).run(&store, async move {
+            step("quote", async move {
+                if slow {
+                    tokio::time::sleep(Duration::from_secs(10)).await;
+                }
+                Ok::<u32, Error>(5)
+            })
+            .await
+        })
+    };
+    assert!(tokio::time::timeout(Duration::from_millis(100), order(true)).await.is_err(), "cancelled in the step");
+    let started = Instant::now();
+    assert_eq!(order(false).await.unwrap(), 5);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "the retry's step waited {:?} for the claim of a step whose call was cancelled",
+        started.elapsed()
+    );
+}
+
+/// A call dropped while it frees the key of a step that failed (its body returned that step's
+/// `Err`, so the call releases its own key next) frees the step's key too: the retry runs the
+/// step at once. The step's release was in flight when the drop came; here each release takes a
+/// second, and the caller gives up after half of one.
+#[tokio::test(start_paused = true)]
+async fn memory_a_call_dropped_while_a_failed_steps_key_is_released_leaves_no_claim_behind() {
+    use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+    use std::time::Duration;
+
+    use idempotent_runtime::{Call, Error, step};
+    use tokio::time::Instant;
+
+    let store = SlowRelease { inner: MemoryStore::new(), delay: Duration::from_secs(1) };
+    let quotes = AtomicU32::new(0);
+    let order = || {
+        Call::new("dropped-releasing", "order-6").run(&store, async {
+            step("quote", async {
+                if quotes.fetch_add(1, SeqCst) == 0 {
+                    return Err(Error::Fingerprint("no quote (planted)".into()));
+                }
+                Ok::<u32, Error>(5)
+            })
+            .await
+        })
+    };
+    assert!(tokio::time::timeout(Duration::from_millis(500), order()).await.is_err(), "dropped while releasing");
+    let started = Instant::now();
+    assert_eq!(order().await.unwrap(), 5);
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the retry's step waited {:?} for the claim of a step whose release was dropped",
+        started.elapsed()
+    );
+    assert_eq!(quotes.load(SeqCst), 2, "the step's body ran again, once");
+}
+
+/// The memory store, whose `slow`-th claim (counted from 1) is answered `delay` after it landed,
+/// as a slow network would answer it.
+struct SlowClaimReply {
+    inner: MemoryStore,
+    claims: std::sync::atomic::AtomicU32,
+    slow: u32,
+    delay: std::time::Duration,
+}
+
+impl SlowClaimReply {
+    fn inner(&self) -> &MemoryStore {
+        &self.inner
+    }
+}
+
+impl Store for SlowClaimReply {
+    idempotent_runtime::forward_store!(direct SlowClaimReply::inner; complete release extend detach);
+
+    async fn claim(
+        &self,
+        request: &idempotent_runtime::ClaimRequest<'_>,
+    ) -> Result<idempotent_runtime::Claim, idempotent_runtime::StoreError> {
+        let claim = self.inner.claim(request).await;
+        if self.claims.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 == self.slow {
+            tokio::time::sleep(self.delay).await;
+        }
+        claim
+    }
+}
+
+/// A call dropped under `OnCancel::Release` while its step's lookup is in flight (the lookup's
+/// claim of the step's key has landed, its answer has not) frees the step's key with its own.
+#[tokio::test(start_paused = true)]
+async fn memory_a_call_released_on_cancel_during_a_steps_lookup_leaves_no_claim_behind() {
+    use std::time::Duration;
+
+    use idempotent_runtime::{Call, Error, OnCancel, step};
+    use tokio::time::Instant;
+
+    // Claim 1 is the call's, claim 2 its step's lookup.
+    let store = SlowClaimReply { inner: MemoryStore::new(), claims: 0.into(), slow: 2, delay: Duration::from_secs(1) };
+    let order = || {
+        Call::new("dropped-lookup", "order-7")
+            .on_cancel(OnCancel::Release)
+            .run(&store, async { step("quote", async { Ok::<u32, Error>(5) }).await })
+    };
+    assert!(tokio::time::timeout(Duration::from_millis(500), order()).await.is_err(), "dropped in the lookup");
+    let started = Instant::now();
+    assert_eq!(order().await.unwrap(), 5);
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the retry's step waited {:?} for the claim of a lookup whose call was dropped",
+        started.elapsed()
+    );
+}

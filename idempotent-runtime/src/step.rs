@@ -273,9 +273,12 @@ impl<S: Store + ?Sized> Steps<'_, S> {
                 // ended), the key it may have claimed is queued for release.
                 let mut held = Pending { queue, key: Some(key) };
                 let found = self.lookup(held.key()).await;
-                // A step dropped before its lookup was answered cannot release the key the lookup
-                // claimed for it: released here, or the next run would wait out its lease.
-                if let Err(Ok(None)) = reply.send(found) {
+                // Released here, or the next run would wait out the claim's lease: the key a lookup
+                // claimed for a step dropped before the answer (it cannot release it), and the key a
+                // failed lookup may have claimed (a claim that landed, its answer lost).
+                let failed = found.is_err();
+                let claimed_for_nobody = matches!(reply.send(found), Err(Ok(None)));
+                if failed || claimed_for_nobody {
                     self.release(held.key()).await;
                 }
                 held.key = None;

@@ -660,12 +660,13 @@ async fn memory_a_call_dropped_while_a_failed_steps_key_is_released_leaves_no_cl
 }
 
 /// The memory store, whose `slow`-th claim (counted from 1) is answered `delay` after it landed,
-/// as a slow network would answer it.
+/// as a slow network would answer it, or with an error if `lost` (its answer was lost: a timeout).
 struct SlowClaimReply {
     inner: MemoryStore,
     claims: std::sync::atomic::AtomicU32,
     slow: u32,
     delay: std::time::Duration,
+    lost: bool,
 }
 
 impl SlowClaimReply {
@@ -684,6 +685,9 @@ impl Store for SlowClaimReply {
         let claim = self.inner.claim(request).await;
         if self.claims.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 == self.slow {
             tokio::time::sleep(self.delay).await;
+            if self.lost {
+                return Err(idempotent_runtime::StoreError::backend("slow-claim-reply", "the answer was lost"));
+            }
         }
         claim
     }
@@ -699,7 +703,13 @@ async fn memory_a_call_released_on_cancel_during_a_steps_lookup_leaves_no_claim_
     use tokio::time::Instant;
 
     // Claim 1 is the call's, claim 2 its step's lookup.
-    let store = SlowClaimReply { inner: MemoryStore::new(), claims: 0.into(), slow: 2, delay: Duration::from_secs(1) };
+    let store = SlowClaimReply {
+        inner: MemoryStore::new(),
+        claims: 0.into(),
+        slow: 2,
+        delay: Duration::from_secs(1),
+        lost: false,
+    };
     let order = || {
         Call::new("dropped-lookup", "order-7")
             .on_cancel(OnCancel::Release)
@@ -711,6 +721,38 @@ async fn memory_a_call_released_on_cancel_during_a_steps_lookup_leaves_no_claim_
     assert!(
         started.elapsed() < Duration::from_secs(5),
         "the retry's step waited {:?} for the claim of a lookup whose call was dropped",
+        started.elapsed()
+    );
+}
+
+/// A step whose lookup failed after its claim of the step's key had landed (the store's answer
+/// was lost) frees that key: the body gets the step's error and returns it, the call releases its
+/// own key, and the retry runs the step at once.
+#[tokio::test(start_paused = true)]
+async fn memory_a_step_whose_lookup_failed_after_claiming_leaves_no_claim_behind() {
+    use std::time::Duration;
+
+    use idempotent_runtime::{Call, Error, step};
+    use tokio::time::Instant;
+
+    // Claim 1 is the call's, claim 2 its step's lookup: it lands, and its answer is an error.
+    let store = SlowClaimReply {
+        inner: MemoryStore::new(),
+        claims: 0.into(),
+        slow: 2,
+        delay: Duration::from_millis(10),
+        lost: true,
+    };
+    let order = || {
+        Call::new("failed-lookup", "order-8").run(&store, async { step("quote", async { Ok::<u32, Error>(5) }).await })
+    };
+    let first = order().await;
+    assert!(matches!(first, Err(Error::Store { operation: "step", .. })), "the lookup's error: {first:?}");
+    let started = Instant::now();
+    assert_eq!(order().await.unwrap(), 5);
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the retry's step waited {:?} for the claim of a lookup that failed",
         started.elapsed()
     );
 }

@@ -672,6 +672,9 @@ macro_rules! sql_tests {
                 matches!(&released, Err(StoreError::Backend { source, .. }) if source.downcast_ref::<TimedOut>().is_some()),
                 "{released:?}"
             );
+            // The message names what held it up here, a lock an open transaction holds, as a cause.
+            let message = released.unwrap_err().to_string();
+            assert!(message.contains("held by an open transaction"), "{message}");
             assert!(waited < Duration::from_secs(3), "{waited:?}");
             // The transaction rolled back: the expired claim is as inspected, and is released,
             // by this release or by the timed-out one, whose `DELETE` the server may still run

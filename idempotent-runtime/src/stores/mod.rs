@@ -18,8 +18,9 @@ pub use any::{AnyStore, StoreUrlError};
 /// waiting for ever.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "{backend} did not answer the {operation} within {after:?} (network stalled, server stuck, or a \
-     failover under way?); raise the limit with `with_timeout` if the server is merely slow"
+    "{backend} did not answer the {operation} within {after:?} ({causes}); raise the limit with `with_timeout` \
+     if the server is merely slow",
+    causes = likely_causes(.backend)
 )]
 pub struct TimedOut {
     /// Which store: `postgres`, `mysql`, `sqlite`, `redis`, `redis-cluster`.
@@ -29,4 +30,18 @@ pub struct TimedOut {
     pub operation: &'static str,
     /// The limit it exceeded.
     pub after: std::time::Duration,
+}
+
+/// What usually keeps `backend` from answering in time, for [`TimedOut`]'s message. On the SQL
+/// stores a step waits for a lock that an open transaction holds, a `SqlTxStore`'s included (its
+/// claim is an uncommitted row): the server is not slow, and a longer limit does not help.
+fn likely_causes(backend: &str) -> &'static str {
+    match backend {
+        "postgres" | "mysql" => {
+            "a row held by an open transaction (a call in a `SqlTxStore` holds its key's row until the transaction \
+             ends), a stalled network or a stuck server?"
+        }
+        "sqlite" => "the database's write lock held by an open transaction (a `SqlTxStore` holds it until it ends)?",
+        _ => "network stalled, server stuck, or a failover under way?",
+    }
 }

@@ -155,15 +155,22 @@ where
     let key = child.key().clone();
     let (reply, answer) = oneshot::channel();
     parent.queue().push(Job::Lookup { key: key.clone(), reply });
-    if let Some(recorded) = receive(answer, &key).await? {
+    // From here the step's key may be claimed by this run: released unless the step is recorded.
+    // A step dropped while its lookup's answer waits unread (served, not yet polled) releases it
+    // too; had the lookup claimed nothing, that release changes nothing.
+    let mut pending = Pending { queue: parent.queue(), key: Some(key.clone()) };
+    let found = receive(answer, &key).await.inspect_err(|_| {
+        // A failed lookup's claim is released by the call, which also answers "gone".
+        pending.key = None;
+    })?;
+    if let Some(recorded) = found {
+        pending.key = None;
         return match outcome::decode::<T, Error>(&recorded, &ReleaseErrors) {
             Ok(Replayed::Value(Ok(value))) => Ok(value),
             Ok(_) => Err(Error::Decode { key: key.to_string(), reason: "not a step's value".into() }.into()),
             Err(reason) => Err(Error::Decode { key: key.to_string(), reason }.into()),
         };
     }
-    // From here the step's key is claimed by this run: released unless the step is recorded.
-    let mut pending = Pending { queue: parent.queue(), key: Some(key.clone()) };
     let result = context::scoped(child, body).await;
     let Ok(value) = &result else { return result };
     let encoded = outcome::encode_ok(value).map_err(|e| Error::Unrecordable {

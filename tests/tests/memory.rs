@@ -756,3 +756,30 @@ async fn memory_a_step_whose_lookup_failed_after_claiming_leaves_no_claim_behind
         started.elapsed()
     );
 }
+
+/// A call dropped under `OnCancel::Release` after its step's lookup was answered but before the
+/// step read the answer (a zero deadline: the call is polled once, and in that poll the lookup
+/// claims the step's key and sends its answer) frees the step's key. Found by
+/// `simulation_memory_steps_under_faults` (seed 32152127374533).
+#[tokio::test(start_paused = true)]
+async fn memory_a_call_released_on_cancel_before_its_step_read_the_lookup_leaves_no_claim_behind() {
+    use std::time::Duration;
+
+    use idempotent_runtime::{Call, Error, OnCancel, step};
+    use tokio::time::Instant;
+
+    let store = MemoryStore::new();
+    let order = || {
+        Call::new("unread-lookup", "order-9")
+            .on_cancel(OnCancel::Release)
+            .run(&store, async { step("quote", async { Ok::<u32, Error>(5) }).await })
+    };
+    assert!(tokio::time::timeout(Duration::ZERO, order()).await.is_err(), "dropped after one poll");
+    let started = Instant::now();
+    assert_eq!(order().await.unwrap(), 5);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "the retry's step waited {:?} for the claim of a lookup its step never read",
+        started.elapsed()
+    );
+}

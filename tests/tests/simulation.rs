@@ -314,31 +314,38 @@ fn simulation_memory_steps_under_faults() {
     let (mut attempts, mut kept, mut waited) = (0, 0, 0);
     for seed in (from..from + histories).chain(steps::REGRESSION_SEEDS) {
         let history = History::draw(seed);
-        let seen = history.run();
-        if let Err(violation) = history.judge(&seen) {
-            panic!(
-                "seed {seed}: {violation}\n{history:#?}\n{seen:#?}\nreplay it with: IDEMPOTENT_SIM_FROM={seed} IDEMPOTENT_SIM_HISTORIES=1 cargo test -p idempotent-tests --test simulation simulation_memory_steps_under_faults"
-            );
+        // Each history twice: on the store as it is, and with every store request taking up to
+        // `MAX_DELAY`, so that requests are in flight when calls are dropped.
+        for delayed in [false, true] {
+            let seen = history.run(delayed.then_some(seed));
+            if let Err(violation) = history.judge(&seen) {
+                panic!(
+                    "seed {seed} (store requests delayed: {delayed}): {violation}\n{history:#?}\n{seen:#?}\nreplay it with: IDEMPOTENT_SIM_FROM={seed} IDEMPOTENT_SIM_HISTORIES=1 cargo test -p idempotent-tests --test simulation simulation_memory_steps_under_faults"
+                );
+            }
+            attempts += history.attempts.len();
+            kept += usize::from(seen.kept);
+            waited += usize::from(seen.final_took > seen.own_time);
         }
-        attempts += history.attempts.len();
-        kept += usize::from(seen.kept);
-        waited += usize::from(seen.final_took > Duration::ZERO);
     }
     println!(
-        "simulation_memory_steps_under_faults: {histories} histories and {} regression seeds, {attempts} faulty \
-         attempts, {kept} with a drop under OnCancel::Keep, {waited} whose clean attempt waited",
+        "simulation_memory_steps_under_faults: {histories} histories and {} regression seeds, each run twice \
+         (store requests delayed or not): {attempts} faulty attempts, {kept} runs with a drop under OnCancel::Keep, \
+         {waited} whose clean attempt waited",
         steps::REGRESSION_SEEDS.len()
     );
-    assert!(kept > 0 && kept < usize::try_from(histories).unwrap(), "both kinds of history were drawn");
+    assert!(kept > 0 && kept < 2 * usize::try_from(histories).unwrap(), "both kinds of history were drawn");
 }
 
 mod steps {
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
-    use idempotent_runtime::{Call, Error, MemoryStore, OnCancel, step};
+    use idempotent_runtime::{Call, ClaimRequest, Completion, Error, Key, MemoryStore, OnCancel, Store, Token, step};
     use idempotent_tests::simulation::callers::BODY_PANIC;
     use idempotent_tests::simulation::rng::SplitMix64;
+    use tokio::sync::Notify;
     use tokio::time::Instant;
 
     /// Histories of the default run.
@@ -350,6 +357,108 @@ mod steps {
     const LEASE: Duration = Duration::from_secs(3);
     /// A value the body puts for a step that failed, when it carries on past it.
     const FAILED: usize = usize::MAX;
+    /// The longest a delayed store request takes.
+    const MAX_DELAY: Duration = Duration::from_millis(30);
+    /// The clean attempt's store requests, at most: its claim, three per step (the lookup, the
+    /// renewal that fences the record, the record) and its completion.
+    const CLEAN_REQUESTS: u32 = 1 + 3 * 3 + 1;
+
+    /// The memory store, each of whose requests takes 0 to `MAX_DELAY` (drawn from its own
+    /// seed), before it reaches the store or after the store applied it (its answer is slow). A
+    /// call dropped meanwhile drops the request: in the first case it never happens, in the
+    /// second it happened and nobody heard. Background steps (`detach`) are run at once.
+    struct Delayed {
+        inner: MemoryStore,
+        rng: Mutex<SplitMix64>,
+        /// Requests made so far.
+        requests: AtomicUsize,
+        /// The request during which the attempt under way is to be dropped, and its signal.
+        drop_at: Mutex<Option<(usize, Arc<Notify>)>>,
+    }
+
+    /// A store that can have an attempt dropped while one of its requests is in flight.
+    trait Drops {
+        /// Arms a drop during one of the next few requests, or `None` (the attempt's deadline
+        /// drops it instead).
+        fn drop_during_a_request(&self) -> Option<Arc<Notify>> {
+            None
+        }
+
+        /// Disarms what `drop_during_a_request` armed, if it did not happen.
+        fn disarm(&self) {}
+    }
+
+    impl Drops for MemoryStore {}
+
+    impl Drops for Delayed {
+        fn drop_during_a_request(&self) -> Option<Arc<Notify>> {
+            let mut rng = self.rng.lock().unwrap();
+            if !rng.chance(50) {
+                return None;
+            }
+            let at = self.requests.load(Ordering::SeqCst) + 1 + usize::try_from(rng.below(8)).unwrap();
+            let signal = Arc::new(Notify::new());
+            *self.drop_at.lock().unwrap() = Some((at, Arc::clone(&signal)));
+            Some(signal)
+        }
+
+        fn disarm(&self) {
+            *self.drop_at.lock().unwrap() = None;
+        }
+    }
+
+    impl Delayed {
+        fn inner(&self) -> &MemoryStore {
+            &self.inner
+        }
+
+        async fn request<T>(&self, request: impl std::future::Future<Output = T>) -> T {
+            let number = self.requests.fetch_add(1, Ordering::SeqCst) + 1;
+            if let Some((_, signal)) = self.drop_at.lock().unwrap().as_ref().filter(|(at, _)| *at == number) {
+                signal.notify_one();
+            }
+            let (delay, before) = {
+                let mut rng = self.rng.lock().unwrap();
+                (rng.millis(u64::try_from(MAX_DELAY.as_millis()).unwrap()), rng.chance(50))
+            };
+            if before {
+                tokio::time::sleep(delay).await;
+                request.await
+            } else {
+                let answer = request.await;
+                tokio::time::sleep(delay).await;
+                answer
+            }
+        }
+    }
+
+    impl Store for Delayed {
+        async fn claim(
+            &self,
+            request: &ClaimRequest<'_>,
+        ) -> Result<idempotent_runtime::Claim, idempotent_runtime::StoreError> {
+            self.request(self.inner.claim(request)).await
+        }
+
+        async fn complete(&self, completion: &Completion<'_>) -> Result<(), idempotent_runtime::StoreError> {
+            self.request(self.inner.complete(completion)).await
+        }
+
+        async fn release(&self, key: &Key, token: &Token) -> Result<(), idempotent_runtime::StoreError> {
+            self.request(self.inner.release(key, token)).await
+        }
+
+        async fn extend(
+            &self,
+            key: &Key,
+            token: &Token,
+            lease: Duration,
+        ) -> Result<(), idempotent_runtime::StoreError> {
+            self.request(self.inner.extend(key, token, lease)).await
+        }
+
+        idempotent_runtime::forward_store!(direct Delayed::inner; detach);
+    }
 
     #[derive(Debug, Clone, Copy)]
     enum StepKind {
@@ -386,6 +495,8 @@ mod steps {
         /// The clean attempt's result and how long it took (virtual time).
         last: Option<Result<Vec<usize>, String>>,
         pub final_took: Duration,
+        /// The longest its own store requests may take.
+        pub own_time: Duration,
     }
 
     impl History {
@@ -414,26 +525,52 @@ mod steps {
             History { steps, attempts }
         }
 
-        /// Runs the history on a fresh store, on a current-thread runtime with its clock paused
-        /// (it advances whenever every task waits): the same seed, the same run.
-        pub fn run(&self) -> Seen {
+        /// Runs the history on a fresh store, its requests delayed if `delays` (their seed) is
+        /// given, on a current-thread runtime with its clock paused (it advances whenever every
+        /// task waits): the same seed, the same run.
+        pub fn run(&self, delays: Option<u64>) -> Seen {
+            match delays {
+                None => self.run_on(MemoryStore::new(), Duration::ZERO),
+                Some(seed) => {
+                    let rng = Mutex::new(SplitMix64::new(seed ^ 0xDE1A_7ED0));
+                    let store =
+                        Delayed { inner: MemoryStore::new(), rng, requests: 0.into(), drop_at: Mutex::default() };
+                    self.run_on(store, MAX_DELAY * CLEAN_REQUESTS)
+                }
+            }
+        }
+
+        fn run_on<S: Store + Drops + Send + Sync + 'static>(&self, store: S, own_time: Duration) -> Seen {
             let runtime =
                 tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build().unwrap();
             runtime.block_on(async {
-                let store = Arc::new(MemoryStore::new());
+                let store = Arc::new(store);
                 let starts = Arc::new(Mutex::new(Vec::new()));
-                let mut seen = Seen::default();
+                let mut seen = Seen { own_time, ..Seen::default() };
                 for (number, attempt) in self.attempts.iter().enumerate() {
                     let call = attempt_call(Arc::clone(&store), attempt.clone(), number, Arc::clone(&starts), None);
                     let end = match attempt.cancel {
                         Some((after, on_cancel)) => {
-                            let end = tokio::spawn(async move { tokio::time::timeout(after, call).await.ok() }).await;
+                            let dropped = store.drop_during_a_request();
+                            let end = tokio::spawn(async move {
+                                match dropped {
+                                    // Dropped while its k-th store request is in flight.
+                                    Some(signal) => tokio::select! {
+                                        biased;
+                                        end = call => Some(end),
+                                        () = signal.notified() => None,
+                                    },
+                                    None => tokio::time::timeout(after, call).await.ok(),
+                                }
+                            })
+                            .await;
                             let end = end.ok().flatten();
                             seen.kept |= end.is_none() && on_cancel == OnCancel::Keep;
                             end
                         }
                         None => tokio::spawn(call).await.ok(),
                     };
+                    store.disarm();
                     seen.ends.push(end);
                     tokio::time::sleep(attempt.pause).await;
                 }
@@ -479,16 +616,16 @@ mod steps {
                     return Err(format!("step {step} was recorded by attempt {value} and ran again: {again:?}"));
                 }
             }
-            if values.len() != self.steps || (first_ok.is_none() && values.contains(&FAILED)) {
+            // A failed step's placeholder comes only from a recorded result of an attempt that
+            // carried on past it (one whose caller may have been dropped before it heard).
+            let carried_on = self.attempts.iter().any(|attempt| attempt.carry_on);
+            if values.len() != self.steps || (!carried_on && values.contains(&FAILED)) {
                 return Err(format!("the clean attempt's values {values:?} are not one per step"));
             }
-            let bound = if seen.kept {
-                // The call's claim for a lease, a step's for a renewal period more, and the
-                // waiting duplicate's back-off.
-                LEASE + LEASE / 3 + Duration::from_millis(200)
-            } else {
-                Duration::ZERO
-            };
+            // Its own requests' time, and if a call was dropped under `Keep`: that call's claim
+            // for a lease, a step's for a renewal period more, and the waiting duplicate's back-off.
+            let bound =
+                if seen.kept { seen.own_time + LEASE + LEASE / 3 + Duration::from_millis(200) } else { seen.own_time };
             if seen.final_took > bound {
                 return Err(format!(
                     "the clean attempt {last} took {:?} (at most {bound:?}): it waited for a claim nobody held",
@@ -500,8 +637,8 @@ mod steps {
     }
 
     /// Attempt `number` as a call, ready to spawn.
-    fn attempt_call(
-        store: Arc<MemoryStore>,
+    fn attempt_call<S: Store + Send + Sync + 'static>(
+        store: Arc<S>,
         attempt: Attempt,
         number: usize,
         starts: Arc<Mutex<Vec<(usize, usize)>>>,

@@ -155,15 +155,13 @@ where
     let key = child.key().clone();
     let (reply, answer) = oneshot::channel();
     parent.queue().push(Job::Lookup { key: key.clone(), reply });
-    // From here the step's key may be claimed by this run: released unless the step is recorded.
-    // A step dropped while its lookup's answer waits unread (served, not yet polled) releases it
-    // too; had the lookup claimed nothing, that release changes nothing.
+    // From here the step's key may be claimed by this run: released unless the step is recorded
+    // or its record was found. So whatever the lookup did, its claim is released if the step is
+    // dropped before reading the answer (or while the lookup is in flight), or if the lookup
+    // failed (a claim that landed, its answer lost); had it claimed nothing, the release changes
+    // nothing.
     let mut pending = Pending { queue: parent.queue(), key: Some(key.clone()) };
-    let found = receive(answer, &key).await.inspect_err(|_| {
-        // A failed lookup's claim is released by the call, which also answers "gone".
-        pending.key = None;
-    })?;
-    if let Some(recorded) = found {
+    if let Some(recorded) = receive(answer, &key).await? {
         pending.key = None;
         return match outcome::decode::<T, Error>(&recorded, &ReleaseErrors) {
             Ok(Replayed::Value(Ok(value))) => Ok(value),
@@ -184,18 +182,12 @@ where
     result
 }
 
-/// Releases a claimed step's key when the step ends without a record (its body failed or was
-/// dropped, or recording failed), or when the call's job that may hold it (a lookup, a release)
-/// is dropped before it ends: by queueing a [`Job::Release`] for the call to serve.
+/// Releases a claimed step's key when the step ends without a record (its lookup or body failed,
+/// it was dropped, or recording failed), or when the call's release of it is dropped before it
+/// ends: by queueing a [`Job::Release`] for the call to serve.
 struct Pending<'a> {
     queue: &'a JobQueue,
     key: Option<Key>,
-}
-
-impl Pending<'_> {
-    fn key(&self) -> &Key {
-        self.key.as_ref().expect("a pending step key is set until the job ends")
-    }
 }
 
 impl Drop for Pending<'_> {
@@ -275,20 +267,9 @@ impl<S: Store + ?Sized> Steps<'_, S> {
             // Its step was dropped before the lookup was served (the body has ended, or gave up
             // on it): nothing to look up, nothing to claim.
             Job::Lookup { reply, .. } if reply.is_closed() => {}
+            // What the lookup may claim, the step releases (see `step`).
             Job::Lookup { key, reply } => {
-                // Dropped while the lookup's claim is in flight (the call was dropped, or its body
-                // ended), the key it may have claimed is queued for release.
-                let mut held = Pending { queue, key: Some(key) };
-                let found = self.lookup(held.key()).await;
-                // Released here, or the next run would wait out the claim's lease: the key a lookup
-                // claimed for a step dropped before the answer (it cannot release it), and the key a
-                // failed lookup may have claimed (a claim that landed, its answer lost).
-                let failed = found.is_err();
-                let claimed_for_nobody = matches!(reply.send(found), Err(Ok(None)));
-                if failed || claimed_for_nobody {
-                    self.release(held.key()).await;
-                }
-                held.key = None;
+                let _ = reply.send(self.lookup(&key).await);
             }
             Job::Record { key, outcome, reply } => {
                 let _ = reply.send(self.record(&key, &outcome).await);
@@ -297,7 +278,9 @@ impl<S: Store + ?Sized> Steps<'_, S> {
                 // Dropped before the release is answered, it goes back in the queue: `drain`, or
                 // the call's guard if the call is being dropped, sends it again.
                 let mut held = Pending { queue, key: Some(key) };
-                self.release(held.key()).await;
+                if let Some(key) = &held.key {
+                    self.release(key).await;
+                }
                 held.key = None;
             }
         }
@@ -307,7 +290,7 @@ impl<S: Store + ?Sized> Steps<'_, S> {
         match timed(self.store, StoreStep::Release, self.store.release(key, self.token)).await {
             Ok(()) => {}
             // Not held by this run: a release sent again after its first attempt was dropped (that
-            // one landed), or a lookup that claimed nothing.
+            // one landed), or the release of a lookup that claimed nothing.
             Err(StoreError::NotOwner) => tracing::debug!(target: "idempotent", "the step's key was not held"),
             Err(error) => tracing::warn!(
                 target: "idempotent", %error,

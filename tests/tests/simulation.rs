@@ -299,11 +299,14 @@ async fn simulation_sqlite_transactions() {
 /// - replay the call's result if an attempt got `Ok`, and run no step's body then;
 /// - for each step, return the value of the one attempt whose run of the step was recorded, and
 ///   no attempt after that one may have run the step's body again;
-/// - not wait for a claim nobody holds: finish at once, unless an attempt was dropped under
-///   `OnCancel::Keep` (its key stays claimed for a lease by design, and a step's claim may outlast
-///   the call's by a third of one, the renewal period), and then within that.
+/// - not wait for a claim nobody holds: take no longer than its own store requests, unless an
+///   attempt was dropped under `OnCancel::Keep` (its key stays claimed for a lease by design, and
+///   a step's claim may outlast the call's by a third of one, the renewal period);
+/// - and no call may panic but with a body's planted panic.
 ///
-/// Rows 35, 36 and 40 of RELIABILITY.md are such waits; this exploration would have found them.
+/// Each history runs twice: on the memory store as it is, and behind a store whose requests are
+/// slow, where some attempts are dropped while a chosen request is in flight. RELIABILITY.md,
+/// "Steps under faults", says what it found and what broken code it catches.
 #[test]
 fn simulation_memory_steps_under_faults() {
     use steps::History;
@@ -334,7 +337,9 @@ fn simulation_memory_steps_under_faults() {
          {waited} whose clean attempt waited",
         steps::REGRESSION_SEEDS.len()
     );
-    assert!(kept > 0 && kept < 2 * usize::try_from(histories).unwrap(), "both kinds of history were drawn");
+    if simulation::env_histories().is_none() {
+        assert!(kept > 0 && kept < 2 * usize::try_from(histories).unwrap(), "both kinds of history were drawn");
+    }
 }
 
 mod steps {
@@ -497,6 +502,28 @@ mod steps {
         pub final_took: Duration,
         /// The longest its own store requests may take.
         pub own_time: Duration,
+        /// Panics out of a call other than the bodies' planted ones: the library's.
+        foreign_panics: Vec<String>,
+    }
+
+    impl Seen {
+        /// An attempt's task's end, `None` if it panicked: a planted panic is expected, any other
+        /// is kept in `foreign_panics`.
+        fn joined<T>(&mut self, joined: Result<T, tokio::task::JoinError>) -> Option<T> {
+            let payload = match joined {
+                Ok(end) => return Some(end),
+                Err(error) => error.try_into_panic().expect("attempts are never aborted"),
+            };
+            let message = payload
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_else(|| "a panic without a message".to_owned());
+            if message != BODY_PANIC {
+                self.foreign_panics.push(message);
+            }
+            None
+        }
     }
 
     impl History {
@@ -549,27 +576,24 @@ mod steps {
                 let mut seen = Seen { own_time, ..Seen::default() };
                 for (number, attempt) in self.attempts.iter().enumerate() {
                     let call = attempt_call(Arc::clone(&store), attempt.clone(), number, Arc::clone(&starts), None);
-                    let end = match attempt.cancel {
-                        Some((after, on_cancel)) => {
-                            let dropped = store.drop_during_a_request();
-                            let end = tokio::spawn(async move {
-                                match dropped {
-                                    // Dropped while its k-th store request is in flight.
-                                    Some(signal) => tokio::select! {
-                                        biased;
-                                        end = call => Some(end),
-                                        () = signal.notified() => None,
-                                    },
-                                    None => tokio::time::timeout(after, call).await.ok(),
-                                }
-                            })
-                            .await;
-                            let end = end.ok().flatten();
-                            seen.kept |= end.is_none() && on_cancel == OnCancel::Keep;
-                            end
+                    // An attempt with a deadline is dropped at it, or, behind the slow store,
+                    // maybe while its k-th store request is in flight.
+                    let dropped = attempt.cancel.and_then(|_| store.drop_during_a_request());
+                    let cancel = attempt.cancel;
+                    let joined = tokio::spawn(async move {
+                        match (dropped, cancel) {
+                            (Some(signal), _) => tokio::select! {
+                                biased;
+                                end = call => Some(end),
+                                () = signal.notified() => None,
+                            },
+                            (None, Some((after, _))) => tokio::time::timeout(after, call).await.ok(),
+                            (None, None) => Some(call.await),
                         }
-                        None => tokio::spawn(call).await.ok(),
-                    };
+                    })
+                    .await;
+                    let end = seen.joined(joined).flatten();
+                    seen.kept |= end.is_none() && matches!(attempt.cancel, Some((_, OnCancel::Keep)));
                     store.disarm();
                     seen.ends.push(end);
                     tokio::time::sleep(attempt.pause).await;
@@ -583,7 +607,8 @@ mod steps {
                 };
                 let started = Instant::now();
                 let call = attempt_call(store, clean, self.attempts.len(), Arc::clone(&starts), Some(LEASE * 3));
-                seen.last = tokio::spawn(call).await.ok();
+                let joined = tokio::spawn(call).await;
+                seen.last = seen.joined(joined);
                 seen.final_took = started.elapsed();
                 seen.starts = std::mem::take(&mut *starts.lock().unwrap());
                 seen
@@ -591,6 +616,9 @@ mod steps {
         }
 
         pub fn judge(&self, seen: &Seen) -> Result<(), String> {
+            if !seen.foreign_panics.is_empty() {
+                return Err(format!("a call panicked, not a body: {:?}", seen.foreign_panics));
+            }
             let last = self.attempts.len();
             let Some(Ok(values)) = &seen.last else {
                 return Err(format!("the clean attempt did not get Ok: {:?}", seen.last));

@@ -40,6 +40,14 @@ fn caller_request(key: u64) -> Request<Body> {
         .expect("a valid request")
 }
 
+/// `router` as `axum::serve` runs it: with its state given (`into_make_service` does that), so
+/// that each route's handler is made into a service, every layer applied, once. A `Router<()>`
+/// called as it is does that again for every request, and would be counted here with costs
+/// (three allocations per layered request) a server does not have.
+fn served(router: Router) -> Router {
+    router.with_state(())
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -52,18 +60,22 @@ async fn main() {
     };
     let requests: u64 = requests.parse().expect("a number of requests");
     let handler = post(|body: String| async move { (StatusCode::CREATED, body) });
-    let plain = Router::new().route("/orders", handler.clone());
-    let layered = Router::new()
-        .route("/orders", handler.clone())
-        .layer(IdempotencyLayer::new(MemoryStore::new()).keys_shared_by_all_callers());
-    let cached = Router::new()
-        .route("/orders", handler.clone())
-        .layer(IdempotencyLayer::new(CachedStore::new(MemoryStore::new())).keys_shared_by_all_callers());
+    let plain = served(Router::new().route("/orders", handler.clone()));
+    let layered = served(
+        Router::new()
+            .route("/orders", handler.clone())
+            .layer(IdempotencyLayer::new(MemoryStore::new()).keys_shared_by_all_callers()),
+    );
+    let cached = served(
+        Router::new()
+            .route("/orders", handler.clone())
+            .layer(IdempotencyLayer::new(CachedStore::new(MemoryStore::new())).keys_shared_by_all_callers()),
+    );
     let user = |parts: &axum::http::request::Parts| {
         parts.headers.get("x-user").and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned()
     };
     let by_caller =
-        Router::new().route("/orders", handler).layer(IdempotencyLayer::new(MemoryStore::new()).caller(user));
+        served(Router::new().route("/orders", handler).layer(IdempotencyLayer::new(MemoryStore::new()).caller(user)));
     for key in 0..KEYS {
         layered.clone().oneshot(request(key)).await.expect("infallible");
         cached.clone().oneshot(request(key)).await.expect("infallible");

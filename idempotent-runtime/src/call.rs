@@ -269,17 +269,15 @@ impl Call {
                 match claim {
                     // A reply that took longer than the lease: the claim may have ended already and
                     // another caller may be running the body. Asked again with the same token, the
-                    // store renews the claim if it is still ours, or says who holds the key now.
+                    // store says who holds the key now; if we do, the claim is renewed first.
                     Claim::Claimed if replied.at() >= sent + lease => {
-                        late_replies += 1;
-                        if late_replies == MAX_LATE_CLAIM_REPLIES {
-                            let source = StoreError::backend(
-                                store.name(),
-                                "every claim was answered after its lease had ended; the body was not started",
-                            );
-                            return Err(observer.error(store_error(key, "claim", source)).into());
+                        late_reply(store, key, &mut late_replies, observer)?;
+                    }
+                    Claim::Claimed if late_replies > 0 => {
+                        match renew_found_claim(&mut guard.phase, store, key, &token, lease, observer).await? {
+                            Some(lease_end) => break lease_end,
+                            None => late_reply(store, key, &mut late_replies, observer)?,
                         }
-                        tracing::warn!(target: "idempotent", "a claim was answered after its lease ended; claiming again");
                     }
                     Claim::Claimed => break sent + lease,
                     Claim::Completed(record) => {
@@ -340,6 +338,46 @@ impl Call {
         });
         in_span(observer.span(), protocol).await
     }
+}
+
+/// Renews the claim that a claim sent again after a late reply found still held by `token`.
+/// The store may have found the late request's own claim, whose lease it started when that
+/// request arrived, before the claim sent again, and which may be about to end; the body must
+/// not count on it. Returns the lease's end, counted from the renewal, or `None` if the claim
+/// lapsed first or the renewal too was answered after a lease. `phase` says `Claiming` while the
+/// renewal is in flight, and stays so if it fails (the call's guard then releases the key).
+async fn renew_found_claim<S: Store + ?Sized>(
+    phase: &mut Phase,
+    store: &S,
+    key: &Key,
+    token: &Token,
+    lease: Duration,
+    observer: &CallObserver,
+) -> Result<Option<Instant>, Error> {
+    *phase = Phase::Claiming;
+    let renewing = Instant::now();
+    let renewed = match timed_since(store, StoreStep::Extend, renewing, None, store.extend(key, token, lease)).await {
+        Ok(()) if Instant::now() < renewing + lease => Some(renewing + lease),
+        Ok(()) | Err(StoreError::NotOwner) => None,
+        Err(source) => return Err(observer.error(store_error(key, "extend", source))),
+    };
+    *phase = Phase::Idle;
+    Ok(renewed)
+}
+
+/// Counts a claim answered after its lease (or whose renewal was) in `late`: claim again, or, at
+/// the third in a row, give up without running the body.
+fn late_reply<S: Store + ?Sized>(store: &S, key: &Key, late: &mut u32, observer: &CallObserver) -> Result<(), Error> {
+    *late += 1;
+    if *late == MAX_LATE_CLAIM_REPLIES {
+        let source = StoreError::backend(
+            store.name(),
+            "every claim was answered after its lease had ended; the body was not started",
+        );
+        return Err(observer.error(store_error(key, "claim", source)));
+    }
+    tracing::warn!(target: "idempotent", "a claim was answered after its lease ended; claiming again");
+    Ok(())
 }
 
 /// Polls `future` to its end, inside `span` on every poll.

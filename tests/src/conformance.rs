@@ -15,6 +15,7 @@
 //! ```
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -87,6 +88,7 @@ macro_rules! conformance_suite {
                 a_late_completion_after_a_takeover_is_refused,
                 a_body_whose_heartbeat_failed_is_still_recorded,
                 a_resent_claim_finds_its_own_claim,
+                a_claim_answered_after_its_lease_runs_the_body_on_a_live_lease,
                 a_call_dropped_while_recording_is_still_recorded,
                 a_completion_slower_than_its_lease_keeps_the_key,
                 a_detached_completion_slower_than_its_lease_keeps_the_key,
@@ -132,6 +134,7 @@ macro_rules! conformance_suite {
                 a_late_completion_after_a_takeover_is_refused,
                 a_body_whose_heartbeat_failed_is_still_recorded,
                 a_resent_claim_finds_its_own_claim,
+                a_claim_answered_after_its_lease_runs_the_body_on_a_live_lease,
                 a_call_dropped_while_recording_is_still_recorded,
                 a_completion_slower_than_its_lease_keeps_the_key,
                 a_detached_completion_slower_than_its_lease_keeps_the_key,
@@ -599,6 +602,63 @@ pub async fn a_resent_claim_finds_its_own_claim<S: Store + 'static>(store: Arc<S
     assert_eq!(store.claim(&claim_request(&key, &owner, Some(&fp), 30_000)).await.unwrap(), Claim::Claimed);
     assert!(matches!(store.claim(&claim_request(&key, &other, None, 30_000)).await.unwrap(), Claim::InProgress { .. }));
     store.complete(&Completion::new(&key, &owner, Some(&fp), br#"{"Ok":1}"#, Duration::from_secs(60))).await.unwrap();
+}
+
+/// A store whose first claim waits before it reaches the store and again before its reply
+/// returns, so that the reply comes after the lease: the claim lands late, its lease counted by
+/// the store from then (the request carries no `sent`, as a wrapper that holds a claim must not).
+struct LateFirstClaim<S> {
+    inner: Arc<S>,
+    before: Duration,
+    after: Duration,
+    claims: AtomicU32,
+}
+
+impl<S> LateFirstClaim<S> {
+    fn inner(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<S: Store> Store for LateFirstClaim<S> {
+    idempotent_runtime::forward_store!(direct LateFirstClaim::inner; complete release extend detach);
+
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        let unsent = ClaimRequest::new(request.key, request.token, request.fingerprint, request.lease);
+        if self.claims.fetch_add(1, Ordering::SeqCst) > 0 {
+            return self.inner.claim(&unsent).await;
+        }
+        tokio::time::sleep(self.before).await;
+        let claim = self.inner.claim(&unsent).await;
+        tokio::time::sleep(self.after).await;
+        claim
+    }
+}
+
+/// A claim answered after its lease is sent again, and the store finds the key still held by its
+/// own token. That lease was counted by the store from when the first claim landed (here 0.6 s
+/// after it was sent), not from the second request, so it ends at 2.6 s; the call must not run
+/// its body on the assumption that it ends a lease after the second request (4.2 s). A
+/// duplicate at 2.7 s finds the key held, and the body runs once.
+pub async fn a_claim_answered_after_its_lease_runs_the_body_on_a_live_lease<S: Store + 'static>(
+    store: Arc<S>,
+    _: Expiry,
+) {
+    let (lease, before, after) = (Duration::from_secs(2), Duration::from_millis(600), Duration::from_millis(1_600));
+    let ledger = Arc::new(Ledger::default());
+    let key = unique("late-claim");
+    let late = Arc::new(LateFirstClaim { inner: store.clone(), before, after, claims: AtomicU32::new(0) });
+    let started = tokio::time::Instant::now();
+    let first = tokio::spawn({
+        let (late, ledger, key) = (late.clone(), ledger.clone(), key.clone());
+        async move { counted(&*late, &ledger, &key, "p", Duration::from_secs(1), lease).await }
+    });
+    tokio::time::sleep_until(started + before + lease + Duration::from_millis(100)).await;
+    let duplicate = counted(&*store, &ledger, &key, "p", Duration::ZERO, lease).await;
+    assert!(is_in_progress(&duplicate), "the key is still held by the first call: {duplicate:?}");
+    assert_eq!(first.await.unwrap().expect("the first call records its result"), (1, "p#1".to_owned()));
+    assert_eq!(ledger.count(&key), 1, "the body ran once");
+    assert!(late.claims.load(Ordering::SeqCst) >= 2, "the late reply was followed by a second claim");
 }
 
 /// A real store whose lease heartbeat never reaches it: every `extend` fails.

@@ -267,13 +267,12 @@ impl Call {
                         .map_err(|source| observer.error(store_error(key, "claim", source)))?;
                 guard.phase = Phase::Idle;
                 match claim {
-                    // A reply that took longer than the lease: the claim may have ended already and
-                    // another caller may be running the body. Asked again with the same token, the
-                    // store says who holds the key now; if we do, the claim is renewed first.
-                    Claim::Claimed if replied.at() >= sent + lease => {
-                        late_reply(store, key, &mut late_replies, observer)?;
-                    }
-                    Claim::Claimed if late_replies > 0 => {
+                    // A reply that took longer than the lease (or a claim after such a reply): the
+                    // store started that lease when the request arrived, which may have been long
+                    // before the reply, so it may have ended, or be about to, and another caller may
+                    // run the body. Renewed, it runs from the renewal; lapsed, the key is claimed
+                    // again and the store says who holds it now.
+                    Claim::Claimed if late_replies > 0 || replied.at() >= sent + lease => {
                         match renew_found_claim(&mut guard.phase, store, key, &token, lease, observer).await? {
                             Some(lease_end) => break lease_end,
                             None => late_reply(store, key, &mut late_replies, observer)?,
@@ -340,12 +339,12 @@ impl Call {
     }
 }
 
-/// Renews the claim that a claim sent again after a late reply found still held by `token`.
-/// The store may have found the late request's own claim, whose lease it started when that
-/// request arrived, before the claim sent again, and which may be about to end; the body must
-/// not count on it. Returns the lease's end, counted from the renewal, or `None` if the claim
-/// lapsed first or the renewal too was answered after a lease. `phase` says `Claiming` while the
-/// renewal is in flight, and stays so if it fails (the call's guard then releases the key).
+/// Renews a claim answered after its lease, before the body counts on it: the store started
+/// that lease when the request arrived, not when it was sent, and a claim sent again that finds
+/// the key held by its own token does not renew it either. Returns the lease's end, counted from
+/// the renewal, or `None` if the claim lapsed first or the renewal too was answered after a
+/// lease. `phase` says `Claiming` while the renewal is in flight, and stays so if it fails (the
+/// call's guard then releases the key).
 async fn renew_found_claim<S: Store + ?Sized>(
     phase: &mut Phase,
     store: &S,
@@ -365,8 +364,8 @@ async fn renew_found_claim<S: Store + ?Sized>(
     Ok(renewed)
 }
 
-/// Counts a claim answered after its lease (or whose renewal was) in `late`: claim again, or, at
-/// the third in a row, give up without running the body.
+/// Counts in `late` a claim whose renewal after a late reply failed: claim again, or, at the
+/// third in a row, give up without running the body.
 fn late_reply<S: Store + ?Sized>(store: &S, key: &Key, late: &mut u32, observer: &CallObserver) -> Result<(), Error> {
     *late += 1;
     if *late == MAX_LATE_CLAIM_REPLIES {

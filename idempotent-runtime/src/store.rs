@@ -21,8 +21,8 @@ pub const DEFAULT_MAX_RECORD_BYTES: usize = 1024 * 1024;
 ///    record exists, in which case return it (completed: for replay; in progress: to wait or fail).
 ///    An expired lease or an expired completed record counts as absent. A claim that finds the
 ///    key already claimed by *its own* token (a resent request whose first reply was lost) is
-///    [`Claim::Claimed`]; its lease need not be renewed by that (the protocol renews it with
-///    `extend` before it counts on it).
+///    [`Claim::Claimed`]; its lease need not be renewed by that (a call renews a claim answered
+///    late with `extend` before it counts on it).
 /// 2. [`extend`](Store::extend): the lease heartbeat. If the key is still claimed by this token
 ///    and its lease has not ended, the lease now ends `lease` from now.
 /// 3. [`complete`](Store::complete): store the encoded outcome and make the record live for the

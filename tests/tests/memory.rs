@@ -305,6 +305,59 @@ async fn memory_claim_answered_after_its_lease_does_not_start_the_body() {
     assert!(matches!(late, Err(Error::InProgress { .. })), "{late:?}");
 }
 
+/// README: a claim answered after its lease is renewed before the body starts, and the call gives
+/// up with `Error::Store` after three lapsed or late renewals, without running the body. Here
+/// every claim and every renewal is answered `lease + 10 ms` after it was applied.
+#[tokio::test(start_paused = true)]
+async fn memory_a_call_whose_claims_and_renewals_are_all_late_gives_up_without_running() {
+    use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+    use std::time::Duration;
+
+    use idempotent_runtime::{Call, Claim, ClaimRequest, Error, Key, StoreError, Token};
+
+    struct AlwaysLate {
+        inner: MemoryStore,
+        claims: AtomicU32,
+        renewals: AtomicU32,
+    }
+    impl Store for AlwaysLate {
+        async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+            self.claims.fetch_add(1, SeqCst);
+            let claim = self.inner.claim(request).await;
+            tokio::time::sleep(request.lease + Duration::from_millis(10)).await;
+            claim
+        }
+        async fn extend(&self, key: &Key, token: &Token, lease: Duration) -> Result<(), StoreError> {
+            self.renewals.fetch_add(1, SeqCst);
+            let renewed = self.inner.extend(key, token, lease).await;
+            tokio::time::sleep(lease + Duration::from_millis(10)).await;
+            renewed
+        }
+        idempotent_runtime::forward_store!(direct AlwaysLate::inner; complete release detach);
+    }
+    impl AlwaysLate {
+        fn inner(&self) -> &MemoryStore {
+            &self.inner
+        }
+    }
+
+    let store = AlwaysLate { inner: MemoryStore::new(), claims: AtomicU32::new(0), renewals: AtomicU32::new(0) };
+    let bodies = AtomicU32::new(0);
+    let result = Call::new("always-late", &"k")
+        .lease(Duration::from_millis(300))
+        .run(&store, async {
+            bodies.fetch_add(1, SeqCst);
+            Ok::<_, Error>(7)
+        })
+        .await;
+    assert!(
+        matches!(&result, Err(Error::Store { source, .. }) if source.to_string().contains("answered after its lease")),
+        "{result:?}"
+    );
+    assert_eq!(bodies.load(SeqCst), 0, "the body ran on a claim it could not count on");
+    assert_eq!((store.claims.load(SeqCst), store.renewals.load(SeqCst)), (3, 3), "claims and renewals sent");
+}
+
 /// The memory store whose completions fail, as a backend error would, while `failing` is set.
 struct FailingCompletions {
     inner: MemoryStore,

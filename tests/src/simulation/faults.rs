@@ -1,6 +1,7 @@
 //! The fault injector: a `Store` in front of the store under test that, at any step, fails it,
-//! applies it and loses the reply, or delays it (past the lease, typically), and logs every step
-//! to the history.
+//! applies it and loses the reply, or delays it (past the lease, typically: on its way to the
+//! store, on its way back, or, where the timing asks for it, split between the two), and logs
+//! every step to the history.
 //!
 //! Steps that a dropped call leaves to finish ([`Store::detach`]) go through the same wrapper, so
 //! the log sees them too, and draw faults as well where the history's rates say so
@@ -57,6 +58,11 @@ struct Shared<S> {
     /// Draws the faults of detached steps: a generator of their own, so that the other steps'
     /// faults stay those the seed drew before detached steps had any.
     background_rng: Mutex<SplitMix64>,
+    /// Draws which delays are split, and where: a generator of its own, so that a history drawn
+    /// without split delays is the one its seed drew before they existed.
+    split_rng: Mutex<SplitMix64>,
+    /// Percent of the delayed steps whose delay is split around the store's application.
+    split: u32,
     lease: Duration,
     /// The tasks finishing detached steps.
     background: Mutex<Vec<tokio::task::JoinHandle<()>>>,
@@ -95,11 +101,20 @@ fn claim_reply(claim: &Claim) -> Reply {
 
 impl<S: Store + 'static> FaultStore<S> {
     /// `store` behind faults drawn at `rates` from `rng`, logging to `history`; `lease` is the
-    /// lease the history's calls use (how long a delay must be to outlast it).
-    pub fn new(store: Planted<S>, history: History, rates: FaultRates, rng: SplitMix64, lease: Duration) -> Self {
+    /// lease the history's calls use (how long a delay must be to outlast it), and `split` the
+    /// percent of delayed steps whose delay is split around the store's application.
+    pub fn new(
+        store: Planted<S>,
+        history: History,
+        rates: FaultRates,
+        rng: SplitMix64,
+        lease: Duration,
+        split: u32,
+    ) -> Self {
         let background_rng = Mutex::new(SplitMix64::new(rng.clone().next_u64() ^ 0xBAC6_D00D_5EED));
+        let split_rng = Mutex::new(SplitMix64::new(rng.clone().next_u64() ^ 0x5B11_7DE1_A7ED));
         let (rng, background) = (Mutex::new(rng), Mutex::default());
-        let shared = Shared { store, history, rates, rng, background_rng, lease, background };
+        let shared = Shared { store, history, rates, rng, background_rng, split_rng, split, lease, background };
         FaultStore { shared: Arc::new(shared), detached: false }
     }
 
@@ -141,10 +156,27 @@ impl<S: Store + 'static> FaultStore<S> {
         } else if roll < lose {
             Fault::LoseReply
         } else if roll < delay {
-            if rng.chance(50) { Fault::DelayBefore(long) } else { Fault::DelayAfter(long) }
+            let whole = if rng.chance(50) { Fault::DelayBefore(long) } else { Fault::DelayAfter(long) };
+            self.split(whole, long)
         } else {
             Fault::None
         }
+    }
+
+    /// A delay of `long` drawn whole (`whole`), or split where the history splits delays: from 10 %
+    /// to 90 % of it on the way to the store, the rest on the way back. A claim so split reaches the
+    /// store well before its reply comes back late, so the lease the store started may be nearly
+    /// over when the caller hears of it (RELIABILITY.md, row 42).
+    fn split(&self, whole: Fault, long: Duration) -> Fault {
+        if self.shared.split == 0 {
+            return whole;
+        }
+        let mut rng = self.shared.split_rng.lock().unwrap_or_else(PoisonError::into_inner);
+        if !rng.chance(self.shared.split) {
+            return whole;
+        }
+        let before = long * (10 + u32::try_from(rng.below(81)).unwrap_or(0)) / 100;
+        Fault::DelaySplit(before, long.saturating_sub(before))
     }
 
     /// Runs one step through the fault drawn for it and logs it.
@@ -184,10 +216,10 @@ impl<S: Store + 'static> FaultStore<S> {
             log(sent, sent, Reply::NotSent, Reply::Failed("injected".into()));
             return Err(injected());
         }
-        if let Fault::DelayBefore(d) = fault {
+        if fault.before() > Duration::ZERO {
             // Logged now (the store is unreachable for this step), and again if it arrives.
             log(sent, sent, Reply::NotSent, Reply::Failed("delayed".into()));
-            tokio::time::sleep(d).await;
+            tokio::time::sleep(fault.before()).await;
             sent = history.stamp();
         }
         // Dropped while the store has the request (the caller was cancelled): logged as sent with
@@ -204,8 +236,8 @@ impl<S: Store + 'static> FaultStore<S> {
             return Err(injected());
         }
         log(sent, replied, store.clone(), store);
-        if let Fault::DelayAfter(d) = fault {
-            tokio::time::sleep(d).await;
+        if fault.after() > Duration::ZERO {
+            tokio::time::sleep(fault.after()).await;
         }
         result
     }

@@ -39,6 +39,11 @@ pub enum Fault {
     DelayBefore(Duration),
     /// The store applied the step; its reply took this long to come back.
     DelayAfter(Duration),
+    /// The request took the first this long to reach the store, and the reply the second to come
+    /// back: together past the lease, shared between the two legs (see [`Timing::split_delays`]).
+    ///
+    /// [`Timing::split_delays`]: super::scheduler::Timing::split_delays
+    DelaySplit(Duration, Duration),
 }
 
 impl Fault {
@@ -46,6 +51,24 @@ impl Fault {
     #[must_use]
     pub fn injected(self) -> bool {
         self != Fault::None
+    }
+
+    /// How long the request took to reach the store (zero if it was not delayed on its way).
+    #[must_use]
+    pub fn before(self) -> Duration {
+        match self {
+            Fault::DelayBefore(before) | Fault::DelaySplit(before, _) => before,
+            _ => Duration::ZERO,
+        }
+    }
+
+    /// How long the store's reply took to come back (zero if it was not delayed).
+    #[must_use]
+    pub fn after(self) -> Duration {
+        match self {
+            Fault::DelayAfter(after) | Fault::DelaySplit(_, after) => after,
+            _ => Duration::ZERO,
+        }
     }
 }
 

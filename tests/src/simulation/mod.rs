@@ -40,6 +40,11 @@ pub const SIM_LEASE: Duration = Duration::from_millis(300);
 /// The first seed of the default run; the default run's seeds are `DEFAULT_SEED..DEFAULT_SEED + n`.
 pub const DEFAULT_SEED: u64 = 0x1D3E_0021_0000;
 
+/// Percent of the delayed store requests split around the store's application in the
+/// exploration that splits them (`simulation_memory_split_delays`); the default run splits none,
+/// so its seeds keep the histories they were found with.
+pub const SPLIT_DELAYS: u32 = 50;
+
 /// A seed's history on the memory store, with its verdict.
 #[derive(Debug)]
 pub struct Run {
@@ -52,9 +57,10 @@ pub struct Run {
 }
 
 /// Runs the history of `seed` on a fresh memory store, on a current-thread runtime whose clock is
-/// paused (so the history is the same every time).
+/// paused (so the history is the same every time), with `split_delays` percent of its delayed
+/// store requests split around the store's application.
 #[must_use]
-pub fn memory_history(seed: u64, bug: Option<Bug>) -> Run {
+pub fn memory_history(seed: u64, bug: Option<Bug>, split_delays: u32) -> Run {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
@@ -64,7 +70,7 @@ pub fn memory_history(seed: u64, bug: Option<Bug>) -> Run {
         seed,
         MemoryStore::new(),
         bug,
-        scheduler::Timing { lease: SIM_LEASE, settle: Duration::ZERO, expiry_slack: Duration::ZERO },
+        scheduler::Timing { lease: SIM_LEASE, settle: Duration::ZERO, expiry_slack: Duration::ZERO, split_delays },
         "m",
     ));
     Run { seed, entries, verdict }
@@ -134,13 +140,14 @@ impl std::fmt::Display for Summary {
     }
 }
 
-/// Runs the memory-store histories of `seeds`, stopping at the first violation if `stop`.
-pub fn explore(seeds: impl IntoIterator<Item = u64>, bug: Option<Bug>, stop: bool) -> Summary {
+/// Runs the memory-store histories of `seeds` (with `split_delays`, as [`memory_history`]),
+/// stopping at the first violation if `stop`.
+pub fn explore(seeds: impl IntoIterator<Item = u64>, bug: Option<Bug>, stop: bool, split_delays: u32) -> Summary {
     callers::quiet_planted_panics();
     let started = Instant::now();
     let mut summary = Summary::default();
     for seed in seeds {
-        let run = memory_history(seed, bug);
+        let run = memory_history(seed, bug, split_delays);
         summary.add(seed, &run.verdict);
         if stop && !run.verdict.violations.is_empty() {
             break;
@@ -150,12 +157,14 @@ pub fn explore(seeds: impl IntoIterator<Item = u64>, bug: Option<Bug>, stop: boo
     summary
 }
 
-/// The one line that replays `seed`'s history.
+/// The one line that replays `seed`'s history (in the exploration that splits delays if
+/// `split_delays` is not 0).
 #[must_use]
-pub fn repro_line(seed: u64, bug: Option<Bug>) -> String {
+pub fn repro_line(seed: u64, bug: Option<Bug>, split_delays: u32) -> String {
     let bug = bug.map(|b| format!("IDEMPOTENT_SIM_BUG={b:?} ")).unwrap_or_default();
+    let test = if split_delays == 0 { "simulation_memory" } else { "simulation_memory_split_delays" };
     format!(
-        "{bug}IDEMPOTENT_SIM_SEED={seed} cargo test -p idempotent-tests --test simulation simulation_memory -- --nocapture"
+        "{bug}IDEMPOTENT_SIM_SEED={seed} cargo test -p idempotent-tests --test simulation {test} -- --nocapture --exact"
     )
 }
 

@@ -66,6 +66,12 @@ pub struct Timing {
     /// How long past its lease the store may still hold a claim (see
     /// [`oracle::judge_with_expiry_slack`]).
     pub expiry_slack: Duration,
+    /// Percent of the delayed store requests whose delay is split: part on the way to the store,
+    /// the rest on the way back ([`Fault::DelaySplit`]). With 0 every delay is whole, as the
+    /// default exploration's seeds were drawn.
+    ///
+    /// [`Fault::DelaySplit`]: super::history::Fault::DelaySplit
+    pub split_delays: u32,
 }
 
 /// Runs the history of `seed` on `inner` (with `bug` planted), keys under `prefix`, and judges it.
@@ -76,10 +82,11 @@ pub async fn run_history<S: Store + 'static>(
     timing: Timing,
     prefix: &str,
 ) -> (Vec<Entry>, Verdict) {
-    let Timing { lease, settle, expiry_slack } = timing;
+    let Timing { lease, settle, expiry_slack, split_delays } = timing;
     let drawn = draw(seed, lease);
     let history = History::new();
-    let store = FaultStore::new(Planted::new(inner, bug), history.clone(), drawn.rates, drawn.fault_rng, lease);
+    let store =
+        FaultStore::new(Planted::new(inner, bug), history.clone(), drawn.rates, drawn.fault_rng, lease, split_delays);
     let tasks: Vec<_> = drawn
         .callers
         .into_iter()

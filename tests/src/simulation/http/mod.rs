@@ -195,7 +195,8 @@ pub async fn run_history<S: Store + Clone + 'static>(
         Some(history) => {
             let rng = SplitMix64::new(seed ^ 0x5707_E000_FA17);
             let planted = Planted::new(store.clone(), None);
-            serve(router(&server, FaultStore::new(planted, history.clone(), STORE_FAULTS, rng, plan.lease), bug)).await
+            serve(router(&server, FaultStore::new(planted, history.clone(), STORE_FAULTS, rng, plan.lease, 0), bug))
+                .await
         }
         None => serve(router(&server, store.clone(), bug)).await,
     };

@@ -316,49 +316,57 @@ async fn simulation_sqlite_transactions() {
 /// panics, or hangs; the call's body stops at a failed step or carries on past it; an attempt may
 /// be dropped at a deadline under either `OnCancel` policy. The clean attempt that follows (its
 /// steps return `Ok` at once; it waits for a running duplicate) must:
-/// - replay the call's result if an attempt got `Ok`, and run no step's body then;
+/// - replay the call's result if an attempt got `Ok` and that result was recorded, and run no
+///   step's body then;
 /// - for each step, return the value of the one attempt whose run of the step was recorded, and
-///   no attempt after that one may have run the step's body again;
+///   no attempt after that one may have run the step's body again (nor after any attempt to which
+///   the step returned its own run's value);
 /// - not wait for a claim nobody holds: take no longer than its own store requests, unless an
 ///   attempt was dropped under `OnCancel::Keep` (its key stays claimed for a lease by design, and
-///   a step's claim may outlast the call's by a third of one, the renewal period);
+///   a step's claim may outlast the call's by a third of one, the renewal period) or a store
+///   request failed (a release or record that never happened leaves its claim as long);
 /// - and no call may panic but with a body's planted panic.
 ///
-/// Each history runs twice: on the memory store as it is, and behind a store whose requests are
-/// slow, where some attempts are dropped while a chosen request is in flight. RELIABILITY.md,
-/// "Steps under faults", says what it found and what broken code it catches.
+/// Each history runs three times: on the memory store as it is; behind a store whose requests are
+/// slow, where some attempts are dropped while a chosen request is in flight; and behind one
+/// whose requests also fail, before the store gets them or after it applied them (the reply
+/// lost), sometimes all of them for an outage longer than the lease, except the clean attempt's.
+/// RELIABILITY.md, "Steps under faults", says what it found and what broken code it catches.
 #[test]
 fn simulation_memory_steps_under_faults() {
-    use steps::History;
+    use steps::{History, Mode};
 
     idempotent_tests::simulation::callers::quiet_planted_panics();
     let from = simulation::env_from().unwrap_or(DEFAULT_SEED);
     let histories = simulation::env_histories().unwrap_or(steps::DEFAULT_HISTORIES);
-    let (mut attempts, mut kept, mut waited) = (0, 0, 0);
+    let (mut attempts, mut kept, mut waited, mut failed) = (0, 0, 0, 0);
     for seed in (from..from + histories).chain(steps::REGRESSION_SEEDS) {
         let history = History::draw(seed);
-        // Each history twice: on the store as it is, and with every store request taking up to
-        // `MAX_DELAY`, so that requests are in flight when calls are dropped.
-        for delayed in [false, true] {
-            let seen = history.run(delayed.then_some(seed));
+        // Each history three times: on the store as it is; with every store request taking up
+        // to `MAX_DELAY`, so that requests are in flight when calls are dropped; and with some
+        // requests failed besides.
+        for mode in [Mode::AsItIs, Mode::Delayed, Mode::Failing] {
+            let seen = history.run(mode, seed);
             if let Err(violation) = history.judge(&seen) {
                 panic!(
-                    "seed {seed} (store requests delayed: {delayed}): {violation}\n{history:#?}\n{seen:#?}\nreplay it with: IDEMPOTENT_SIM_FROM={seed} IDEMPOTENT_SIM_HISTORIES=1 cargo test -p idempotent-tests --test simulation simulation_memory_steps_under_faults"
+                    "seed {seed} ({mode:?}): {violation}\n{history:#?}\n{seen:#?}\nreplay it with: IDEMPOTENT_SIM_FROM={seed} IDEMPOTENT_SIM_HISTORIES=1 cargo test -p idempotent-tests --test simulation simulation_memory_steps_under_faults"
                 );
             }
             attempts += history.attempts.len();
             kept += usize::from(seen.kept);
             waited += usize::from(seen.final_took > seen.own_time);
+            failed += seen.failed;
         }
     }
     println!(
-        "simulation_memory_steps_under_faults: {histories} histories and {} regression seeds, each run twice \
-         (store requests delayed or not): {attempts} faulty attempts, {kept} runs with a drop under OnCancel::Keep, \
-         {waited} whose clean attempt waited",
+        "simulation_memory_steps_under_faults: {histories} histories and {} regression seeds, each run three times \
+         (store requests as they are, delayed, delayed and failed): {attempts} faulty attempts, {kept} runs with a \
+         drop under OnCancel::Keep, {waited} whose clean attempt waited, {failed} store requests failed",
         steps::REGRESSION_SEEDS.len()
     );
     if simulation::env_histories().is_none() {
-        assert!(kept > 0 && kept < 2 * usize::try_from(histories).unwrap(), "both kinds of history were drawn");
+        assert!(kept > 0 && kept < 3 * usize::try_from(histories).unwrap(), "both kinds of history were drawn");
+        assert!(failed > 0, "store requests were failed");
     }
 }
 
@@ -367,7 +375,9 @@ mod steps {
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
-    use idempotent_runtime::{Call, ClaimRequest, Completion, Error, Key, MemoryStore, OnCancel, Store, Token, step};
+    use idempotent_runtime::{
+        Call, ClaimRequest, Completion, Error, Key, MemoryStore, OnCancel, Store, StoreError, Token, step,
+    };
     use idempotent_tests::simulation::callers::BODY_PANIC;
     use idempotent_tests::simulation::rng::SplitMix64;
     use tokio::sync::Notify;
@@ -388,10 +398,31 @@ mod steps {
     /// renewal that fences the record, the record) and its completion.
     const CLEAN_REQUESTS: u32 = 1 + 3 * 3 + 1;
 
+    /// Percent of the store requests failed in [`Mode::Failing`]; half of those failures begin an
+    /// outage, during which every request fails.
+    const FAIL: u32 = 10;
+    /// The longest outage: longer than a lease, so a step's record retried within its lease can
+    /// fail for good.
+    const MAX_OUTAGE: Duration = Duration::from_secs(4);
+
+    /// How a history's store behaves.
+    #[derive(Debug, Clone, Copy)]
+    pub enum Mode {
+        /// The memory store as it is.
+        AsItIs,
+        /// Every request delayed (`Delayed`).
+        Delayed,
+        /// Every request delayed, and [`FAIL`] percent of them failed, but the clean attempt's.
+        Failing,
+    }
+
     /// The memory store, each of whose requests takes 0 to `MAX_DELAY` (drawn from its own
     /// seed), before it reaches the store or after the store applied it (its answer is slow). A
     /// call dropped meanwhile drops the request: in the first case it never happens, in the
-    /// second it happened and nobody heard. Background steps (`detach`) are run at once.
+    /// second it happened and nobody heard. Failing (`fail` percent of the requests, and every
+    /// request of an outage, until `calm`), a request is answered with a backend error, half of
+    /// them before the store gets it and half after it applied it. Background steps (`detach`)
+    /// are run at once.
     struct Delayed {
         inner: MemoryStore,
         rng: Mutex<SplitMix64>,
@@ -399,10 +430,19 @@ mod steps {
         requests: AtomicUsize,
         /// The request during which the attempt under way is to be dropped, and its signal.
         drop_at: Mutex<Option<(usize, Arc<Notify>)>>,
+        /// Percent of the requests failed (0 once `calm`).
+        fail: std::sync::atomic::AtomicU32,
+        /// Requests failed so far.
+        failed: AtomicUsize,
+        /// The end of the outage under way.
+        down_until: Mutex<Option<Instant>>,
+        /// Completions of the call's own key answered `Ok`.
+        call_records: AtomicUsize,
     }
 
-    /// A store that can have an attempt dropped while one of its requests is in flight.
-    trait Drops {
+    /// A store that can have an attempt dropped while one of its requests is in flight, and that
+    /// may fail requests.
+    trait Faults {
         /// Arms a drop during one of the next few requests, or `None` (the attempt's deadline
         /// drops it instead).
         fn drop_during_a_request(&self) -> Option<Arc<Notify>> {
@@ -411,11 +451,22 @@ mod steps {
 
         /// Disarms what `drop_during_a_request` armed, if it did not happen.
         fn disarm(&self) {}
+
+        /// Fails no more requests (before the clean attempt); returns how many it failed.
+        fn calm(&self) -> usize {
+            0
+        }
+
+        /// How many completions of the call's own key were answered `Ok`, if the store may fail
+        /// one (`None`: every attempt that got `Ok` was recorded).
+        fn call_records(&self) -> Option<usize> {
+            None
+        }
     }
 
-    impl Drops for MemoryStore {}
+    impl Faults for MemoryStore {}
 
-    impl Drops for Delayed {
+    impl Faults for Delayed {
         fn drop_during_a_request(&self) -> Option<Arc<Notify>> {
             let mut rng = self.rng.lock().unwrap();
             if !rng.chance(50) {
@@ -430,6 +481,16 @@ mod steps {
         fn disarm(&self) {
             *self.drop_at.lock().unwrap() = None;
         }
+
+        fn calm(&self) -> usize {
+            self.fail.store(0, Ordering::SeqCst);
+            *self.down_until.lock().unwrap() = None;
+            self.failed.load(Ordering::SeqCst)
+        }
+
+        fn call_records(&self) -> Option<usize> {
+            Some(self.call_records.load(Ordering::SeqCst))
+        }
     }
 
     impl Delayed {
@@ -437,22 +498,47 @@ mod steps {
             &self.inner
         }
 
-        async fn request<T>(&self, request: impl std::future::Future<Output = T>) -> T {
+        async fn request<T>(
+            &self,
+            request: impl std::future::Future<Output = Result<T, StoreError>>,
+        ) -> Result<T, StoreError> {
             let number = self.requests.fetch_add(1, Ordering::SeqCst) + 1;
             if let Some((_, signal)) = self.drop_at.lock().unwrap().as_ref().filter(|(at, _)| *at == number) {
                 signal.notify_one();
             }
-            let (delay, before) = {
+            let (delay, before, fail) = {
                 let mut rng = self.rng.lock().unwrap();
-                (rng.millis(u64::try_from(MAX_DELAY.as_millis()).unwrap()), rng.chance(50))
+                let delay = rng.millis(u64::try_from(MAX_DELAY.as_millis()).unwrap());
+                let before = rng.chance(50);
+                // Drawn only while failing, so the delayed mode's draws stay the ones they were.
+                let fail = match self.fail.load(Ordering::SeqCst) {
+                    0 => false,
+                    _ if self.down_until.lock().unwrap().is_some_and(|end| Instant::now() < end) => true,
+                    fail => {
+                        let fail = rng.chance(fail);
+                        if fail && rng.chance(50) {
+                            let outage = rng.millis(u64::try_from(MAX_OUTAGE.as_millis()).unwrap());
+                            *self.down_until.lock().unwrap() = Some(Instant::now() + outage);
+                        }
+                        fail
+                    }
+                };
+                (delay, before, fail)
+            };
+            let failure = || {
+                self.failed.fetch_add(1, Ordering::SeqCst);
+                Err(StoreError::Backend { backend: "sim", source: "injected fault".into() })
             };
             if before {
                 tokio::time::sleep(delay).await;
+                if fail {
+                    return failure();
+                }
                 request.await
             } else {
                 let answer = request.await;
                 tokio::time::sleep(delay).await;
-                answer
+                if fail { failure() } else { answer }
             }
         }
     }
@@ -466,7 +552,11 @@ mod steps {
         }
 
         async fn complete(&self, completion: &Completion<'_>) -> Result<(), idempotent_runtime::StoreError> {
-            self.request(self.inner.complete(completion)).await
+            let answer = self.request(self.inner.complete(completion)).await;
+            if answer.is_ok() && completion.key.key() == "order" {
+                self.call_records.fetch_add(1, Ordering::SeqCst);
+            }
+            answer
         }
 
         async fn release(&self, key: &Key, token: &Token) -> Result<(), idempotent_runtime::StoreError> {
@@ -513,10 +603,19 @@ mod steps {
     pub struct Seen {
         /// Each attempt's end: `Some(Ok(values))`, `Some(Err(error))`, `None` if dropped or panicked.
         ends: Vec<Option<Result<Vec<usize>, String>>>,
+        /// Whether each attempt's result was recorded, if it got `Ok`: not when the store failed
+        /// every completion until the lease ended (the call then returns the body's result
+        /// unrecorded, and a retry after the lease runs the body again, by design).
+        recorded_ok: Vec<bool>,
         /// (step, attempt) for every start of a step's body.
         starts: Vec<(usize, usize)>,
+        /// (step, attempt) for every step that ran in that attempt and returned its value: so it
+        /// was recorded.
+        recorded: Vec<(usize, usize)>,
         /// An attempt was dropped under `OnCancel::Keep`.
         pub kept: bool,
+        /// Store requests failed (before the clean attempt).
+        pub failed: usize,
         /// The clean attempt's result and how long it took (virtual time).
         last: Option<Result<Vec<usize>, String>>,
         pub final_took: Duration,
@@ -572,33 +671,41 @@ mod steps {
             History { steps, attempts }
         }
 
-        /// Runs the history on a fresh store, its requests delayed if `delays` (their seed) is
-        /// given, on a current-thread runtime with its clock paused (it advances whenever every
+        /// Runs the history on a fresh store that behaves as `mode` says (its faults drawn from
+        /// `seed`), on a current-thread runtime with its clock paused (it advances whenever every
         /// task waits): the same seed, the same run.
-        pub fn run(&self, delays: Option<u64>) -> Seen {
-            match delays {
-                None => self.run_on(MemoryStore::new(), Duration::ZERO),
-                Some(seed) => {
-                    let rng = Mutex::new(SplitMix64::new(seed ^ 0xDE1A_7ED0));
-                    let store =
-                        Delayed { inner: MemoryStore::new(), rng, requests: 0.into(), drop_at: Mutex::default() };
-                    self.run_on(store, MAX_DELAY * CLEAN_REQUESTS)
-                }
-            }
+        pub fn run(&self, mode: Mode, seed: u64) -> Seen {
+            let fail = match mode {
+                Mode::AsItIs => return self.run_on(MemoryStore::new(), Duration::ZERO),
+                Mode::Delayed => 0,
+                Mode::Failing => FAIL,
+            };
+            let store = Delayed {
+                inner: MemoryStore::new(),
+                rng: Mutex::new(SplitMix64::new(seed ^ 0xDE1A_7ED0)),
+                requests: 0.into(),
+                drop_at: Mutex::default(),
+                fail: fail.into(),
+                failed: 0.into(),
+                down_until: Mutex::default(),
+                call_records: 0.into(),
+            };
+            self.run_on(store, MAX_DELAY * CLEAN_REQUESTS)
         }
 
-        fn run_on<S: Store + Drops + Send + Sync + 'static>(&self, store: S, own_time: Duration) -> Seen {
+        fn run_on<S: Store + Faults + Send + Sync + 'static>(&self, store: S, own_time: Duration) -> Seen {
             let runtime =
                 tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build().unwrap();
             runtime.block_on(async {
                 let store = Arc::new(store);
-                let starts = Arc::new(Mutex::new(Vec::new()));
+                let trace = Arc::new(Mutex::new(Trace::default()));
                 let mut seen = Seen { own_time, ..Seen::default() };
                 for (number, attempt) in self.attempts.iter().enumerate() {
-                    let call = attempt_call(Arc::clone(&store), attempt.clone(), number, Arc::clone(&starts), None);
+                    let call = attempt_call(Arc::clone(&store), attempt.clone(), number, Arc::clone(&trace), None);
                     // An attempt with a deadline is dropped at it, or, behind the slow store,
                     // maybe while its k-th store request is in flight.
                     let dropped = attempt.cancel.and_then(|_| store.drop_during_a_request());
+                    let records = store.call_records();
                     let cancel = attempt.cancel;
                     let joined = tokio::spawn(async move {
                         match (dropped, cancel) {
@@ -614,6 +721,8 @@ mod steps {
                     .await;
                     let end = seen.joined(joined).flatten();
                     seen.kept |= end.is_none() && matches!(attempt.cancel, Some((_, OnCancel::Keep)));
+                    let recorded = records.is_none_or(|before| store.call_records() > Some(before));
+                    seen.recorded_ok.push(matches!(end, Some(Ok(_))) && recorded);
                     store.disarm();
                     seen.ends.push(end);
                     tokio::time::sleep(attempt.pause).await;
@@ -625,12 +734,14 @@ mod steps {
                     cancel: None,
                     pause: Duration::ZERO,
                 };
+                seen.failed = store.calm();
                 let started = Instant::now();
-                let call = attempt_call(store, clean, self.attempts.len(), Arc::clone(&starts), Some(LEASE * 3));
+                let call = attempt_call(store, clean, self.attempts.len(), Arc::clone(&trace), Some(LEASE * 3));
                 let joined = tokio::spawn(call).await;
                 seen.last = seen.joined(joined);
                 seen.final_took = started.elapsed();
-                seen.starts = std::mem::take(&mut *starts.lock().unwrap());
+                let trace = std::mem::take(&mut *trace.lock().unwrap());
+                (seen.starts, seen.recorded) = (trace.starts, trace.recorded);
                 seen
             })
         }
@@ -643,7 +754,7 @@ mod steps {
             let Some(Ok(values)) = &seen.last else {
                 return Err(format!("the clean attempt did not get Ok: {:?}", seen.last));
             };
-            let first_ok = seen.ends.iter().position(|end| matches!(end, Some(Ok(_))));
+            let first_ok = seen.recorded_ok.iter().position(|recorded_ok| *recorded_ok);
             if let Some(first_ok) = first_ok {
                 for (number, end) in seen.ends.iter().enumerate().skip(first_ok) {
                     if let Some(Ok(replayed)) = end
@@ -654,6 +765,14 @@ mod steps {
                 }
                 if let Some(start) = seen.starts.iter().find(|(_, attempt)| *attempt > first_ok) {
                     return Err(format!("a step ran after attempt {first_ok} got Ok: {start:?}"));
+                }
+            }
+            // A step that returned the value of its own run was recorded: it never runs again.
+            for (step, recorded) in &seen.recorded {
+                if let Some(again) = seen.starts.iter().find(|(s, attempt)| s == step && attempt > recorded) {
+                    return Err(format!(
+                        "step {step} returned attempt {recorded}'s own value (recorded) and ran again: {again:?}"
+                    ));
                 }
             }
             for (step, value) in values.iter().enumerate().filter(|(_, value)| **value != FAILED) {
@@ -670,10 +789,14 @@ mod steps {
             if values.len() != self.steps || (!carried_on && values.contains(&FAILED)) {
                 return Err(format!("the clean attempt's values {values:?} are not one per step"));
             }
-            // Its own requests' time, and if a call was dropped under `Keep`: that call's claim
-            // for a lease, a step's for a renewal period more, and the waiting duplicate's back-off.
-            let bound =
-                if seen.kept { seen.own_time + LEASE + LEASE / 3 + Duration::from_millis(200) } else { seen.own_time };
+            // Its own requests' time, and if a call was dropped under `Keep` or a store request
+            // failed (a release or a record that never happened leaves its claim): that claim for
+            // a lease, a step's for a renewal period more, and the waiting duplicate's back-off.
+            let bound = if seen.kept || seen.failed > 0 {
+                seen.own_time + LEASE + LEASE / 3 + Duration::from_millis(200)
+            } else {
+                seen.own_time
+            };
             if seen.final_took > bound {
                 return Err(format!(
                     "the clean attempt {last} took {:?} (at most {bound:?}): it waited for a claim nobody held",
@@ -684,12 +807,21 @@ mod steps {
         }
     }
 
+    /// What the steps' bodies did, shared by a history's attempts.
+    #[derive(Debug, Default)]
+    struct Trace {
+        /// (step, attempt) for every start of a step's body.
+        starts: Vec<(usize, usize)>,
+        /// (step, attempt) for every step that returned the value of its own run.
+        recorded: Vec<(usize, usize)>,
+    }
+
     /// Attempt `number` as a call, ready to spawn.
     fn attempt_call<S: Store + Send + Sync + 'static>(
         store: Arc<S>,
         attempt: Attempt,
         number: usize,
-        starts: Arc<Mutex<Vec<(usize, usize)>>>,
+        trace: Arc<Mutex<Trace>>,
         wait: Option<Duration>,
     ) -> impl std::future::Future<Output = Result<Vec<usize>, String>> + Send + 'static {
         let on_cancel = attempt.cancel.map_or(OnCancel::Keep, |(_, on_cancel)| on_cancel);
@@ -701,9 +833,9 @@ mod steps {
             let body = async {
                 let mut values = Vec::new();
                 for (step_number, kind) in attempt.steps.iter().copied().enumerate() {
-                    let starts = Arc::clone(&starts);
+                    let started = Arc::clone(&trace);
                     let got = step(&format!("s{step_number}"), async move {
-                        starts.lock().unwrap().push((step_number, number));
+                        started.lock().unwrap().starts.push((step_number, number));
                         match kind {
                             StepKind::Ok(work) => {
                                 tokio::time::sleep(work).await;
@@ -718,6 +850,9 @@ mod steps {
                         }
                     })
                     .await;
+                    if got.as_ref().is_ok_and(|value| *value == number) {
+                        trace.lock().unwrap().recorded.push((step_number, number));
+                    }
                     match got {
                         Ok(value) => values.push(value),
                         Err(_) if attempt.carry_on => values.push(FAILED),

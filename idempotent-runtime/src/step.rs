@@ -133,6 +133,9 @@ pub(crate) enum Job {
 /// record is one store round trip, covered by the lease the renewal just restarted: a run paused
 /// for longer than a whole lease inside that gap could still record a value that a newer run
 /// also computes (each run's value is its own, and the newer run's lookup or record then wins).
+/// A step reached after the call's lease has ended by its own count (its renewals did not reach
+/// the store) is fenced before the lookup too: a run whose claim was taken over meanwhile gets
+/// [`Error::LeaseLost`] and does not run `body`.
 ///
 /// # Errors
 ///
@@ -304,6 +307,13 @@ impl<S: Store + ?Sized> Steps<'_, S> {
     /// step's key left by a run that died in the step is waited out (it is not renewed, so it
     /// ends within one lease).
     async fn lookup(&self, key: &Key) -> Result<Option<Bytes>, Error> {
+        // A call whose lease has ended by its own count may have been taken over (its renewals
+        // did not reach the store): it is renewed, as a record is fenced, before a step may run,
+        // or a body cut off from the store would run steps after another caller had taken the
+        // call over and recorded it (RELIABILITY.md, row 43). Within the lease, nothing is sent.
+        if Instant::now() >= *self.lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
+            self.fence(key, "a step started after the call lost its claim; not run").await?;
+        }
         let request = ClaimRequest::new(key, self.token, self.fingerprint, self.lease);
         loop {
             let claim = timed(self.store, StoreStep::Claim, self.store.claim(&request))
@@ -326,18 +336,27 @@ impl<S: Store + ?Sized> Steps<'_, S> {
         }
     }
 
-    /// Renews the call's claim (the fence), then records the step.
-    async fn record(&self, key: &Key, outcome: &[u8]) -> Result<(), Error> {
+    /// Renews the call's claim (the fence): `LeaseLost` (logged as `lost`) if another caller has
+    /// taken it over.
+    async fn fence(&self, key: &Key, lost: &'static str) -> Result<(), Error> {
         let sent = Instant::now();
         let extend = self.store.extend(self.call, self.token, self.lease);
         match timed_since(self.store, StoreStep::Extend, sent, None, extend).await {
-            Ok(()) => *self.lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = sent + self.lease,
-            Err(StoreError::NotOwner) => {
-                tracing::error!(target: "idempotent", "a step finished after the call lost its claim; not recorded");
-                return Err(Error::LeaseLost { key: self.call.to_string() });
+            Ok(()) => {
+                *self.lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = sent + self.lease;
+                Ok(())
             }
-            Err(source) => return Err(step_error(key, source)),
+            Err(StoreError::NotOwner) => {
+                tracing::error!(target: "idempotent", "{lost}");
+                Err(Error::LeaseLost { key: self.call.to_string() })
+            }
+            Err(source) => Err(step_error(key, source)),
         }
+    }
+
+    /// Renews the call's claim (the fence), then records the step.
+    async fn record(&self, key: &Key, outcome: &[u8]) -> Result<(), Error> {
+        self.fence(key, "a step finished after the call lost its claim; not recorded").await?;
         if outcome.len() > self.store.max_record_bytes() {
             return Err(Error::Unrecordable {
                 key: key.to_string(),

@@ -797,3 +797,111 @@ async fn memory_a_call_released_on_cancel_before_its_step_read_the_lookup_leaves
     assert!(tokio::time::timeout(Duration::ZERO, order()).await.is_err(), "dropped after one poll");
     assert_eq!(at_once(order(), "the claim of a lookup its step never read").await.unwrap(), 5);
 }
+
+/// The memory store behind a partition that, while `cut` is set, fails every request of the
+/// token that claimed first (its call and its steps) before the store gets it; other callers'
+/// requests go through.
+struct CutOff {
+    inner: MemoryStore,
+    cut: std::sync::atomic::AtomicBool,
+    first: std::sync::Mutex<Option<idempotent_runtime::Token>>,
+}
+
+impl CutOff {
+    fn inner(&self) -> &MemoryStore {
+        &self.inner
+    }
+
+    fn check(&self, token: &idempotent_runtime::Token) -> Result<(), idempotent_runtime::StoreError> {
+        let first = self.first.lock().unwrap().get_or_insert_with(|| token.clone()).clone();
+        if self.cut.load(std::sync::atomic::Ordering::SeqCst) && first == *token {
+            return Err(idempotent_runtime::StoreError::backend("cut-off", "the store is unreachable"));
+        }
+        Ok(())
+    }
+}
+
+impl Store for CutOff {
+    async fn claim(
+        &self,
+        request: &idempotent_runtime::ClaimRequest<'_>,
+    ) -> Result<idempotent_runtime::Claim, idempotent_runtime::StoreError> {
+        self.check(request.token)?;
+        self.inner.claim(request).await
+    }
+
+    async fn complete(
+        &self,
+        completion: &idempotent_runtime::Completion<'_>,
+    ) -> Result<(), idempotent_runtime::StoreError> {
+        self.check(completion.token)?;
+        self.inner.complete(completion).await
+    }
+
+    async fn release(
+        &self,
+        key: &idempotent_runtime::Key,
+        token: &idempotent_runtime::Token,
+    ) -> Result<(), idempotent_runtime::StoreError> {
+        self.check(token)?;
+        self.inner.release(key, token).await
+    }
+
+    async fn extend(
+        &self,
+        key: &idempotent_runtime::Key,
+        token: &idempotent_runtime::Token,
+        lease: std::time::Duration,
+    ) -> Result<(), idempotent_runtime::StoreError> {
+        self.check(token)?;
+        self.inner.extend(key, token, lease).await
+    }
+
+    idempotent_runtime::forward_store!(direct CutOff::inner; detach);
+}
+
+/// A call cut off from the store while its body works loses its claim when the lease ends, and
+/// a duplicate takes the key over and records its own result. When the store is reachable again,
+/// the first body, still running, comes to a step it has not run: the step does not run (its
+/// call gets `LeaseLost`). Before, the step's lookup claimed the step's key, which nobody held,
+/// and ran the step after the operation's result had been recorded by another caller; only the
+/// step's record was fenced. Found by the step exploration with overlapping duplicates
+/// (2026-12-06).
+#[tokio::test(start_paused = true)]
+async fn memory_a_step_started_after_its_call_was_taken_over_does_not_run() {
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
+    use std::time::Duration;
+
+    use idempotent_runtime::{Call, Error, step};
+
+    let lease = Duration::from_millis(300);
+    let store = CutOff { inner: MemoryStore::new(), cut: AtomicBool::new(false), first: std::sync::Mutex::default() };
+    let (steps_run, bodies) = (AtomicU32::new(0), AtomicU32::new(0));
+    let first = Call::new("cut-off", &"k").lease(lease).run(&store, async {
+        bodies.fetch_add(1, SeqCst);
+        store.cut.store(true, SeqCst);
+        // Cut off for three leases: the renewals fail, the claim lapses, the duplicate takes over.
+        tokio::time::sleep(lease * 3).await;
+        store.cut.store(false, SeqCst);
+        step("late", async {
+            steps_run.fetch_add(1, SeqCst);
+            Ok::<_, Error>(1)
+        })
+        .await
+    });
+    let duplicate = async {
+        tokio::time::sleep(lease * 2).await;
+        Call::new("cut-off", &"k")
+            .lease(lease)
+            .run(&store, async {
+                bodies.fetch_add(1, SeqCst);
+                Ok::<_, Error>(2)
+            })
+            .await
+    };
+    let (first, duplicate) = tokio::join!(first, duplicate);
+    assert_eq!(duplicate.unwrap(), 2, "the duplicate took the lapsed key over and recorded its result");
+    assert_eq!(bodies.load(SeqCst), 2);
+    assert_eq!(steps_run.load(SeqCst), 0, "a step ran after another caller had taken the call over");
+    assert!(matches!(first, Err(Error::LeaseLost { .. })), "{first:?}");
+}

@@ -327,10 +327,17 @@ async fn simulation_sqlite_transactions() {
 ///   request failed (a release or record that never happened leaves its claim as long);
 /// - and no call may panic but with a body's planted panic.
 ///
-/// Each history runs three times: on the memory store as it is; behind a store whose requests are
-/// slow, where some attempts are dropped while a chosen request is in flight; and behind one
-/// whose requests also fail, before the store gets them or after it applied them (the reply
-/// lost), sometimes all of them for an outage longer than the lease, except the clean attempt's.
+/// Behind the store wrapper, the moments the store applied records are known: no step's body may
+/// start after the call's record, or its own, was applied. Where attempts overlap, that rule
+/// replaces the ones that read the attempts' numbers as their order in time.
+///
+/// Each history runs four times: on the memory store as it is; behind a store whose requests are
+/// slow, where some attempts are dropped while a chosen request is in flight; behind one whose
+/// requests also fail, before the store gets them or after it applied them (the reply lost),
+/// sometimes all of them for an outage longer than the lease, except the clean attempt's; and
+/// behind the slow one again with duplicates of half the attempts running beside them, while
+/// network partitions cut single attempts off for longer than the lease, so duplicates take keys
+/// over from bodies that run on.
 /// RELIABILITY.md, "Steps under faults", says what it found and what broken code it catches.
 #[test]
 fn simulation_memory_steps_under_faults() {
@@ -339,13 +346,13 @@ fn simulation_memory_steps_under_faults() {
     idempotent_tests::simulation::callers::quiet_planted_panics();
     let from = simulation::env_from().unwrap_or(DEFAULT_SEED);
     let histories = simulation::env_histories().unwrap_or(steps::DEFAULT_HISTORIES);
-    let (mut attempts, mut kept, mut waited, mut failed) = (0, 0, 0, 0);
+    let (mut attempts, mut kept, mut waited, mut failed, mut taken_over) = (0, 0, 0, 0, 0);
     for seed in (from..from + histories).chain(steps::REGRESSION_SEEDS) {
         let history = History::draw(seed);
-        // Each history three times: on the store as it is; with every store request taking up
-        // to `MAX_DELAY`, so that requests are in flight when calls are dropped; and with some
-        // requests failed besides.
-        for mode in [Mode::AsItIs, Mode::Delayed, Mode::Failing] {
+        // Each history four times: on the store as it is; with every store request taking up
+        // to `MAX_DELAY`, so that requests are in flight when calls are dropped; with some
+        // requests failed besides; and with duplicates and partitions instead.
+        for mode in [Mode::AsItIs, Mode::Delayed, Mode::Failing, Mode::Concurrent] {
             let seen = history.run(mode, seed);
             if let Err(violation) = history.judge(&seen) {
                 panic!(
@@ -356,17 +363,20 @@ fn simulation_memory_steps_under_faults() {
             kept += usize::from(seen.kept);
             waited += usize::from(seen.final_took > seen.own_time);
             failed += seen.failed;
+            taken_over += seen.overlapping_bodies;
         }
     }
     println!(
-        "simulation_memory_steps_under_faults: {histories} histories and {} regression seeds, each run three times \
-         (store requests as they are, delayed, delayed and failed): {attempts} faulty attempts, {kept} runs with a \
-         drop under OnCancel::Keep, {waited} whose clean attempt waited, {failed} store requests failed",
+        "simulation_memory_steps_under_faults: {histories} histories and {} regression seeds, each run four times \
+         (store requests as they are, delayed, delayed and failed, delayed with duplicates and partitions): \
+         {attempts} faulty attempts, {taken_over} bodies started while another ran (a key taken over), {kept} runs \
+         with a drop under OnCancel::Keep, {waited} whose clean attempt waited, {failed} store requests failed",
         steps::REGRESSION_SEEDS.len()
     );
     if simulation::env_histories().is_none() {
-        assert!(kept > 0 && kept < 3 * usize::try_from(histories).unwrap(), "both kinds of history were drawn");
+        assert!(kept > 0 && kept < 4 * usize::try_from(histories).unwrap(), "both kinds of history were drawn");
         assert!(failed > 0, "store requests were failed");
+        assert!(taken_over > 0, "duplicates took keys over from bodies that ran on");
     }
 }
 
@@ -414,15 +424,22 @@ mod steps {
         Delayed,
         /// Every request delayed, and [`FAIL`] percent of them failed, but the clean attempt's.
         Failing,
+        /// Every request delayed; half the attempts have a duplicate (`Attempt` without a
+        /// deadline) started up to 2 s after them, which waits up to six leases for the key; the
+        /// work of every step and tail takes three times as long; and instead of failures, half
+        /// the steps' lookups are followed by a network partition that cuts their attempt off
+        /// for longer than the lease ([`FAIL`] times five percent). A body cut off mid-step runs
+        /// on while its claim lapses, and its duplicate takes the key over.
+        Concurrent,
     }
 
     /// The memory store, each of whose requests takes 0 to `MAX_DELAY` (drawn from its own
     /// seed), before it reaches the store or after the store applied it (its answer is slow). A
     /// call dropped meanwhile drops the request: in the first case it never happens, in the
-    /// second it happened and nobody heard. Failing (`fail` percent of the requests, and every
-    /// request of an outage, until `calm`), a request is answered with a backend error, half of
-    /// them before the store gets it and half after it applied it. Background steps (`detach`)
-    /// are run at once.
+    /// second it happened and nobody heard. Failing (`fail` percent of the requests, until
+    /// `calm`), a request is answered with a backend error, half of them before the store gets it
+    /// and half after it applied it; during an outage or a partition, the store never gets it.
+    /// Background steps (`detach`) are run at once.
     struct Delayed {
         inner: MemoryStore,
         rng: Mutex<SplitMix64>,
@@ -434,10 +451,15 @@ mod steps {
         fail: std::sync::atomic::AtomicU32,
         /// Requests failed so far.
         failed: AtomicUsize,
-        /// The end of the outage under way.
-        down_until: Mutex<Option<Instant>>,
+        /// The outage under way (from, until) and whose it is: every caller's, or (a network
+        /// partition) one token's, its call's and its steps' requests.
+        down: Mutex<Option<(Instant, Instant, Option<Token>)>>,
+        /// Partitions after steps' lookups instead of failures and outages.
+        partitions: bool,
         /// Completions of the call's own key answered `Ok`.
         call_records: AtomicUsize,
+        /// Where the moments the store applied completions go.
+        trace: Arc<Mutex<Trace>>,
     }
 
     /// A store that can have an attempt dropped while one of its requests is in flight, and that
@@ -484,7 +506,7 @@ mod steps {
 
         fn calm(&self) -> usize {
             self.fail.store(0, Ordering::SeqCst);
-            *self.down_until.lock().unwrap() = None;
+            *self.down.lock().unwrap() = None;
             self.failed.load(Ordering::SeqCst)
         }
 
@@ -498,8 +520,12 @@ mod steps {
             &self.inner
         }
 
+        /// `request`, of `token`, delayed and maybe failed; `lookup` if it claims a step's key
+        /// (after which a partition may begin).
         async fn request<T>(
             &self,
+            token: &Token,
+            lookup: bool,
             request: impl std::future::Future<Output = Result<T, StoreError>>,
         ) -> Result<T, StoreError> {
             let number = self.requests.fetch_add(1, Ordering::SeqCst) + 1;
@@ -512,15 +538,34 @@ mod steps {
                 let before = rng.chance(50);
                 // Drawn only while failing, so the delayed mode's draws stay the ones they were.
                 let fail = match self.fail.load(Ordering::SeqCst) {
-                    0 => false,
-                    _ if self.down_until.lock().unwrap().is_some_and(|end| Instant::now() < end) => true,
+                    0 => Fail::No,
+                    // Cut off: the store never gets it.
+                    _ if self.down.lock().unwrap().as_ref().is_some_and(|(from, end, whose)| {
+                        (*from..*end).contains(&Instant::now()) && whose.as_ref().is_none_or(|whose| whose == token)
+                    }) =>
+                    {
+                        Fail::Unreachable
+                    }
+                    // A partition begins just after a step's lookup, while the step's body works,
+                    // and cuts its attempt off for longer than the lease: the body runs on while
+                    // its claim lapses. No other request fails, so a duplicate waiting for the key
+                    // gets it then.
+                    fail if self.partitions => {
+                        if lookup && rng.chance(5 * fail) {
+                            let from = Instant::now() + MAX_DELAY * 2;
+                            let end = from + LEASE + rng.millis(2_000);
+                            *self.down.lock().unwrap() = Some((from, end, Some(token.clone())));
+                        }
+                        Fail::No
+                    }
                     fail => {
                         let fail = rng.chance(fail);
                         if fail && rng.chance(50) {
                             let outage = rng.millis(u64::try_from(MAX_OUTAGE.as_millis()).unwrap());
-                            *self.down_until.lock().unwrap() = Some(Instant::now() + outage);
+                            let now = Instant::now();
+                            *self.down.lock().unwrap() = Some((now, now + outage, None));
                         }
-                        fail
+                        if fail { Fail::Drawn } else { Fail::No }
                     }
                 };
                 (delay, before, fail)
@@ -529,18 +574,28 @@ mod steps {
                 self.failed.fetch_add(1, Ordering::SeqCst);
                 Err(StoreError::Backend { backend: "sim", source: "injected fault".into() })
             };
-            if before {
+            if before || fail == Fail::Unreachable {
                 tokio::time::sleep(delay).await;
-                if fail {
+                if fail != Fail::No {
                     return failure();
                 }
                 request.await
             } else {
                 let answer = request.await;
                 tokio::time::sleep(delay).await;
-                if fail { failure() } else { answer }
+                if fail == Fail::Drawn { failure() } else { answer }
             }
         }
+    }
+
+    /// Whether a request fails.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Fail {
+        No,
+        /// Drawn for this request: before the store gets it or after it applied it.
+        Drawn,
+        /// During an outage or a partition: the store never gets it.
+        Unreachable,
     }
 
     impl Store for Delayed {
@@ -548,11 +603,20 @@ mod steps {
             &self,
             request: &ClaimRequest<'_>,
         ) -> Result<idempotent_runtime::Claim, idempotent_runtime::StoreError> {
-            self.request(self.inner.claim(request)).await
+            self.trace.lock().unwrap().claimed(request.key);
+            let lookup = request.key.key() != "order";
+            self.request(request.token, lookup, self.inner.claim(request)).await
         }
 
         async fn complete(&self, completion: &Completion<'_>) -> Result<(), idempotent_runtime::StoreError> {
-            let answer = self.request(self.inner.complete(completion)).await;
+            let applying = async {
+                let applied = self.inner.complete(completion).await;
+                if applied.is_ok() {
+                    self.trace.lock().unwrap().applied(completion.key);
+                }
+                applied
+            };
+            let answer = self.request(completion.token, false, applying).await;
             if answer.is_ok() && completion.key.key() == "order" {
                 self.call_records.fetch_add(1, Ordering::SeqCst);
             }
@@ -560,7 +624,7 @@ mod steps {
         }
 
         async fn release(&self, key: &Key, token: &Token) -> Result<(), idempotent_runtime::StoreError> {
-            self.request(self.inner.release(key, token)).await
+            self.request(token, false, self.inner.release(key, token)).await
         }
 
         async fn extend(
@@ -569,7 +633,7 @@ mod steps {
             token: &Token,
             lease: Duration,
         ) -> Result<(), idempotent_runtime::StoreError> {
-            self.request(self.inner.extend(key, token, lease)).await
+            self.request(token, false, self.inner.extend(key, token, lease)).await
         }
 
         idempotent_runtime::forward_store!(direct Delayed::inner; detach);
@@ -592,6 +656,21 @@ mod steps {
         pause: Duration,
     }
 
+    impl Attempt {
+        /// The same attempt, its steps' and tail's work `times` as long.
+        fn stretched(&self, times: u32) -> Self {
+            let steps = self
+                .steps
+                .iter()
+                .map(|kind| match kind {
+                    StepKind::Ok(work) => StepKind::Ok(*work * times),
+                    other => *other,
+                })
+                .collect();
+            Attempt { steps, tail: self.tail * times, ..self.clone() }
+        }
+    }
+
     #[derive(Debug)]
     pub struct History {
         steps: usize,
@@ -609,9 +688,18 @@ mod steps {
         recorded_ok: Vec<bool>,
         /// (step, attempt) for every start of a step's body.
         starts: Vec<(usize, usize)>,
+        /// The moment of each start (an event count shared with `applied`).
+        start_at: Vec<u64>,
         /// (step, attempt) for every step that ran in that attempt and returned its value: so it
         /// was recorded.
         recorded: Vec<(usize, usize)>,
+        /// (step, or `None` for the call's own key; moment) of every completion the store applied
+        /// (behind the wrapper only).
+        applied: Vec<(Option<usize>, u64)>,
+        /// Duplicates ran beside the attempts: attempt numbers are not their order in time.
+        concurrent: bool,
+        /// Bodies started while another ran (the key taken over).
+        pub overlapping_bodies: usize,
         /// An attempt was dropped under `OnCancel::Keep`.
         pub kept: bool,
         /// Store requests failed (before the clean attempt).
@@ -626,6 +714,19 @@ mod steps {
     }
 
     impl Seen {
+        /// Notes the end of an attempt of a run with duplicates (in the order they end, which the
+        /// judgement of such a run does not read).
+        fn overlapping_end(
+            &mut self,
+            attempt: &Attempt,
+            joined: Result<Option<Result<Vec<usize>, String>>, tokio::task::JoinError>,
+        ) {
+            let end = self.joined(joined).flatten();
+            self.kept |= end.is_none() && matches!(attempt.cancel, Some((_, OnCancel::Keep)));
+            self.recorded_ok.push(false);
+            self.ends.push(end);
+        }
+
         /// An attempt's task's end, `None` if it panicked: a planted panic is expected, any other
         /// is kept in `foreign_panics`.
         fn joined<T>(&mut self, joined: Result<T, tokio::task::JoinError>) -> Option<T> {
@@ -675,11 +776,18 @@ mod steps {
         /// `seed`), on a current-thread runtime with its clock paused (it advances whenever every
         /// task waits): the same seed, the same run.
         pub fn run(&self, mode: Mode, seed: u64) -> Seen {
+            let trace = Arc::new(Mutex::new(Trace::default()));
             let fail = match mode {
-                Mode::AsItIs => return self.run_on(MemoryStore::new(), Duration::ZERO),
+                Mode::AsItIs => return self.run_on(MemoryStore::new(), &trace, Duration::ZERO, None),
                 Mode::Delayed => 0,
-                Mode::Failing => FAIL,
+                Mode::Failing | Mode::Concurrent => FAIL,
             };
+            // Which attempts get a duplicate, started how long after them (up to 2 s): drawn apart,
+            // so the other runs' draws stay.
+            let overlaps = matches!(mode, Mode::Concurrent).then(|| {
+                let mut rng = SplitMix64::new(seed ^ 0x000C_0C02_2E27);
+                self.attempts.iter().map(|_| rng.chance(50).then(|| rng.millis(2_000))).collect::<Vec<_>>()
+            });
             let store = Delayed {
                 inner: MemoryStore::new(),
                 rng: Mutex::new(SplitMix64::new(seed ^ 0xDE1A_7ED0)),
@@ -687,21 +795,60 @@ mod steps {
                 drop_at: Mutex::default(),
                 fail: fail.into(),
                 failed: 0.into(),
-                down_until: Mutex::default(),
+                down: Mutex::default(),
+                partitions: matches!(mode, Mode::Concurrent),
                 call_records: 0.into(),
+                trace: Arc::clone(&trace),
             };
-            self.run_on(store, MAX_DELAY * CLEAN_REQUESTS)
+            self.run_on(store, &trace, MAX_DELAY * CLEAN_REQUESTS, overlaps.as_deref())
         }
 
-        fn run_on<S: Store + Faults + Send + Sync + 'static>(&self, store: S, own_time: Duration) -> Seen {
+        /// Runs the attempts one after the other, given `overlaps` each with a duplicate if it has
+        /// an offset there (started that long after it); then the clean attempt, once every
+        /// attempt and duplicate has ended.
+        fn run_on<S: Store + Faults + Send + Sync + 'static>(
+            &self,
+            store: S,
+            trace: &Arc<Mutex<Trace>>,
+            own_time: Duration,
+            overlaps: Option<&[Option<Duration>]>,
+        ) -> Seen {
             let runtime =
                 tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build().unwrap();
             runtime.block_on(async {
                 let store = Arc::new(store);
-                let trace = Arc::new(Mutex::new(Trace::default()));
-                let mut seen = Seen { own_time, ..Seen::default() };
+                let mut seen = Seen { own_time, concurrent: overlaps.is_some(), ..Seen::default() };
+                let mut duplicates = Vec::new();
                 for (number, attempt) in self.attempts.iter().enumerate() {
-                    let call = attempt_call(Arc::clone(&store), attempt.clone(), number, Arc::clone(&trace), None);
+                    // With duplicates, the work takes three times as long: a body cut off from the
+                    // store mid-step then outlasts its lapsed lease more often.
+                    let attempt = &if overlaps.is_some() { attempt.stretched(3) } else { attempt.clone() };
+                    let call = attempt_call(Arc::clone(&store), attempt.clone(), number, Arc::clone(trace), None);
+                    if let Some(overlaps) = overlaps {
+                        // A duplicate of this attempt, given an offset, starts that long after it,
+                        // without a deadline, and waits up to six leases for the key: it takes
+                        // the key over when this attempt, cut off from the store, loses it. Its
+                        // number is past the clean attempt's.
+                        if let Some(offset) = overlaps[number] {
+                            let twin = Attempt { cancel: None, ..attempt.clone() };
+                            let twin_number = self.attempts.len() + 1 + number;
+                            let (store, trace) = (Arc::clone(&store), Arc::clone(trace));
+                            duplicates.push(tokio::spawn(async move {
+                                tokio::time::sleep(offset).await;
+                                Some(attempt_call(store, twin, twin_number, trace, Some(LEASE * 6)).await)
+                            }));
+                        }
+                        let cancel = attempt.cancel;
+                        let task = tokio::spawn(async move {
+                            match cancel {
+                                Some((after, _)) => tokio::time::timeout(after, call).await.ok(),
+                                None => Some(call.await),
+                            }
+                        });
+                        seen.overlapping_end(attempt, task.await);
+                        tokio::time::sleep(attempt.pause).await;
+                        continue;
+                    }
                     // An attempt with a deadline is dropped at it, or, behind the slow store,
                     // maybe while its k-th store request is in flight.
                     let dropped = attempt.cancel.and_then(|_| store.drop_during_a_request());
@@ -727,6 +874,11 @@ mod steps {
                     seen.ends.push(end);
                     tokio::time::sleep(attempt.pause).await;
                 }
+                for task in duplicates {
+                    let end = seen.joined(task.await).flatten();
+                    seen.ends.push(end);
+                    seen.recorded_ok.push(false);
+                }
                 let clean = Attempt {
                     steps: vec![StepKind::Ok(Duration::ZERO); self.steps],
                     carry_on: false,
@@ -736,12 +888,14 @@ mod steps {
                 };
                 seen.failed = store.calm();
                 let started = Instant::now();
-                let call = attempt_call(store, clean, self.attempts.len(), Arc::clone(&trace), Some(LEASE * 3));
+                let call = attempt_call(store, clean, self.attempts.len(), Arc::clone(trace), Some(LEASE * 3));
                 let joined = tokio::spawn(call).await;
                 seen.last = seen.joined(joined);
                 seen.final_took = started.elapsed();
                 let trace = std::mem::take(&mut *trace.lock().unwrap());
-                (seen.starts, seen.recorded) = (trace.starts, trace.recorded);
+                (seen.starts, seen.start_at, seen.recorded, seen.applied) =
+                    (trace.starts, trace.start_at, trace.recorded, trace.applied);
+                seen.overlapping_bodies = trace.overlapping_bodies;
                 seen
             })
         }
@@ -767,8 +921,24 @@ mod steps {
                     return Err(format!("a step ran after attempt {first_ok} got Ok: {start:?}"));
                 }
             }
-            // A step that returned the value of its own run was recorded: it never runs again.
-            for (step, recorded) in &seen.recorded {
+            // Behind the wrapper, by when the store applied the records: no step runs once the
+            // call's result is recorded, nor once its own value is.
+            let started_after = |step: Option<usize>, at: u64| {
+                let mut starts = seen.starts.iter().zip(&seen.start_at);
+                starts.find(|((s, _), start)| step.is_none_or(|step| *s == step) && **start > at).map(|(s, _)| *s)
+            };
+            for &(step, at) in &seen.applied {
+                if let Some(again) = started_after(step, at) {
+                    return Err(match step {
+                        None => format!("a step ran after the store applied the call's record: {again:?}"),
+                        Some(step) => format!("step {step} ran after the store applied its record: {again:?}"),
+                    });
+                }
+            }
+            // By the attempts' order, where it is their order in time: a step that returned the
+            // value of its own run was recorded, and no later attempt runs it again.
+            let in_order = !seen.concurrent;
+            for (step, recorded) in seen.recorded.iter().filter(|_| in_order) {
                 if let Some(again) = seen.starts.iter().find(|(s, attempt)| s == step && attempt > recorded) {
                     return Err(format!(
                         "step {step} returned attempt {recorded}'s own value (recorded) and ran again: {again:?}"
@@ -779,7 +949,8 @@ mod steps {
                 if !seen.starts.contains(&(step, *value)) {
                     return Err(format!("step {step} replayed attempt {value}'s value, which never ran it"));
                 }
-                if let Some(again) = seen.starts.iter().find(|(s, attempt)| *s == step && attempt > value) {
+                let again = seen.starts.iter().find(|(s, attempt)| *s == step && attempt > value);
+                if let Some(again) = again.filter(|_| in_order) {
                     return Err(format!("step {step} was recorded by attempt {value} and ran again: {again:?}"));
                 }
             }
@@ -810,10 +981,63 @@ mod steps {
     /// What the steps' bodies did, shared by a history's attempts.
     #[derive(Debug, Default)]
     struct Trace {
+        /// Events so far: the moment of the next one.
+        events: u64,
         /// (step, attempt) for every start of a step's body.
         starts: Vec<(usize, usize)>,
+        /// The moment of each start.
+        start_at: Vec<u64>,
         /// (step, attempt) for every step that returned the value of its own run.
         recorded: Vec<(usize, usize)>,
+        /// The steps' keys, in the order they were first claimed: every attempt runs the steps in
+        /// order, so step 0's comes first.
+        step_keys: Vec<String>,
+        /// (step, or `None` for the call's key; moment) of every completion the store applied.
+        applied: Vec<(Option<usize>, u64)>,
+        /// Bodies running now.
+        running: usize,
+        /// Bodies that started while another ran: the key taken over from a call cut off from
+        /// the store for a lease.
+        overlapping_bodies: usize,
+    }
+
+    impl Trace {
+        fn start(&mut self, step: usize, attempt: usize) {
+            self.events += 1;
+            self.starts.push((step, attempt));
+            self.start_at.push(self.events);
+        }
+
+        fn claimed(&mut self, key: &Key) {
+            if key.key() != "order" && !self.step_keys.iter().any(|k| k == key.key()) {
+                self.step_keys.push(key.key().to_owned());
+            }
+        }
+
+        fn applied(&mut self, key: &Key) {
+            self.events += 1;
+            let step = self.step_keys.iter().position(|k| k == key.key());
+            let step = if key.key() == "order" { None } else { Some(step.expect("a step's key is claimed first")) };
+            self.applied.push((step, self.events));
+        }
+    }
+
+    /// A body counted as running until it is dropped.
+    struct Running<'a>(&'a Mutex<Trace>);
+
+    impl<'a> Running<'a> {
+        fn start(trace: &'a Mutex<Trace>) -> Self {
+            let mut t = trace.lock().unwrap();
+            t.overlapping_bodies += usize::from(t.running > 0);
+            t.running += 1;
+            Running(trace)
+        }
+    }
+
+    impl Drop for Running<'_> {
+        fn drop(&mut self) {
+            self.0.lock().unwrap().running -= 1;
+        }
     }
 
     /// Attempt `number` as a call, ready to spawn.
@@ -831,11 +1055,12 @@ mod steps {
                 call = call.wait(wait);
             }
             let body = async {
+                let _running = Running::start(&trace);
                 let mut values = Vec::new();
                 for (step_number, kind) in attempt.steps.iter().copied().enumerate() {
                     let started = Arc::clone(&trace);
                     let got = step(&format!("s{step_number}"), async move {
-                        started.lock().unwrap().starts.push((step_number, number));
+                        started.lock().unwrap().start(step_number, number);
                         match kind {
                             StepKind::Ok(work) => {
                                 tokio::time::sleep(work).await;

@@ -163,10 +163,10 @@ impl<S: Store + 'static> FaultStore<S> {
         }
     }
 
-    /// A delay of `long` drawn whole (`whole`), or split where the history splits delays: from 10 %
-    /// to 90 % of it on the way to the store, the rest on the way back. A claim so split reaches the
-    /// store well before its reply comes back late, so the lease the store started may be nearly
-    /// over when the caller hears of it (RELIABILITY.md, row 42).
+    /// A delay of `long` drawn whole (`whole`), or split where the history splits delays: from
+    /// 10 % to 90 % of it on the way to the store, the rest on the way back. A claim so split
+    /// reaches the store well before its reply comes back late, so the lease the store started
+    /// may be nearly over when the caller hears of it (RELIABILITY.md, row 42).
     fn split(&self, whole: Fault, long: Duration) -> Fault {
         if self.shared.split == 0 {
             return whole;

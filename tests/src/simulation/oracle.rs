@@ -55,10 +55,10 @@ struct TokenLife {
     grants: Vec<(Stamp, Stamp)>,
     /// Every grant or renewal the store acknowledged: (sent, replied, lease).
     renewals: Vec<(Stamp, Stamp, Duration)>,
-    /// The grants and renewals that certainly started a lease (sent, replied, lease): the first grant and
-    /// every acknowledged `extend`. A claim granted again to its own token need not renew the
-    /// lease (the `Store` trait's contract: the memory store answers `Claimed` and leaves it as it
-    /// was), so it may count only towards a claim being possibly live.
+    /// The grants and renewals that certainly started a lease (sent, replied, lease): the first
+    /// grant and every acknowledged `extend`. A claim granted again to its own token need not
+    /// renew the lease (the `Store` trait's contract: the memory store answers `Claimed` and
+    /// leaves it as it was), so it may count only towards a claim being possibly live.
     leases: Vec<(Stamp, Stamp, Duration)>,
     /// The store acknowledged a release.
     released: Option<(Stamp, Stamp)>,
@@ -524,6 +524,7 @@ mod tests {
         assert_eq!(verdict.violations.len(), 1, "{:?}", verdict.violations);
         assert!(verdict.violations[0].contains("while t0's claim was certainly live"), "{:?}", verdict.violations);
     }
+
     /// A claim granted again to the token that holds it need not renew the lease (the `Store`
     /// trait's contract; the memory store leaves it as it was), so another token granted the key
     /// after the first grant's lease is no violation, though within a lease of the second

@@ -310,17 +310,23 @@ impl<S: Store + ?Sized> Steps<'_, S> {
         // A call whose lease has ended by its own count may have been taken over (its renewals
         // did not reach the store): it is renewed, as a record is fenced, before a step may run,
         // or a body cut off from the store would run steps after another caller had taken the
-        // call over and recorded it (RELIABILITY.md, row 43). Within the lease, nothing is sent.
-        if Instant::now() >= *self.lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
-            self.fence(key, "a step started after the call lost its claim; not run").await?;
-        }
+        // call over and recorded it (RELIABILITY.md, row 43). Checked before the lookup is sent,
+        // and again when its claim is granted: the answer may come back after the lease ended,
+        // or after waiting out an earlier run's claim of the step (row 44). Within the lease,
+        // nothing is sent.
+        self.fence_if_lapsed(key, "a step started after the call lost its claim; not run").await?;
         let request = ClaimRequest::new(key, self.token, self.fingerprint, self.lease);
         loop {
             let claim = timed(self.store, StoreStep::Claim, self.store.claim(&request))
                 .await
                 .map_err(|source| step_error(key, source))?;
             match claim {
-                Claim::Claimed => return Ok(None),
+                // The step's key is released by the step if the fence fails.
+                Claim::Claimed => {
+                    self.fence_if_lapsed(key, "a step's lookup was answered after the call lost its claim; not run")
+                        .await?;
+                    return Ok(None);
+                }
                 Claim::Completed(record) => {
                     check_fingerprint(self.call, self.fingerprint, record.fingerprint.as_ref())?;
                     self.observer.step(true);
@@ -334,6 +340,14 @@ impl<S: Store + ?Sized> Steps<'_, S> {
                 }
             }
         }
+    }
+
+    /// Fences the call (see [`fence`](Self::fence)) if its lease has ended by its own count.
+    async fn fence_if_lapsed(&self, key: &Key, lost: &'static str) -> Result<(), Error> {
+        if Instant::now() >= *self.lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
+            self.fence(key, lost).await?;
+        }
+        Ok(())
     }
 
     /// Renews the call's claim (the fence): `LeaseLost` (logged as `lost`) if another caller has

@@ -800,11 +800,14 @@ async fn memory_a_call_released_on_cancel_before_its_step_read_the_lookup_leaves
 
 /// The memory store behind a partition that, while `cut` is set, fails every request of the
 /// token that claimed first (its call and its steps) before the store gets it; other callers'
-/// requests go through.
+/// requests go through. The first token's later claims (its steps' lookups) are applied at
+/// once, and their replies come back `slow_lookups` later.
 struct CutOff {
     inner: MemoryStore,
     cut: std::sync::atomic::AtomicBool,
     first: std::sync::Mutex<Option<idempotent_runtime::Token>>,
+    slow_lookups: std::time::Duration,
+    first_claims: std::sync::atomic::AtomicU32,
 }
 
 impl CutOff {
@@ -827,7 +830,12 @@ impl Store for CutOff {
         request: &idempotent_runtime::ClaimRequest<'_>,
     ) -> Result<idempotent_runtime::Claim, idempotent_runtime::StoreError> {
         self.check(request.token)?;
-        self.inner.claim(request).await
+        let claim = self.inner.claim(request).await;
+        let first = self.first.lock().unwrap().as_ref() == Some(request.token);
+        if first && self.first_claims.fetch_add(1, std::sync::atomic::Ordering::SeqCst) > 0 {
+            tokio::time::sleep(self.slow_lookups).await;
+        }
+        claim
     }
 
     async fn complete(
@@ -875,7 +883,13 @@ async fn memory_a_step_started_after_its_call_was_taken_over_does_not_run() {
     use idempotent_runtime::{Call, Error, step};
 
     let lease = Duration::from_millis(300);
-    let store = CutOff { inner: MemoryStore::new(), cut: AtomicBool::new(false), first: std::sync::Mutex::default() };
+    let store = CutOff {
+        inner: MemoryStore::new(),
+        cut: AtomicBool::new(false),
+        first: std::sync::Mutex::default(),
+        slow_lookups: Duration::ZERO,
+        first_claims: AtomicU32::new(0),
+    };
     let (steps_run, bodies) = (AtomicU32::new(0), AtomicU32::new(0));
     let first = Call::new("cut-off", &"k").lease(lease).run(&store, async {
         bodies.fetch_add(1, SeqCst);
@@ -903,5 +917,51 @@ async fn memory_a_step_started_after_its_call_was_taken_over_does_not_run() {
     assert_eq!(duplicate.unwrap(), 2, "the duplicate took the lapsed key over and recorded its result");
     assert_eq!(bodies.load(SeqCst), 2);
     assert_eq!(steps_run.load(SeqCst), 0, "a step ran after another caller had taken the call over");
+    assert!(matches!(first, Err(Error::LeaseLost { .. })), "{first:?}");
+}
+
+/// A step's lookup whose reply comes back after the call's lease has ended, the call's renewals
+/// failing meanwhile: by the time the first body learns it may run the step, a duplicate has
+/// taken the lapsed call over, run the step itself and recorded the call. The first body's step
+/// does not run (its call gets `LeaseLost`). Before, the lease was checked only before the
+/// lookup was sent, and the step ran a second time.
+#[tokio::test(start_paused = true)]
+async fn memory_a_step_whose_lookup_is_answered_after_a_takeover_does_not_run() {
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
+    use std::time::Duration;
+
+    use idempotent_runtime::{Call, Error, step};
+
+    let lease = Duration::from_millis(300);
+    let store = CutOff {
+        inner: MemoryStore::new(),
+        cut: AtomicBool::new(false),
+        first: std::sync::Mutex::default(),
+        slow_lookups: lease * 2,
+        first_claims: AtomicU32::new(0),
+    };
+    let (steps_run, bodies) = (AtomicU32::new(0), AtomicU32::new(0));
+    let order = || {
+        Call::new("slow-lookup", &"k").lease(lease).run(&store, async {
+            bodies.fetch_add(1, SeqCst);
+            step("charge", async { Ok::<_, Error>(steps_run.fetch_add(1, SeqCst) + 1) }).await
+        })
+    };
+    let first = order();
+    let duplicate = async {
+        // The first call's lookup is on its way back: its renewals fail from now on, and its
+        // claim lapses at the end of its first lease.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        store.cut.store(true, SeqCst);
+        tokio::time::sleep(lease + Duration::from_millis(50)).await;
+        let duplicate = order().await;
+        // Reachable again before the first call's lookup is answered: its fence gets `NotOwner`.
+        store.cut.store(false, SeqCst);
+        duplicate
+    };
+    let (first, duplicate) = tokio::join!(first, duplicate);
+    assert_eq!(duplicate.unwrap(), 1, "the duplicate took the lapsed key over and ran the step");
+    assert_eq!(bodies.load(SeqCst), 2);
+    assert_eq!(steps_run.load(SeqCst), 1, "the step ran again after another caller had taken the call over");
     assert!(matches!(first, Err(Error::LeaseLost { .. })), "{first:?}");
 }

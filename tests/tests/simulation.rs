@@ -336,8 +336,8 @@ async fn simulation_sqlite_transactions() {
 /// requests also fail, before the store gets them or after it applied them (the reply lost),
 /// sometimes all of them for an outage longer than the lease, except the clean attempt's; and
 /// behind the slow one again with duplicates of half the attempts running beside them, while
-/// network partitions cut single attempts off for longer than the lease, so duplicates take keys
-/// over from bodies that run on.
+/// network partitions cut single attempts off for longer than the lease (half of them holding up
+/// a step lookup's answer until they heal), so duplicates take keys over from bodies that run on.
 /// RELIABILITY.md, "Steps under faults", says what it found and what broken code it catches.
 #[test]
 fn simulation_memory_steps_under_faults() {
@@ -529,6 +529,7 @@ mod steps {
             request: impl std::future::Future<Output = Result<T, StoreError>>,
         ) -> Result<T, StoreError> {
             let number = self.requests.fetch_add(1, Ordering::SeqCst) + 1;
+            let mut held = None;
             if let Some((_, signal)) = self.drop_at.lock().unwrap().as_ref().filter(|(at, _)| *at == number) {
                 signal.notify_one();
             }
@@ -549,12 +550,16 @@ mod steps {
                     // A partition begins just after a step's lookup, while the step's body works,
                     // and cuts its attempt off for longer than the lease: the body runs on while
                     // its claim lapses. No other request fails, so a duplicate waiting for the key
-                    // gets it then.
+                    // gets it then. Half the partitions begin while the lookup's answer is on its
+                    // way back: the store applied the lookup, and its answer arrives when the
+                    // partition heals.
                     fail if self.partitions => {
                         if lookup && rng.chance(5 * fail) {
-                            let from = Instant::now() + MAX_DELAY * 2;
+                            let at_once = rng.chance(50);
+                            let from = Instant::now() + if at_once { Duration::ZERO } else { MAX_DELAY * 2 };
                             let end = from + LEASE + rng.millis(2_000);
                             *self.down.lock().unwrap() = Some((from, end, Some(token.clone())));
+                            held = at_once.then_some(end);
                         }
                         Fail::No
                     }
@@ -574,6 +579,11 @@ mod steps {
                 self.failed.fetch_add(1, Ordering::SeqCst);
                 Err(StoreError::Backend { backend: "sim", source: "injected fault".into() })
             };
+            if let Some(healed) = held {
+                let answer = request.await;
+                tokio::time::sleep_until(healed).await;
+                return answer;
+            }
             if before || fail == Fail::Unreachable {
                 tokio::time::sleep(delay).await;
                 if fail != Fail::No {

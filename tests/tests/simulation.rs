@@ -341,14 +341,30 @@ async fn simulation_sqlite_transactions() {
 /// RELIABILITY.md, "Steps under faults", says what it found and what broken code it catches.
 #[test]
 fn simulation_memory_steps_under_faults() {
+    explore_steps("simulation_memory_steps_under_faults", DEFAULT_SEED, false);
+}
+
+/// The same four runs, on histories whose steps nest: one of each history's steps runs a step of
+/// its own first (the inner step's key is derived from the outer step's), on seeds of their own.
+/// An inner step's failure fails the outer step, and the attempt stops there.
+#[test]
+fn simulation_memory_nested_steps_under_faults() {
+    explore_steps("simulation_memory_nested_steps_under_faults", DEFAULT_SEED + 1_000_000, true);
+}
+
+/// Runs the step exploration on `IDEMPOTENT_SIM_HISTORIES` histories (default
+/// [`steps::DEFAULT_HISTORIES`]) from `IDEMPOTENT_SIM_FROM` (default `default_from`), each four
+/// times, and panics with the first violation.
+fn explore_steps(name: &str, default_from: u64, nested: bool) {
     use steps::{History, Mode};
 
     idempotent_tests::simulation::callers::quiet_planted_panics();
-    let from = simulation::env_from().unwrap_or(DEFAULT_SEED);
+    let from = simulation::env_from().unwrap_or(default_from);
     let histories = simulation::env_histories().unwrap_or(steps::DEFAULT_HISTORIES);
+    let regressions = if nested { &[][..] } else { &steps::REGRESSION_SEEDS[..] };
     let (mut attempts, mut kept, mut waited, mut failed, mut taken_over) = (0, 0, 0, 0, 0);
-    for seed in (from..from + histories).chain(steps::REGRESSION_SEEDS) {
-        let history = History::draw(seed);
+    for seed in (from..from + histories).chain(regressions.iter().copied()) {
+        let history = History::draw(seed, nested);
         // Each history four times: on the store as it is; with every store request taking up
         // to `MAX_DELAY`, so that requests are in flight when calls are dropped; with some
         // requests failed besides; and with duplicates and partitions instead.
@@ -356,7 +372,7 @@ fn simulation_memory_steps_under_faults() {
             let seen = history.run(mode, seed);
             if let Err(violation) = history.judge(&seen) {
                 panic!(
-                    "seed {seed} ({mode:?}): {violation}\n{history:#?}\n{seen:#?}\nreplay it with: IDEMPOTENT_SIM_FROM={seed} IDEMPOTENT_SIM_HISTORIES=1 cargo test -p idempotent-tests --test simulation simulation_memory_steps_under_faults"
+                    "seed {seed} ({mode:?}): {violation}\n{history:#?}\n{seen:#?}\nreplay it with: IDEMPOTENT_SIM_FROM={seed} IDEMPOTENT_SIM_HISTORIES=1 cargo test -p idempotent-tests --test simulation {name}"
                 );
             }
             attempts += history.attempts.len();
@@ -367,11 +383,11 @@ fn simulation_memory_steps_under_faults() {
         }
     }
     println!(
-        "simulation_memory_steps_under_faults: {histories} histories and {} regression seeds, each run four times \
+        "{name}: {histories} histories and {} regression seeds, each run four times \
          (store requests as they are, delayed, delayed and failed, delayed with duplicates and partitions): \
          {attempts} faulty attempts, {taken_over} bodies started while another ran (a key taken over), {kept} runs \
          with a drop under OnCancel::Keep, {waited} whose clean attempt waited, {failed} store requests failed",
-        steps::REGRESSION_SEEDS.len()
+        regressions.len()
     );
     if simulation::env_histories().is_none() {
         assert!(kept > 0 && kept < 4 * usize::try_from(histories).unwrap(), "both kinds of history were drawn");
@@ -657,9 +673,42 @@ mod steps {
         Hang,
     }
 
+    impl StepKind {
+        /// A step's behaviour; it hangs only in an attempt that has a deadline (`hang`).
+        fn draw(rng: &mut SplitMix64, hang: bool) -> Self {
+            match rng.below(10) {
+                0..=5 => StepKind::Ok(rng.millis(2_000)),
+                6 | 7 => StepKind::Err,
+                8 => StepKind::Panic,
+                _ if hang => StepKind::Hang,
+                // Longer than the lease: the call's claim is renewed, the step's is not.
+                _ => StepKind::Ok(LEASE + rng.millis(2_000)),
+            }
+        }
+
+        /// The step's work in attempt `number`: `Ok(number)` after its work, or its failure.
+        async fn work(self, number: usize) -> Result<usize, Error> {
+            match self {
+                StepKind::Ok(work) => {
+                    tokio::time::sleep(work).await;
+                    Ok(number)
+                }
+                StepKind::Err => Err(Error::Fingerprint("the step fails (planted)".into())),
+                StepKind::Panic => panic!("{BODY_PANIC}"),
+                StepKind::Hang => {
+                    tokio::time::sleep(Duration::from_secs(3_600)).await;
+                    Ok(number)
+                }
+            }
+        }
+    }
+
     #[derive(Debug, Clone)]
     pub struct Attempt {
         steps: Vec<StepKind>,
+        /// The step (its position in `steps`) that runs a step of its own first, and what that
+        /// inner step does.
+        nested: Option<(usize, StepKind)>,
         carry_on: bool,
         tail: Duration,
         cancel: Option<(Duration, OnCancel)>,
@@ -669,21 +718,22 @@ mod steps {
     impl Attempt {
         /// The same attempt, its steps' and tail's work `times` as long.
         fn stretched(&self, times: u32) -> Self {
-            let steps = self
-                .steps
-                .iter()
-                .map(|kind| match kind {
-                    StepKind::Ok(work) => StepKind::Ok(*work * times),
-                    other => *other,
-                })
-                .collect();
-            Attempt { steps, tail: self.tail * times, ..self.clone() }
+            let stretch = |kind: &StepKind| match kind {
+                StepKind::Ok(work) => StepKind::Ok(*work * times),
+                other => *other,
+            };
+            let steps = self.steps.iter().map(stretch).collect();
+            let nested = self.nested.map(|(outer, inner)| (outer, stretch(&inner)));
+            Attempt { steps, nested, tail: self.tail * times, ..self.clone() }
         }
     }
 
     #[derive(Debug)]
     pub struct History {
+        /// The steps the body runs itself.
         steps: usize,
+        /// The step that runs an inner step first, if any.
+        nested: Option<usize>,
         pub attempts: Vec<Attempt>,
     }
 
@@ -757,29 +807,39 @@ mod steps {
     }
 
     impl History {
-        pub fn draw(seed: u64) -> Self {
+        /// The history of `seed`; given `nested`, one of its steps runs an inner step first
+        /// (drawn from a generator of its own, so the rest of the history is the one it would be).
+        pub fn draw(seed: u64, nested: bool) -> Self {
             let mut rng = SplitMix64::new(seed);
+            let mut nest = SplitMix64::new(seed ^ 0x4E57_ED57);
             let steps = 1 + usize::try_from(rng.below(3)).unwrap();
+            let outer = nested.then(|| usize::try_from(nest.below(steps as u64)).unwrap());
             let attempts = (0..=rng.below(4))
                 .map(|_| {
                     let cancel = rng.chance(50).then(|| {
                         let on_cancel = if rng.chance(50) { OnCancel::Keep } else { OnCancel::Release };
                         (rng.millis(4_000), on_cancel)
                     });
-                    let steps = (0..steps)
-                        .map(|_| match rng.below(10) {
-                            0..=5 => StepKind::Ok(rng.millis(2_000)),
-                            6 | 7 => StepKind::Err,
-                            8 => StepKind::Panic,
-                            _ if cancel.is_some() => StepKind::Hang,
-                            // Longer than the lease: the call's claim is renewed, the step's is not.
-                            _ => StepKind::Ok(LEASE + rng.millis(2_000)),
-                        })
-                        .collect();
-                    Attempt { steps, carry_on: rng.chance(30), tail: rng.millis(1_000), cancel, pause: rng.millis(100) }
+                    let hang = cancel.is_some();
+                    let steps = (0..steps).map(|_| StepKind::draw(&mut rng, hang)).collect();
+                    let nested = outer.map(|outer| (outer, StepKind::draw(&mut nest, hang)));
+                    Attempt {
+                        steps,
+                        nested,
+                        carry_on: rng.chance(30),
+                        tail: rng.millis(1_000),
+                        cancel,
+                        pause: rng.millis(100),
+                    }
                 })
                 .collect();
-            History { steps, attempts }
+            History { steps, nested: outer, attempts }
+        }
+
+        /// Steps in all, inner ones included: the judgement's numbering, in the order the
+        /// steps' keys are first claimed (an inner step right after its outer step).
+        fn all_steps(&self) -> usize {
+            self.steps + usize::from(self.nested.is_some())
         }
 
         /// Runs the history on a fresh store that behaves as `mode` says (its faults drawn from
@@ -891,6 +951,7 @@ mod steps {
                 }
                 let clean = Attempt {
                     steps: vec![StepKind::Ok(Duration::ZERO); self.steps],
+                    nested: self.nested.map(|outer| (outer, StepKind::Ok(Duration::ZERO))),
                     carry_on: false,
                     tail: Duration::ZERO,
                     cancel: None,
@@ -967,7 +1028,7 @@ mod steps {
             // A failed step's placeholder comes only from a recorded result of an attempt that
             // carried on past it (one whose caller may have been dropped before it heard).
             let carried_on = self.attempts.iter().any(|attempt| attempt.carry_on);
-            if values.len() != self.steps || (!carried_on && values.contains(&FAILED)) {
+            if values.len() != self.all_steps() || (!carried_on && values.contains(&FAILED)) {
                 return Err(format!("the clean attempt's values {values:?} are not one per step"));
             }
             // Its own requests' time, and if a call was dropped under `Keep` or a store request
@@ -1067,22 +1128,37 @@ mod steps {
             let body = async {
                 let _running = Running::start(&trace);
                 let mut values = Vec::new();
-                for (step_number, kind) in attempt.steps.iter().copied().enumerate() {
+                for (position, kind) in attempt.steps.iter().copied().enumerate() {
+                    // Numbered as the judgement numbers them: an inner step right after its outer.
+                    let step_number = position + usize::from(attempt.nested.is_some_and(|(outer, _)| position > outer));
                     let started = Arc::clone(&trace);
-                    let got = step(&format!("s{step_number}"), async move {
-                        started.lock().unwrap().start(step_number, number);
-                        match kind {
-                            StepKind::Ok(work) => {
-                                tokio::time::sleep(work).await;
-                                Ok(number)
+                    if let Some((_, inner)) = attempt.nested.filter(|(outer, _)| *outer == position) {
+                        // The outer step runs its inner step first. Its failure fails the outer
+                        // step, and the attempt stops there: a later step is never claimed
+                        // before the inner one, which keeps the numbering by first claims.
+                        let got = step(&format!("s{position}"), async move {
+                            started.lock().unwrap().start(step_number, number);
+                            let inner_started = Arc::clone(&started);
+                            let inner = step("inner", async move {
+                                inner_started.lock().unwrap().start(step_number + 1, number);
+                                inner.work(number).await
+                            })
+                            .await?;
+                            if inner == number {
+                                started.lock().unwrap().recorded.push((step_number + 1, number));
                             }
-                            StepKind::Err => Err(Error::Fingerprint("the step fails (planted)".into())),
-                            StepKind::Panic => panic!("{BODY_PANIC}"),
-                            StepKind::Hang => {
-                                tokio::time::sleep(Duration::from_secs(3_600)).await;
-                                Ok(number)
-                            }
+                            Ok::<_, Error>((kind.work(number).await?, inner))
+                        })
+                        .await?;
+                        if got.0 == number {
+                            trace.lock().unwrap().recorded.push((step_number, number));
                         }
+                        values.extend([got.0, got.1]);
+                        continue;
+                    }
+                    let got = step(&format!("s{position}"), async move {
+                        started.lock().unwrap().start(step_number, number);
+                        kind.work(number).await
                     })
                     .await;
                     if got.as_ref().is_ok_and(|value| *value == number) {

@@ -811,6 +811,18 @@ struct CutOff {
 }
 
 impl CutOff {
+    /// A fresh memory store, reachable until `cut` is set, its first token's lookups answered
+    /// `slow_lookups` late.
+    fn new(slow_lookups: std::time::Duration) -> Self {
+        CutOff {
+            inner: MemoryStore::new(),
+            cut: std::sync::atomic::AtomicBool::new(false),
+            first: std::sync::Mutex::default(),
+            slow_lookups,
+            first_claims: std::sync::atomic::AtomicU32::new(0),
+        }
+    }
+
     fn inner(&self) -> &MemoryStore {
         &self.inner
     }
@@ -877,19 +889,13 @@ impl Store for CutOff {
 /// (2026-12-06).
 #[tokio::test(start_paused = true)]
 async fn memory_a_step_started_after_its_call_was_taken_over_does_not_run() {
-    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
+    use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
     use std::time::Duration;
 
     use idempotent_runtime::{Call, Error, step};
 
     let lease = Duration::from_millis(300);
-    let store = CutOff {
-        inner: MemoryStore::new(),
-        cut: AtomicBool::new(false),
-        first: std::sync::Mutex::default(),
-        slow_lookups: Duration::ZERO,
-        first_claims: AtomicU32::new(0),
-    };
+    let store = CutOff::new(Duration::ZERO);
     let (steps_run, bodies) = (AtomicU32::new(0), AtomicU32::new(0));
     let first = Call::new("cut-off", &"k").lease(lease).run(&store, async {
         bodies.fetch_add(1, SeqCst);
@@ -927,19 +933,13 @@ async fn memory_a_step_started_after_its_call_was_taken_over_does_not_run() {
 /// lookup was sent, and the step ran a second time.
 #[tokio::test(start_paused = true)]
 async fn memory_a_step_whose_lookup_is_answered_after_a_takeover_does_not_run() {
-    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
+    use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
     use std::time::Duration;
 
     use idempotent_runtime::{Call, Error, step};
 
     let lease = Duration::from_millis(300);
-    let store = CutOff {
-        inner: MemoryStore::new(),
-        cut: AtomicBool::new(false),
-        first: std::sync::Mutex::default(),
-        slow_lookups: lease * 2,
-        first_claims: AtomicU32::new(0),
-    };
+    let store = CutOff::new(lease * 2);
     let (steps_run, bodies) = (AtomicU32::new(0), AtomicU32::new(0));
     let order = || {
         Call::new("slow-lookup", &"k").lease(lease).run(&store, async {

@@ -134,8 +134,9 @@ pub(crate) enum Job {
 /// for longer than a whole lease inside that gap could still record a value that a newer run
 /// also computes (each run's value is its own, and the newer run's lookup or record then wins).
 /// A step reached after the call's lease has ended by its own count (its renewals did not reach
-/// the store) is fenced before the lookup too: a run whose claim was taken over meanwhile gets
-/// [`Error::LeaseLost`] and does not run `body`.
+/// the store), or whose lookup is answered after that, is fenced before `body` runs too: a run
+/// whose claim was taken over meanwhile gets [`Error::LeaseLost`] and does not run `body`, and
+/// one whose renewal is answered after the lease it started has ended gets [`Error::Store`].
 ///
 /// # Errors
 ///
@@ -342,10 +343,19 @@ impl<S: Store + ?Sized> Steps<'_, S> {
         }
     }
 
-    /// Fences the call (see [`fence`](Self::fence)) if its lease has ended by its own count.
+    /// Fences the call (see [`fence`](Self::fence)) if its lease has ended by its own count, so
+    /// that a step runs only within a lease. A renewal answered after the lease it started has
+    /// ended shows nothing about now (the claim may have lapsed again and been taken over): the
+    /// step is not run, and gets a store error.
     async fn fence_if_lapsed(&self, key: &Key, lost: &'static str) -> Result<(), Error> {
-        if Instant::now() >= *self.lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
-            self.fence(key, lost).await?;
+        let lease_end = || *self.lease_end.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if Instant::now() < lease_end() {
+            return Ok(());
+        }
+        self.fence(key, lost).await?;
+        if Instant::now() >= lease_end() {
+            let late = "the call's renewal was answered after its lease had ended; the step was not run";
+            return Err(step_error(key, StoreError::backend(self.store.name(), late)));
         }
         Ok(())
     }

@@ -800,27 +800,33 @@ async fn memory_a_call_released_on_cancel_before_its_step_read_the_lookup_leaves
 
 /// The memory store behind a partition that, while `cut` is set, fails every request of the
 /// token that claimed first (its call and its steps) before the store gets it; other callers'
-/// requests go through. The first token's later claims (its steps' lookups) are applied at
-/// once, and their replies come back `slow_lookups` later.
+/// requests go through. The first token's later claims (its steps' lookups) and its renewals
+/// are applied at once, and their replies come back `slow_lookups` and `slow_renewals` later.
 struct CutOff {
     inner: MemoryStore,
     cut: std::sync::atomic::AtomicBool,
     first: std::sync::Mutex<Option<idempotent_runtime::Token>>,
     slow_lookups: std::time::Duration,
+    slow_renewals: std::time::Duration,
     first_claims: std::sync::atomic::AtomicU32,
 }
 
 impl CutOff {
     /// A fresh memory store, reachable until `cut` is set, its first token's lookups answered
-    /// `slow_lookups` late.
-    fn new(slow_lookups: std::time::Duration) -> Self {
+    /// `slow_lookups` late and its renewals `slow_renewals` late.
+    fn new(slow_lookups: std::time::Duration, slow_renewals: std::time::Duration) -> Self {
         CutOff {
             inner: MemoryStore::new(),
             cut: std::sync::atomic::AtomicBool::new(false),
             first: std::sync::Mutex::default(),
             slow_lookups,
+            slow_renewals,
             first_claims: std::sync::atomic::AtomicU32::new(0),
         }
+    }
+
+    fn is_first(&self, token: &idempotent_runtime::Token) -> bool {
+        self.first.lock().unwrap().as_ref() == Some(token)
     }
 
     fn inner(&self) -> &MemoryStore {
@@ -843,8 +849,7 @@ impl Store for CutOff {
     ) -> Result<idempotent_runtime::Claim, idempotent_runtime::StoreError> {
         self.check(request.token)?;
         let claim = self.inner.claim(request).await;
-        let first = self.first.lock().unwrap().as_ref() == Some(request.token);
-        if first && self.first_claims.fetch_add(1, std::sync::atomic::Ordering::SeqCst) > 0 {
+        if self.is_first(request.token) && self.first_claims.fetch_add(1, std::sync::atomic::Ordering::SeqCst) > 0 {
             tokio::time::sleep(self.slow_lookups).await;
         }
         claim
@@ -874,7 +879,11 @@ impl Store for CutOff {
         lease: std::time::Duration,
     ) -> Result<(), idempotent_runtime::StoreError> {
         self.check(token)?;
-        self.inner.extend(key, token, lease).await
+        let renewed = self.inner.extend(key, token, lease).await;
+        if self.is_first(token) {
+            tokio::time::sleep(self.slow_renewals).await;
+        }
+        renewed
     }
 
     idempotent_runtime::forward_store!(direct CutOff::inner; detach);
@@ -895,7 +904,7 @@ async fn memory_a_step_started_after_its_call_was_taken_over_does_not_run() {
     use idempotent_runtime::{Call, Error, step};
 
     let lease = Duration::from_millis(300);
-    let store = CutOff::new(Duration::ZERO);
+    let store = CutOff::new(Duration::ZERO, Duration::ZERO);
     let (steps_run, bodies) = (AtomicU32::new(0), AtomicU32::new(0));
     let first = Call::new("cut-off", &"k").lease(lease).run(&store, async {
         bodies.fetch_add(1, SeqCst);
@@ -939,7 +948,7 @@ async fn memory_a_step_whose_lookup_is_answered_after_a_takeover_does_not_run() 
     use idempotent_runtime::{Call, Error, step};
 
     let lease = Duration::from_millis(300);
-    let store = CutOff::new(lease * 2);
+    let store = CutOff::new(lease * 2, Duration::ZERO);
     let (steps_run, bodies) = (AtomicU32::new(0), AtomicU32::new(0));
     let order = || {
         Call::new("slow-lookup", &"k").lease(lease).run(&store, async {
@@ -964,4 +973,44 @@ async fn memory_a_step_whose_lookup_is_answered_after_a_takeover_does_not_run() 
     assert_eq!(bodies.load(SeqCst), 2);
     assert_eq!(steps_run.load(SeqCst), 1, "the step ran again after another caller had taken the call over");
     assert!(matches!(first, Err(Error::LeaseLost { .. })), "{first:?}");
+}
+
+/// A step's lookup answered after the call's lease ended is fenced, and the renewal that fences
+/// it lands but is answered after a lease too: by then the claim it renewed has lapsed, and a
+/// duplicate has taken the call over, run the step and recorded the call. The late renewal proves
+/// nothing about now, so the first body's step does not run. Before, the fence counted any
+/// acknowledged renewal, and the step ran a second time.
+#[tokio::test(start_paused = true)]
+async fn memory_a_step_fenced_by_a_renewal_answered_after_its_lease_does_not_run() {
+    use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+    use std::time::Duration;
+
+    use idempotent_runtime::{Call, Error, step};
+
+    let ms = Duration::from_millis;
+    let lease = ms(300);
+    // The lookup is answered at 350 ms, after the lease the claim started at 0; the fence then
+    // sent renews the claim until 650 ms, and its answer comes at 800 ms.
+    let store = CutOff::new(ms(350), ms(450));
+    let (steps_run, bodies) = (AtomicU32::new(0), AtomicU32::new(0));
+    let order = || {
+        Call::new("late-fence", &"k").lease(lease).run(&store, async {
+            bodies.fetch_add(1, SeqCst);
+            step("charge", async { Ok::<_, Error>(steps_run.fetch_add(1, SeqCst) + 1) }).await
+        })
+    };
+    let first = order();
+    let duplicate = async {
+        // Cut off just after the fence was sent: no renewal reaches the store after it.
+        tokio::time::sleep(ms(351)).await;
+        store.cut.store(true, SeqCst);
+        // The claim lapses at 650 ms, and the duplicate takes it over.
+        tokio::time::sleep(ms(310)).await;
+        order().await
+    };
+    let (first, duplicate) = tokio::join!(first, duplicate);
+    assert_eq!(duplicate.unwrap(), 1, "the duplicate took the lapsed key over and ran the step");
+    assert_eq!(bodies.load(SeqCst), 2);
+    assert_eq!(steps_run.load(SeqCst), 1, "the step ran again after another caller had taken the call over");
+    assert!(first.is_err(), "{first:?}");
 }

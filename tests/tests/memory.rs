@@ -69,6 +69,25 @@ async fn memory_heartbeat_renews_only_bodies_longer_than_a_third_of_their_lease(
     assert_eq!(ops(&store), (2, 2, 10), "claims, completes, renewals after a body of 3.5 leases");
 }
 
+/// A step's lease check sends nothing within the lease: a call with one step, well within its
+/// lease, sends two claims (the call's and the step's lookup), one renewal (the fence of the
+/// step's record) and two completions.
+#[tokio::test(start_paused = true)]
+async fn memory_a_step_within_the_lease_adds_only_its_records_fence() {
+    use std::sync::atomic::Ordering::Relaxed;
+    use std::time::Duration;
+
+    use idempotent_runtime::{Call, Error, step};
+    use idempotent_tests::stress::Counted;
+
+    let store = Counted::new(MemoryStore::new());
+    let call = Call::new("step-requests", &"k").lease(Duration::from_secs(3));
+    let body = async { step("charge", async { Ok::<_, Error>(1) }).await };
+    assert_eq!(call.run(&store, body).await.unwrap(), 1);
+    let ops = (store.ops.claims.load(Relaxed), store.ops.extends.load(Relaxed), store.ops.completes.load(Relaxed));
+    assert_eq!(ops, (2, 1, 2), "claims, renewals and completions of a call with one step");
+}
+
 /// Under `tokio::time::pause`, the way users test time-dependent code, leases and records expire
 /// by the paused clock (the store used `std::time::Instant` and never expired anything).
 #[tokio::test(start_paused = true)]

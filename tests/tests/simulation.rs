@@ -436,7 +436,7 @@ mod steps {
     pub enum Mode {
         /// The memory store as it is.
         AsItIs,
-        /// Every request delayed (`Delayed`).
+        /// Every request delayed (`FaultyStore`).
         Delayed,
         /// Every request delayed, and [`FAIL`] percent of them failed, but the clean attempt's.
         Failing,
@@ -444,8 +444,9 @@ mod steps {
         /// deadline) started up to 2 s after them, which waits up to six leases for the key; the
         /// work of every step and tail takes three times as long; and instead of failures, half
         /// the steps' lookups are followed by a network partition that cuts their attempt off
-        /// for longer than the lease ([`FAIL`] times five percent). A body cut off mid-step runs
-        /// on while its claim lapses, and its duplicate takes the key over.
+        /// for longer than the lease ([`FAIL`] times five percent), half of them holding the
+        /// lookup's answer until they heal. A body cut off mid-step runs on while its claim
+        /// lapses, and its duplicate takes the key over.
         Concurrent,
     }
 
@@ -454,9 +455,10 @@ mod steps {
     /// call dropped meanwhile drops the request: in the first case it never happens, in the
     /// second it happened and nobody heard. Failing (`fail` percent of the requests, until
     /// `calm`), a request is answered with a backend error, half of them before the store gets it
-    /// and half after it applied it; during an outage or a partition, the store never gets it.
+    /// and half after it applied it; during an outage or a partition, the store never gets it
+    /// (a lookup's answer held by a partition that begins with it arrives when it heals).
     /// Background steps (`detach`) are run at once.
-    struct Delayed {
+    struct FaultyStore {
         inner: MemoryStore,
         rng: Mutex<SplitMix64>,
         /// Requests made so far.
@@ -504,7 +506,7 @@ mod steps {
 
     impl Faults for MemoryStore {}
 
-    impl Faults for Delayed {
+    impl Faults for FaultyStore {
         fn drop_during_a_request(&self) -> Option<Arc<Notify>> {
             let mut rng = self.rng.lock().unwrap();
             if !rng.chance(50) {
@@ -531,7 +533,7 @@ mod steps {
         }
     }
 
-    impl Delayed {
+    impl FaultyStore {
         fn inner(&self) -> &MemoryStore {
             &self.inner
         }
@@ -624,7 +626,7 @@ mod steps {
         Unreachable,
     }
 
-    impl Store for Delayed {
+    impl Store for FaultyStore {
         async fn claim(
             &self,
             request: &ClaimRequest<'_>,
@@ -662,7 +664,7 @@ mod steps {
             self.request(token, false, self.inner.extend(key, token, lease)).await
         }
 
-        idempotent_runtime::forward_store!(direct Delayed::inner; detach);
+        idempotent_runtime::forward_store!(direct FaultyStore::inner; detach);
     }
 
     #[derive(Debug, Clone, Copy)]
@@ -858,7 +860,7 @@ mod steps {
                 let mut rng = SplitMix64::new(seed ^ 0x000C_0C02_2E27);
                 self.attempts.iter().map(|_| rng.chance(50).then(|| rng.millis(2_000))).collect::<Vec<_>>()
             });
-            let store = Delayed {
+            let store = FaultyStore {
                 inner: MemoryStore::new(),
                 rng: Mutex::new(SplitMix64::new(seed ^ 0xDE1A_7ED0)),
                 requests: 0.into(),
@@ -1061,7 +1063,7 @@ mod steps {
         /// (step, attempt) for every step that returned the value of its own run.
         recorded: Vec<(usize, usize)>,
         /// The steps' keys, in the order they were first claimed: every attempt runs the steps in
-        /// order, so step 0's comes first.
+        /// order, so step 0's comes first, and an inner step's right after its outer step's.
         step_keys: Vec<String>,
         /// (step, or `None` for the call's key; moment) of every completion the store applied.
         applied: Vec<(Option<usize>, u64)>,

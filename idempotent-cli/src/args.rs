@@ -12,7 +12,7 @@ Exit codes:
   1  not found (the key has no record)
   2  usage: bad arguments, a malformed or unknown store URL
   3  the store could not be reached, opened or queried
-  4  refused: a completed record without --force, not confirmed, or the record changed since it was inspected";
+  4  refused: a completed record or a live running claim without --force, not confirmed, or the record changed since it was inspected";
 
 /// Inspect, list, release and count the records of an idempotency store.
 #[derive(Debug, Parser)]
@@ -71,7 +71,8 @@ pub enum Command {
         scope: String,
         /// The key.
         key: String,
-        /// Also delete a completed record (its key then runs again).
+        /// Also delete a completed record (its key then runs again) or a running claim whose lease
+        /// is live (its call, if still running, would then run beside a duplicate).
         #[arg(long)]
         force: bool,
         /// Do not ask for confirmation.

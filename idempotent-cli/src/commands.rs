@@ -50,11 +50,8 @@ pub async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Release { scope, key, force, yes } => {
             let key = key_of(&scope, &key)?;
             let seen = store.inspect(&key).await?.ok_or_else(|| absent(&key))?;
-            if seen.state == State::Done && !force {
-                return Err(Failure::Refused(format!(
-                    "{key} is completed: deleting it makes the next call with this key run its body again; \
-                     pass --force to delete it anyway"
-                )));
+            if let Some(refusal) = needs_force(&key, &seen).filter(|_| !force) {
+                return Err(Failure::Refused(refusal));
             }
             if !yes && !confirm(&key, &seen)? {
                 return Err(Failure::Refused(format!("not confirmed: {key} left alone")));
@@ -102,6 +99,26 @@ fn key_of(scope: &str, key: &str) -> Result<Key, Failure> {
 
 fn absent(key: &Key) -> Failure {
     Failure::NotFound(format!("{key} has no record (never claimed, expired and deleted, or another store/prefix)"))
+}
+
+/// Why deleting `seen` could run a body twice, so that `release` wants `--force`: a completed
+/// record runs its key again, and a running claim whose lease is live may belong to a call that
+/// is still running (a live call renews its lease), which a duplicate would then run beside. An
+/// expired record holds nothing and is deleted without it.
+fn needs_force(key: &Key, seen: &idempotent_runtime::admin::Entry) -> Option<String> {
+    match seen.state {
+        State::Done => Some(format!(
+            "{key} is completed: deleting it makes the next call with this key run its body again; \
+             pass --force to delete it anyway"
+        )),
+        State::Running => Some(format!(
+            "{key} is a running claim ({} of lease left): if its call still runs, releasing it lets a \
+             duplicate run the body beside it; a claim whose process died frees itself when its lease ends. \
+             Pass --force to release it now",
+            seen.remaining.map_or_else(|| "some".to_owned(), show::duration)
+        )),
+        _ => None,
+    }
 }
 
 /// Asks on the terminal; without one, refuses (pass `--yes`).

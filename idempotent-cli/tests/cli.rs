@@ -165,6 +165,15 @@ async fn commands(name: &str) {
     // release: a completed record needs --force; without --yes and a terminal, nothing is deleted.
     assert_eq!(code(&cli(&url, &["release", &scope, "pay", "--yes"])), 4);
     assert_eq!(code(&cli(&url, &["release", &scope, "run"])), 4);
+    // A running claim whose lease is live needs --force too: its call may still be running.
+    let refused = cli(&url, &["release", &scope, "run", "--yes"]);
+    assert_eq!(code(&refused), 4, "{}", String::from_utf8_lossy(&refused.stderr));
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("--force"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    assert_eq!(json(&url, &["--json", "inspect", &scope, "run"])["state"], "running", "refusals delete nothing");
     assert_eq!(json(&url, &["--json", "inspect", &scope, "pay"])["state"], "done", "refusals delete nothing");
     let released = json(&url, &["--json", "release", &scope, "pay", "--force", "--yes"]);
     assert_eq!(released["released"], true);
@@ -240,7 +249,7 @@ async fn stuck_key(name: &str) {
     // The operator finds it and frees it.
     let page = json(&url, &["--json", "list", "--scope", "cli_stuck", "--state", "running", "--limit", "1000"]);
     assert!(keys_of(&page).contains(&key), "the stuck claim is listed: {page}");
-    let released = json(&url, &["--json", "release", "cli_stuck", &key, "--yes"]);
+    let released = json(&url, &["--json", "release", "cli_stuck", &key, "--force", "--yes"]);
     assert_eq!((released["released"].as_bool(), released["was"]["state"].as_str()), (Some(true), Some("running")));
 
     // The retry runs the body once; the next replays.

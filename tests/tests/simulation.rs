@@ -362,7 +362,7 @@ fn explore_steps(name: &str, default_from: u64, nested: bool) {
     let from = simulation::env_from().unwrap_or(default_from);
     let histories = simulation::env_histories().unwrap_or(steps::DEFAULT_HISTORIES);
     let regressions = if nested { &[][..] } else { &steps::REGRESSION_SEEDS[..] };
-    let (mut attempts, mut kept, mut waited, mut failed, mut taken_over) = (0, 0, 0, 0, 0);
+    let (mut attempts, mut kept, mut waited, mut failed, mut taken_over, mut dropped) = (0, 0, 0, 0, 0, 0);
     for seed in (from..from + histories).chain(regressions.iter().copied()) {
         let history = History::draw(seed, nested);
         // Each history four times: on the store as it is; with every store request taking up
@@ -380,19 +380,22 @@ fn explore_steps(name: &str, default_from: u64, nested: bool) {
             waited += usize::from(seen.final_took > seen.own_time);
             failed += seen.failed;
             taken_over += seen.overlapping_bodies;
+            dropped += seen.dropped_duplicates;
         }
     }
     println!(
         "{name}: {histories} histories and {} regression seeds, each run four times \
          (store requests as they are, delayed, delayed and failed, delayed with duplicates and partitions): \
-         {attempts} faulty attempts, {taken_over} bodies started while another ran (a key taken over), {kept} runs \
-         with a drop under OnCancel::Keep, {waited} whose clean attempt waited, {failed} store requests failed",
+         {attempts} faulty attempts, {taken_over} bodies started while another ran (a key taken over), {dropped} \
+         duplicates dropped at their deadline, {kept} runs with a drop under OnCancel::Keep, {waited} whose clean \
+         attempt waited, {failed} store requests failed",
         regressions.len()
     );
     if simulation::env_histories().is_none() {
         assert!(kept > 0 && kept < 4 * usize::try_from(histories).unwrap(), "both kinds of history were drawn");
         assert!(failed > 0, "store requests were failed");
         assert!(taken_over > 0, "duplicates took keys over from bodies that ran on");
+        assert!(dropped > 0, "duplicates were dropped at their deadline");
     }
 }
 
@@ -440,8 +443,9 @@ mod steps {
         Delayed,
         /// Every request delayed, and [`FAIL`] percent of them failed, but the clean attempt's.
         Failing,
-        /// Every request delayed; half the attempts have a duplicate (`Attempt` without a
-        /// deadline) started up to 2 s after them, which waits up to six leases for the key; the
+        /// Every request delayed; half the attempts have a duplicate (a [`Twin`]) started up to
+        /// 2 s after them, which waits up to six leases for the key, and half the duplicates are
+        /// dropped at a deadline of their own (one lease plus up to 12 s, four leases); the
         /// work of every step and tail takes three times as long; and instead of failures, half
         /// the steps' lookups are followed by a network partition that cuts their attempt off
         /// for longer than the lease ([`FAIL`] times five percent), half of them holding the
@@ -705,6 +709,14 @@ mod steps {
         }
     }
 
+    /// A duplicate of an attempt (`Mode::Concurrent`): started `offset` after it, and dropped
+    /// `cancel`'s time after its own start under `cancel`'s policy, if it has one.
+    #[derive(Debug, Clone, Copy)]
+    struct Twin {
+        offset: Duration,
+        cancel: Option<(Duration, OnCancel)>,
+    }
+
     #[derive(Debug, Clone)]
     pub struct Attempt {
         steps: Vec<StepKind>,
@@ -764,6 +776,8 @@ mod steps {
         pub overlapping_bodies: usize,
         /// An attempt was dropped under `OnCancel::Keep`.
         pub kept: bool,
+        /// Duplicates dropped at their deadline.
+        pub dropped_duplicates: usize,
         /// Store requests failed (before the clean attempt).
         pub failed: usize,
         /// The clean attempt's result and how long it took (virtual time).
@@ -854,11 +868,23 @@ mod steps {
                 Mode::Delayed => 0,
                 Mode::Failing | Mode::Concurrent => FAIL,
             };
-            // Which attempts get a duplicate, started how long after them (up to 2 s): drawn apart,
-            // so the other runs' draws stay.
+            // Which attempts get a duplicate, started how long after them (up to 2 s), and which
+            // duplicates are dropped at a deadline of their own, under which policy: drawn apart
+            // (the deadlines from a generator of their own), so the other runs' draws stay.
             let overlaps = matches!(mode, Mode::Concurrent).then(|| {
                 let mut rng = SplitMix64::new(seed ^ 0x000C_0C02_2E27);
-                self.attempts.iter().map(|_| rng.chance(50).then(|| rng.millis(2_000))).collect::<Vec<_>>()
+                let mut deadlines = SplitMix64::new(seed ^ 0x0DEA_D11E_5EED);
+                let offsets: Vec<_> = self.attempts.iter().map(|_| rng.chance(50).then(|| rng.millis(2_000))).collect();
+                offsets
+                    .into_iter()
+                    .map(|offset| {
+                        let cancel = deadlines.chance(50).then(|| {
+                            let on_cancel = if deadlines.chance(50) { OnCancel::Keep } else { OnCancel::Release };
+                            (LEASE + deadlines.millis(12_000), on_cancel)
+                        });
+                        offset.map(|offset| Twin { offset, cancel })
+                    })
+                    .collect::<Vec<_>>()
             });
             let store = FaultyStore {
                 inner: MemoryStore::new(),
@@ -876,14 +902,14 @@ mod steps {
         }
 
         /// Runs the attempts one after the other, given `overlaps` each with a duplicate if it has
-        /// an offset there (started that long after it); then the clean attempt, once every
-        /// attempt and duplicate has ended.
+        /// one there (started that long after it, dropped at its own deadline if it has one);
+        /// then the clean attempt, once every attempt and duplicate has ended.
         fn run_on<S: Store + Faults + Send + Sync + 'static>(
             &self,
             store: S,
             trace: &Arc<Mutex<Trace>>,
             own_time: Duration,
-            overlaps: Option<&[Option<Duration>]>,
+            overlaps: Option<&[Option<Twin>]>,
         ) -> Seen {
             let runtime =
                 tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build().unwrap();
@@ -897,18 +923,24 @@ mod steps {
                     let attempt = &if overlaps.is_some() { attempt.stretched(3) } else { attempt.clone() };
                     let call = attempt_call(Arc::clone(&store), attempt.clone(), number, Arc::clone(trace), None);
                     if let Some(overlaps) = overlaps {
-                        // A duplicate of this attempt, given an offset, starts that long after it,
-                        // without a deadline, and waits up to six leases for the key: it takes
-                        // the key over when this attempt, cut off from the store, loses it. Its
-                        // number is past the clean attempt's.
-                        if let Some(offset) = overlaps[number] {
-                            let twin = Attempt { cancel: None, ..attempt.clone() };
+                        // A duplicate of this attempt, given an offset, starts that long after it
+                        // and waits up to six leases for the key: it takes the key over when this
+                        // attempt, cut off from the store, loses it. Given a deadline of its own
+                        // (counted from its start), it is dropped there, waiting or running.
+                        // Its number is past the clean attempt's.
+                        if let Some(Twin { offset, cancel }) = overlaps[number] {
+                            let twin = Attempt { cancel, ..attempt.clone() };
                             let twin_number = self.attempts.len() + 1 + number;
                             let (store, trace) = (Arc::clone(&store), Arc::clone(trace));
-                            duplicates.push(tokio::spawn(async move {
+                            let call = attempt_call(store, twin.clone(), twin_number, trace, Some(LEASE * 6));
+                            let task = tokio::spawn(async move {
                                 tokio::time::sleep(offset).await;
-                                Some(attempt_call(store, twin, twin_number, trace, Some(LEASE * 6)).await)
-                            }));
+                                match cancel {
+                                    Some((after, _)) => tokio::time::timeout(after, call).await.ok(),
+                                    None => Some(call.await),
+                                }
+                            });
+                            duplicates.push((twin, task));
                         }
                         let cancel = attempt.cancel;
                         let task = tokio::spawn(async move {
@@ -946,10 +978,10 @@ mod steps {
                     seen.ends.push(end);
                     tokio::time::sleep(attempt.pause).await;
                 }
-                for task in duplicates {
-                    let end = seen.joined(task.await).flatten();
-                    seen.ends.push(end);
-                    seen.recorded_ok.push(false);
+                for (twin, task) in duplicates {
+                    let joined = task.await;
+                    seen.dropped_duplicates += usize::from(matches!(joined, Ok(None)));
+                    seen.overlapping_end(&twin, joined);
                 }
                 let clean = Attempt {
                     steps: vec![StepKind::Ok(Duration::ZERO); self.steps],

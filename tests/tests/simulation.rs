@@ -346,7 +346,8 @@ fn simulation_memory_steps_under_faults() {
 
 /// The same four runs, on histories whose steps nest: one of each history's steps runs a step of
 /// its own first (the inner step's key is derived from the outer step's), on seeds of their own.
-/// An inner step's failure fails the outer step, and the attempt stops there.
+/// An inner step's failure fails the outer step; the attempt then stops there, or carries on
+/// past both as it does past a failed step.
 #[test]
 fn simulation_memory_nested_steps_under_faults() {
     explore_steps("simulation_memory_nested_steps_under_faults", DEFAULT_SEED + 1_000_000, true);
@@ -363,6 +364,7 @@ fn explore_steps(name: &str, default_from: u64, nested: bool) {
     let histories = simulation::env_histories().unwrap_or(steps::DEFAULT_HISTORIES);
     let regressions = if nested { &[][..] } else { &steps::REGRESSION_SEEDS[..] };
     let (mut attempts, mut kept, mut waited, mut failed, mut taken_over, mut dropped) = (0, 0, 0, 0, 0, 0);
+    let mut carried_past_outer = 0;
     for seed in (from..from + histories).chain(regressions.iter().copied()) {
         let history = History::draw(seed, nested);
         // Each history four times: on the store as it is; with every store request taking up
@@ -381,6 +383,7 @@ fn explore_steps(name: &str, default_from: u64, nested: bool) {
             failed += seen.failed;
             taken_over += seen.overlapping_bodies;
             dropped += seen.dropped_duplicates;
+            carried_past_outer += history.carried_past_outer(&seen);
         }
     }
     println!(
@@ -388,14 +391,20 @@ fn explore_steps(name: &str, default_from: u64, nested: bool) {
          (store requests as they are, delayed, delayed and failed, delayed with duplicates and partitions): \
          {attempts} faulty attempts, {taken_over} bodies started while another ran (a key taken over), {dropped} \
          duplicates dropped at their deadline, {kept} runs with a drop under OnCancel::Keep, {waited} whose clean \
-         attempt waited, {failed} store requests failed",
-        regressions.len()
+         attempt waited, {failed} store requests failed{}",
+        regressions.len(),
+        if nested {
+            format!(", {carried_past_outer} attempt ends with a failed outer step's placeholder (its own or replayed)")
+        } else {
+            String::new()
+        }
     );
     if simulation::env_histories().is_none() {
         assert!(kept > 0 && kept < 4 * usize::try_from(histories).unwrap(), "both kinds of history were drawn");
         assert!(failed > 0, "store requests were failed");
         assert!(taken_over > 0, "duplicates took keys over from bodies that ran on");
         assert!(dropped > 0, "duplicates were dropped at their deadline");
+        assert!(!nested || carried_past_outer > 0, "attempts carried on past a failed outer step");
     }
 }
 
@@ -538,6 +547,24 @@ mod steps {
     }
 
     impl FaultyStore {
+        /// The memory store behind the wrapper: `fail` percent of requests failed (until
+        /// `calm`), partitions cut if `partitions`, its draws from `seed`, what it applies noted
+        /// in `trace`.
+        fn new(seed: u64, fail: u32, partitions: bool, trace: &Arc<Mutex<Trace>>) -> Self {
+            FaultyStore {
+                inner: MemoryStore::new(),
+                rng: Mutex::new(SplitMix64::new(seed ^ 0xDE1A_7ED0)),
+                requests: 0.into(),
+                drop_at: Mutex::default(),
+                fail: fail.into(),
+                failed: 0.into(),
+                down: Mutex::default(),
+                partitions,
+                call_records: 0.into(),
+                trace: Arc::clone(trace),
+            }
+        }
+
         fn inner(&self) -> &MemoryStore {
             &self.inner
         }
@@ -886,19 +913,44 @@ mod steps {
                     })
                     .collect::<Vec<_>>()
             });
-            let store = FaultyStore {
-                inner: MemoryStore::new(),
-                rng: Mutex::new(SplitMix64::new(seed ^ 0xDE1A_7ED0)),
-                requests: 0.into(),
-                drop_at: Mutex::default(),
-                fail: fail.into(),
-                failed: 0.into(),
-                down: Mutex::default(),
-                partitions: matches!(mode, Mode::Concurrent),
-                call_records: 0.into(),
-                trace: Arc::clone(&trace),
-            };
+            trace.lock().unwrap().step_keys = self.step_keys();
+            let store = FaultyStore::new(seed, fail, matches!(mode, Mode::Concurrent), &trace);
             self.run_on(store, &trace, MAX_DELAY * CLEAN_REQUESTS, overlaps.as_deref())
+        }
+
+        /// The steps' keys in the order a clean run claims them, which is the judgement's
+        /// numbering (an inner step right after its outer step). Learnt from such a run, behind
+        /// the wrapper without faults, before the history runs: an attempt that carries on past
+        /// a step whose key it never claimed must not shift the numbers of the keys after it.
+        fn step_keys(&self) -> Vec<String> {
+            let trace = Arc::new(Mutex::new(Trace::default()));
+            let store = Arc::new(FaultyStore::new(0, 0, false, &trace));
+            let runtime =
+                tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build().unwrap();
+            let clean = attempt_call(store, self.clean_attempt(), 0, Arc::clone(&trace), None);
+            runtime.block_on(clean).expect("a clean run of the history's steps");
+            let keys = std::mem::take(&mut trace.lock().unwrap().step_keys);
+            assert_eq!(keys.len(), self.all_steps(), "every step's key was claimed: {keys:?}");
+            keys
+        }
+
+        /// Attempts of `seen` that ended `Ok` having carried on past a failed outer step.
+        pub fn carried_past_outer(&self, seen: &Seen) -> usize {
+            let Some(outer) = self.nested else { return 0 };
+            let past = |end: &&Option<Result<Vec<usize>, String>>| matches!(end, Some(Ok(values)) if values.get(outer) == Some(&FAILED));
+            seen.ends.iter().filter(past).count()
+        }
+
+        /// The attempt after the faulty ones: every step returns `Ok` at once.
+        fn clean_attempt(&self) -> Attempt {
+            Attempt {
+                steps: vec![StepKind::Ok(Duration::ZERO); self.steps],
+                nested: self.nested.map(|outer| (outer, StepKind::Ok(Duration::ZERO))),
+                carry_on: false,
+                tail: Duration::ZERO,
+                cancel: None,
+                pause: Duration::ZERO,
+            }
         }
 
         /// Runs the attempts one after the other, given `overlaps` each with a duplicate if it has
@@ -983,14 +1035,7 @@ mod steps {
                     seen.dropped_duplicates += usize::from(matches!(joined, Ok(None)));
                     seen.overlapping_end(&twin, joined);
                 }
-                let clean = Attempt {
-                    steps: vec![StepKind::Ok(Duration::ZERO); self.steps],
-                    nested: self.nested.map(|outer| (outer, StepKind::Ok(Duration::ZERO))),
-                    carry_on: false,
-                    tail: Duration::ZERO,
-                    cancel: None,
-                    pause: Duration::ZERO,
-                };
+                let clean = self.clean_attempt();
                 seen.failed = store.calm();
                 let started = Instant::now();
                 let call = attempt_call(store, clean, self.attempts.len(), Arc::clone(trace), Some(LEASE * 3));
@@ -1094,8 +1139,9 @@ mod steps {
         start_at: Vec<u64>,
         /// (step, attempt) for every step that returned the value of its own run.
         recorded: Vec<(usize, usize)>,
-        /// The steps' keys, in the order they were first claimed: every attempt runs the steps in
-        /// order, so step 0's comes first, and an inner step's right after its outer step's.
+        /// The steps' keys in the judgement's order: step 0's first, an inner step's right after
+        /// its outer step's. Learnt from a clean run before the history runs
+        /// (`History::step_keys`); a key first claimed later is added at the end.
         step_keys: Vec<String>,
         /// (step, or `None` for the call's key; moment) of every completion the store applied.
         applied: Vec<(Option<usize>, u64)>,
@@ -1168,8 +1214,7 @@ mod steps {
                     let started = Arc::clone(&trace);
                     if let Some((_, inner)) = attempt.nested.filter(|(outer, _)| *outer == position) {
                         // The outer step runs its inner step first. Its failure fails the outer
-                        // step, and the attempt stops there: a later step is never claimed
-                        // before the inner one, which keeps the numbering by first claims.
+                        // step, and the attempt stops there or carries on past both.
                         let got = step(&format!("s{position}"), async move {
                             started.lock().unwrap().start(step_number, number);
                             let inner_started = Arc::clone(&started);
@@ -1183,11 +1228,17 @@ mod steps {
                             }
                             Ok::<_, Error>((kind.work(number).await?, inner))
                         })
-                        .await?;
-                        if got.0 == number {
-                            trace.lock().unwrap().recorded.push((step_number, number));
+                        .await;
+                        match got {
+                            Ok((outer, inner)) => {
+                                if outer == number {
+                                    trace.lock().unwrap().recorded.push((step_number, number));
+                                }
+                                values.extend([outer, inner]);
+                            }
+                            Err(_) if attempt.carry_on => values.extend([FAILED, FAILED]),
+                            Err(error) => return Err(error),
                         }
-                        values.extend([got.0, got.1]);
                         continue;
                     }
                     let got = step(&format!("s{position}"), async move {

@@ -934,11 +934,15 @@ mod steps {
             keys
         }
 
-        /// Attempts of `seen` that ended `Ok` having carried on past a failed outer step.
+        /// Ends of `seen`'s attempts that are `Ok` with a failed outer step's placeholder: the
+        /// attempt carried on past that step, or replayed the record of one that did.
         pub fn carried_past_outer(&self, seen: &Seen) -> usize {
             let Some(outer) = self.nested else { return 0 };
-            let past = |end: &&Option<Result<Vec<usize>, String>>| matches!(end, Some(Ok(values)) if values.get(outer) == Some(&FAILED));
-            seen.ends.iter().filter(past).count()
+            let with_placeholder = |values: &Vec<usize>| values.get(outer) == Some(&FAILED);
+            seen.ends
+                .iter()
+                .filter(|end| end.as_ref().is_some_and(|end| end.as_ref().is_ok_and(with_placeholder)))
+                .count()
         }
 
         /// The attempt after the faulty ones: every step returns `Ok` at once.

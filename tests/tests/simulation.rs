@@ -364,7 +364,7 @@ fn explore_steps(name: &str, default_from: u64, nested: bool) {
     let histories = simulation::env_histories().unwrap_or(steps::DEFAULT_HISTORIES);
     let regressions = if nested { &[][..] } else { &steps::REGRESSION_SEEDS[..] };
     let (mut attempts, mut kept, mut waited, mut failed, mut taken_over, mut dropped) = (0, 0, 0, 0, 0, 0);
-    let mut carried_past_outer = 0;
+    let (mut past_outer, mut past_inner) = (0, 0);
     for seed in (from..from + histories).chain(regressions.iter().copied()) {
         let history = History::draw(seed, nested);
         // Each history four times: on the store as it is; with every store request taking up
@@ -383,7 +383,8 @@ fn explore_steps(name: &str, default_from: u64, nested: bool) {
             failed += seen.failed;
             taken_over += seen.overlapping_bodies;
             dropped += seen.dropped_duplicates;
-            carried_past_outer += history.carried_past_outer(&seen);
+            let (outer, inner) = history.placeholders(&seen);
+            (past_outer, past_inner) = (past_outer + outer, past_inner + inner);
         }
     }
     println!(
@@ -394,7 +395,10 @@ fn explore_steps(name: &str, default_from: u64, nested: bool) {
          attempt waited, {failed} store requests failed{}",
         regressions.len(),
         if nested {
-            format!(", {carried_past_outer} attempt ends with a failed outer step's placeholder (its own or replayed)")
+            format!(
+                ", {past_outer} attempt ends with a failed outer step's placeholder (its own or replayed), \
+                 {past_inner} with an outer step's value beside its failed inner step's placeholder"
+            )
         } else {
             String::new()
         }
@@ -404,7 +408,8 @@ fn explore_steps(name: &str, default_from: u64, nested: bool) {
         assert!(failed > 0, "store requests were failed");
         assert!(taken_over > 0, "duplicates took keys over from bodies that ran on");
         assert!(dropped > 0, "duplicates were dropped at their deadline");
-        assert!(!nested || carried_past_outer > 0, "attempts carried on past a failed outer step");
+        assert!(!nested || past_outer > 0, "attempts carried on past a failed outer step");
+        assert!(!nested || past_inner > 0, "outer steps carried on past a failed inner step");
     }
 }
 
@@ -750,6 +755,10 @@ mod steps {
         /// The step (its position in `steps`) that runs a step of its own first, and what that
         /// inner step does.
         nested: Option<(usize, StepKind)>,
+        /// The outer step carries on past its inner step's failure (its value then a
+        /// placeholder), rather than failing with it.
+        outer_carries_on: bool,
+        /// The body carries on past a failed step (its value then a placeholder).
         carry_on: bool,
         tail: Duration,
         cancel: Option<(Duration, OnCancel)>,
@@ -855,6 +864,9 @@ mod steps {
         pub fn draw(seed: u64, nested: bool) -> Self {
             let mut rng = SplitMix64::new(seed);
             let mut nest = SplitMix64::new(seed ^ 0x4E57_ED57);
+            // Whether an outer step carries on past its inner step's failure: drawn apart, so
+            // the other draws stay.
+            let mut tolerate = SplitMix64::new(seed ^ 0x7013_0A7E);
             let steps = 1 + usize::try_from(rng.below(3)).unwrap();
             let outer = nested.then(|| usize::try_from(nest.below(steps as u64)).unwrap());
             let attempts = (0..=rng.below(4))
@@ -869,6 +881,7 @@ mod steps {
                     Attempt {
                         steps,
                         nested,
+                        outer_carries_on: nested.is_some() && tolerate.chance(30),
                         carry_on: rng.chance(30),
                         tail: rng.millis(1_000),
                         cancel,
@@ -934,15 +947,20 @@ mod steps {
             keys
         }
 
-        /// Ends of `seen`'s attempts that are `Ok` with a failed outer step's placeholder: the
-        /// attempt carried on past that step, or replayed the record of one that did.
-        pub fn carried_past_outer(&self, seen: &Seen) -> usize {
-            let Some(outer) = self.nested else { return 0 };
-            let with_placeholder = |values: &Vec<usize>| values.get(outer) == Some(&FAILED);
-            seen.ends
-                .iter()
-                .filter(|end| end.as_ref().is_some_and(|end| end.as_ref().is_ok_and(with_placeholder)))
-                .count()
+        /// Ends of `seen`'s attempts that are `Ok` with a failed outer step's placeholder (the
+        /// attempt carried on past that step, or replayed the record of one that did), and those
+        /// with a value for the outer step and a placeholder for its inner one (the outer step
+        /// carried on past it).
+        pub fn placeholders(&self, seen: &Seen) -> (usize, usize) {
+            let Some(outer) = self.nested else { return (0, 0) };
+            let count = |placeholder: fn(&[usize], usize) -> bool| {
+                let ends = seen.ends.iter().flatten().flatten();
+                ends.filter(|values| placeholder(values, outer)).count()
+            };
+            (
+                count(|values, outer| values.get(outer) == Some(&FAILED)),
+                count(|values, outer| values.get(outer) != Some(&FAILED) && values.get(outer + 1) == Some(&FAILED)),
+            )
         }
 
         /// The attempt after the faulty ones: every step returns `Ok` at once.
@@ -950,6 +968,7 @@ mod steps {
             Attempt {
                 steps: vec![StepKind::Ok(Duration::ZERO); self.steps],
                 nested: self.nested.map(|outer| (outer, StepKind::Ok(Duration::ZERO))),
+                outer_carries_on: false,
                 carry_on: false,
                 tail: Duration::ZERO,
                 cancel: None,
@@ -1110,7 +1129,7 @@ mod steps {
             }
             // A failed step's placeholder comes only from a recorded result of an attempt that
             // carried on past it (one whose caller may have been dropped before it heard).
-            let carried_on = self.attempts.iter().any(|attempt| attempt.carry_on);
+            let carried_on = self.attempts.iter().any(|attempt| attempt.carry_on || attempt.outer_carries_on);
             if values.len() != self.all_steps() || (!carried_on && values.contains(&FAILED)) {
                 return Err(format!("the clean attempt's values {values:?} are not one per step"));
             }
@@ -1226,7 +1245,12 @@ mod steps {
                                 inner_started.lock().unwrap().start(step_number + 1, number);
                                 inner.work(number).await
                             })
-                            .await?;
+                            .await;
+                            let inner = match inner {
+                                Ok(inner) => inner,
+                                Err(_) if attempt.outer_carries_on => FAILED,
+                                Err(error) => return Err(error),
+                            };
                             if inner == number {
                                 started.lock().unwrap().recorded.push((step_number + 1, number));
                             }

@@ -961,20 +961,15 @@ async fn memory_a_step_started_after_its_call_was_taken_over_does_not_run() {
 /// lookup was sent, and the step ran a second time.
 #[tokio::test(start_paused = true)]
 async fn memory_a_step_whose_lookup_is_answered_after_a_takeover_does_not_run() {
-    use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+    use std::sync::atomic::Ordering::SeqCst;
     use std::time::Duration;
 
-    use idempotent_runtime::{Call, Error, step};
+    use idempotent_runtime::Error;
 
     let lease = Duration::from_millis(300);
     let store = CutOff::new(lease * 2, Duration::ZERO);
-    let (steps_run, bodies) = (AtomicU32::new(0), AtomicU32::new(0));
-    let order = || {
-        Call::new("slow-lookup", &"k").lease(lease).run(&store, async {
-            bodies.fetch_add(1, SeqCst);
-            step("charge", async { Ok::<_, Error>(steps_run.fetch_add(1, SeqCst) + 1) }).await
-        })
-    };
+    let counts = StepCounts::default();
+    let order = || counts.order(&store, "slow-lookup", lease);
     let first = order();
     let duplicate = async {
         // The first call's lookup is on its way back: its renewals fail from now on, and its
@@ -988,9 +983,7 @@ async fn memory_a_step_whose_lookup_is_answered_after_a_takeover_does_not_run() 
         duplicate
     };
     let (first, duplicate) = tokio::join!(first, duplicate);
-    assert_eq!(duplicate.unwrap(), 1, "the duplicate took the lapsed key over and ran the step");
-    assert_eq!(bodies.load(SeqCst), 2);
-    assert_eq!(steps_run.load(SeqCst), 1, "the step ran again after another caller had taken the call over");
+    counts.assert_the_duplicate_alone_ran_the_step(duplicate);
     assert!(matches!(first, Err(Error::LeaseLost { .. })), "{first:?}");
 }
 
@@ -1001,23 +994,16 @@ async fn memory_a_step_whose_lookup_is_answered_after_a_takeover_does_not_run() 
 /// acknowledged renewal, and the step ran a second time.
 #[tokio::test(start_paused = true)]
 async fn memory_a_step_fenced_by_a_renewal_answered_after_its_lease_does_not_run() {
-    use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+    use std::sync::atomic::Ordering::SeqCst;
     use std::time::Duration;
-
-    use idempotent_runtime::{Call, Error, step};
 
     let ms = Duration::from_millis;
     let lease = ms(300);
     // The lookup is answered at 350 ms, after the lease the claim started at 0; the fence then
     // sent renews the claim until 650 ms, and its answer comes at 800 ms.
     let store = CutOff::new(ms(350), ms(450));
-    let (steps_run, bodies) = (AtomicU32::new(0), AtomicU32::new(0));
-    let order = || {
-        Call::new("late-fence", &"k").lease(lease).run(&store, async {
-            bodies.fetch_add(1, SeqCst);
-            step("charge", async { Ok::<_, Error>(steps_run.fetch_add(1, SeqCst) + 1) }).await
-        })
-    };
+    let counts = StepCounts::default();
+    let order = || counts.order(&store, "late-fence", lease);
     let first = order();
     let duplicate = async {
         // Cut off just after the fence was sent: no renewal reaches the store after it.
@@ -1028,8 +1014,43 @@ async fn memory_a_step_fenced_by_a_renewal_answered_after_its_lease_does_not_run
         order().await
     };
     let (first, duplicate) = tokio::join!(first, duplicate);
-    assert_eq!(duplicate.unwrap(), 1, "the duplicate took the lapsed key over and ran the step");
-    assert_eq!(bodies.load(SeqCst), 2);
-    assert_eq!(steps_run.load(SeqCst), 1, "the step ran again after another caller had taken the call over");
+    counts.assert_the_duplicate_alone_ran_the_step(duplicate);
     assert!(first.is_err(), "{first:?}");
+}
+
+/// What the two late-answer tests count: bodies started, and runs of their one step.
+#[derive(Default)]
+struct StepCounts {
+    bodies: std::sync::atomic::AtomicU32,
+    steps_run: std::sync::atomic::AtomicU32,
+}
+
+impl StepCounts {
+    /// The order both callers make: a call on `scope`'s key `k` whose body runs one step,
+    /// `charge`, which returns how many times it has run.
+    async fn order(
+        &self,
+        store: &CutOff,
+        scope: &str,
+        lease: std::time::Duration,
+    ) -> Result<u32, idempotent_runtime::Error> {
+        use std::sync::atomic::Ordering::SeqCst;
+        idempotent_runtime::Call::new(scope, &"k")
+            .lease(lease)
+            .run(store, async {
+                self.bodies.fetch_add(1, SeqCst);
+                let charge = async { Ok::<_, idempotent_runtime::Error>(self.steps_run.fetch_add(1, SeqCst) + 1) };
+                idempotent_runtime::step("charge", charge).await
+            })
+            .await
+    }
+
+    /// Both bodies started, and the step ran once: the duplicate's.
+    #[track_caller]
+    fn assert_the_duplicate_alone_ran_the_step(&self, duplicate: Result<u32, idempotent_runtime::Error>) {
+        use std::sync::atomic::Ordering::SeqCst;
+        assert_eq!(duplicate.unwrap(), 1, "the duplicate took the lapsed key over and ran the step");
+        assert_eq!(self.bodies.load(SeqCst), 2);
+        assert_eq!(self.steps_run.load(SeqCst), 1, "the step ran again after another caller had taken the call over");
+    }
 }

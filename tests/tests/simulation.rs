@@ -367,11 +367,12 @@ fn explore_steps(name: &str, default_from: u64, nested: bool) {
     let (mut past_outer, mut past_inner) = (0, 0);
     for seed in (from..from + histories).chain(regressions.iter().copied()) {
         let history = History::draw(seed, nested);
+        let keys = history.step_keys();
         // Each history four times: on the store as it is; with every store request taking up
         // to `MAX_DELAY`, so that requests are in flight when calls are dropped; with some
         // requests failed besides; and with duplicates and partitions instead.
         for mode in [Mode::AsItIs, Mode::Delayed, Mode::Failing, Mode::Concurrent] {
-            let seen = history.run(mode, seed);
+            let seen = history.run(mode, seed, &keys);
             if let Err(violation) = history.judge(&seen) {
                 panic!(
                     "seed {seed} ({mode:?}): {violation}\n{history:#?}\n{seen:#?}\nreplay it with: IDEMPOTENT_SIM_FROM={seed} IDEMPOTENT_SIM_HISTORIES=1 cargo test -p idempotent-tests --test simulation {name}"
@@ -741,6 +742,15 @@ mod steps {
         }
     }
 
+    /// Half the time, a deadline `after` plus up to `spread_ms`, and the policy (either, evenly)
+    /// of a call dropped there.
+    fn draw_cancel(rng: &mut SplitMix64, after: Duration, spread_ms: u64) -> Option<(Duration, OnCancel)> {
+        rng.chance(50).then(|| {
+            let on_cancel = if rng.chance(50) { OnCancel::Keep } else { OnCancel::Release };
+            (after + rng.millis(spread_ms), on_cancel)
+        })
+    }
+
     /// A duplicate of an attempt (`Mode::Concurrent`): started `offset` after it, and dropped
     /// `cancel`'s time after its own start under `cancel`'s policy, if it has one.
     #[derive(Debug, Clone, Copy)]
@@ -871,10 +881,7 @@ mod steps {
             let outer = nested.then(|| usize::try_from(nest.below(steps as u64)).unwrap());
             let attempts = (0..=rng.below(4))
                 .map(|_| {
-                    let cancel = rng.chance(50).then(|| {
-                        let on_cancel = if rng.chance(50) { OnCancel::Keep } else { OnCancel::Release };
-                        (rng.millis(4_000), on_cancel)
-                    });
+                    let cancel = draw_cancel(&mut rng, Duration::ZERO, 4_000);
                     let hang = cancel.is_some();
                     let steps = (0..steps).map(|_| StepKind::draw(&mut rng, hang)).collect();
                     let nested = outer.map(|outer| (outer, StepKind::draw(&mut nest, hang)));
@@ -900,8 +907,9 @@ mod steps {
 
         /// Runs the history on a fresh store that behaves as `mode` says (its faults drawn from
         /// `seed`), on a current-thread runtime with its clock paused (it advances whenever every
-        /// task waits): the same seed, the same run.
-        pub fn run(&self, mode: Mode, seed: u64) -> Seen {
+        /// task waits): the same seed, the same run. `step_keys` numbers the steps' keys (see
+        /// [`step_keys`](Self::step_keys)).
+        pub fn run(&self, mode: Mode, seed: u64, step_keys: &[String]) -> Seen {
             let trace = Arc::new(Mutex::new(Trace::default()));
             let fail = match mode {
                 Mode::AsItIs => return self.run_on(MemoryStore::new(), &trace, Duration::ZERO, None),
@@ -914,19 +922,14 @@ mod steps {
             let overlaps = matches!(mode, Mode::Concurrent).then(|| {
                 let mut rng = SplitMix64::new(seed ^ 0x000C_0C02_2E27);
                 let mut deadlines = SplitMix64::new(seed ^ 0x0DEA_D11E_5EED);
-                let offsets: Vec<_> = self.attempts.iter().map(|_| rng.chance(50).then(|| rng.millis(2_000))).collect();
-                offsets
-                    .into_iter()
-                    .map(|offset| {
-                        let cancel = deadlines.chance(50).then(|| {
-                            let on_cancel = if deadlines.chance(50) { OnCancel::Keep } else { OnCancel::Release };
-                            (LEASE + deadlines.millis(12_000), on_cancel)
-                        });
-                        offset.map(|offset| Twin { offset, cancel })
-                    })
-                    .collect::<Vec<_>>()
+                let twin = |_| {
+                    let offset = rng.chance(50).then(|| rng.millis(2_000));
+                    let cancel = draw_cancel(&mut deadlines, LEASE, 12_000);
+                    offset.map(|offset| Twin { offset, cancel })
+                };
+                self.attempts.iter().map(twin).collect::<Vec<_>>()
             });
-            trace.lock().unwrap().step_keys = self.step_keys();
+            trace.lock().unwrap().step_keys = step_keys.to_vec();
             let store = FaultyStore::new(seed, fail, matches!(mode, Mode::Concurrent), &trace);
             self.run_on(store, &trace, MAX_DELAY * CLEAN_REQUESTS, overlaps.as_deref())
         }
@@ -935,7 +938,7 @@ mod steps {
         /// numbering (an inner step right after its outer step). Learnt from such a run, behind
         /// the wrapper without faults, before the history runs: an attempt that carries on past
         /// a step whose key it never claimed must not shift the numbers of the keys after it.
-        fn step_keys(&self) -> Vec<String> {
+        pub fn step_keys(&self) -> Vec<String> {
             let trace = Arc::new(Mutex::new(Trace::default()));
             let store = Arc::new(FaultyStore::new(0, 0, false, &trace));
             let runtime =

@@ -186,6 +186,18 @@ async fn commands(name: &str) {
     assert_eq!(Admin::release(&store, &key("run"), &seen).await.unwrap(), Released::Changed);
     assert_eq!(json(&url, &["--json", "inspect", &scope, "run"])["state"], "done", "left alone");
 
+    // An expired claim holds nothing, so it is released without --force (Redis deletes it itself).
+    let lapsing = Duration::from_millis(1);
+    store.claim(&ClaimRequest::new(&key("lapsed"), &Token::new(), None, lapsing)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    if matches!(name, "redis" | "cluster") {
+        assert_eq!(code(&cli(&url, &["release", &scope, "lapsed", "--yes"])), 1, "Redis expired it by itself");
+    } else {
+        assert_eq!(json(&url, &["--json", "inspect", &scope, "lapsed"])["state"], "expired");
+        let released = json(&url, &["--json", "release", &scope, "lapsed", "--yes"]);
+        assert_eq!(released["released"], true, "{released}");
+    }
+
     // purge: a count (Redis expires by itself: 0).
     let purged = json(&url, &["--json", "purge", "--expired"]);
     assert!(purged["purged"].is_u64(), "{purged}");

@@ -9,8 +9,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 /// It is recorded as `T` alone (its `Serialize` writes only the value) and every value decoded from
 /// a record is marked as replayed (its `Deserialize` sets the mark), so the first call returns
 /// `is_replay() == false` and every repeat `true`. With the feature `axum`, a `Replayable<T>` whose
-/// `T` is a response answers like `T`, plus `Idempotent-Replayed: true` on a replay, as the HTTP
-/// layer does.
+/// `T` is a response answers like `T`, plus `Idempotent-Replayed: true` on a replay (and, on a
+/// replayed `409` or `5xx`, `Stripe-Should-Retry: false`), as the HTTP layer does.
 ///
 /// ```
 /// use idempotent_runtime::{idempotent, Error, MemoryStore, Replayable};

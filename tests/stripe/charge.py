@@ -6,7 +6,8 @@ Usage: charge.py BASE_URL AMOUNT [IDEMPOTENCY_KEY]
 
 Without a key the SDK makes one (a UUID) and sends it on every retry of the request, as it does
 against api.stripe.com. Retries are the SDK's own: max_network_retries=2 (Stripe's documented
-default), on a lost connection, 409 and 5xx, with its own back-off.
+default), on a lost connection, 409 and 5xx, with its own back-off, unless the response says
+Stripe-Should-Retry: false.
 """
 
 import json

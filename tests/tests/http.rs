@@ -50,8 +50,14 @@ impl Reply {
         serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
     }
 
+    /// Marked as a replay. A replayed `409` or `5xx` also tells Stripe's SDKs, which retry those
+    /// statuses, not to retry it (it would come back the same); no other response says so.
     fn replayed(&self) -> bool {
-        self.header("idempotent-replayed") == Some("true")
+        let replayed = self.header("idempotent-replayed") == Some("true");
+        let retried_by_stripe = self.status == 409 || self.status >= 500;
+        let no_retry = (replayed && retried_by_stripe).then_some("false");
+        assert_eq!(self.header("stripe-should-retry"), no_retry, "{self:?}");
+        replayed
     }
 
     /// Asserts a problem response with this status and type.
@@ -472,7 +478,8 @@ fn user(headers: &HeaderMap) -> &str {
     headers.get("x-user").and_then(|v| v.to_str().ok()).unwrap_or("anonymous")
 }
 
-/// A negative amount fails with 503 (an `Err`: released, so a retry runs again).
+/// A negative amount fails with 503 (an `Err`: released, so a retry runs again). An amount of
+/// 502 is charged, and then answered `502` (an `Ok` response: recorded, so a retry gets it back).
 #[idempotent(key = key.for_caller(user(&headers)), store = state.store, fingerprint = body)]
 async fn pay<St: Store>(
     State(state): State<AppState<St>>,
@@ -485,7 +492,11 @@ async fn pay<St: Store>(
     if body.amount < 0 {
         return Err(ApiError::Unavailable);
     }
-    Ok(JsonResponse::created(Receipt { run, user: user(&headers).to_owned(), amount: body.amount }))
+    let receipt = Receipt { run, user: user(&headers).to_owned(), amount: body.amount };
+    if body.amount == 502 {
+        return Ok(JsonResponse::with_status(StatusCode::BAD_GATEWAY, receipt));
+    }
+    Ok(JsonResponse::created(receipt))
 }
 
 async fn attribute_app() -> (Http, Arc<AtomicUsize>) {
@@ -502,6 +513,20 @@ async fn attribute_app_with<St: Store + Clone + 'static>(store: St) -> (Http, Ar
 
 fn pay_headers<'a>(key: &'a str, user: &'a str) -> [(&'a str, &'a str); 3] {
     [("idempotency-key", key), ("x-user", user), ("content-type", "application/json")]
+}
+
+/// A recorded `5xx` under the attribute is replayed marked, like the layer's: `Replayed`, and
+/// `Stripe-Should-Retry: false` (checked by `Reply::replayed`), so no client retries it in vain.
+#[tokio::test]
+async fn http_attribute_replays_a_recorded_5xx_marked() {
+    let (http, runs) = attribute_app().await;
+    let k = key();
+    let first = http.post("/pay", &pay_headers(&k, "alice"), r#"{"amount":502}"#).await;
+    let replay = http.post("/pay", &pay_headers(&k, "alice"), r#"{"amount":502}"#).await;
+    assert_eq!((first.status, first.replayed()), (502, false), "{first:?}");
+    assert_eq!((replay.status, replay.replayed()), (502, true), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test]

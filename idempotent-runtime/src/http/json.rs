@@ -4,17 +4,17 @@ use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode, header};
 use serde::{Deserialize, Serialize};
 
-use super::IDEMPOTENT_REPLAYED;
 use super::problem::Problem;
+use super::replayed::mark_replayed;
 use crate::Replayable;
 
 /// A JSON response body with its status, recordable by [`#[idempotent]`](macro@crate::idempotent).
 ///
 /// `axum::Json` is not `Serialize`/`Deserialize`, so a handler under the attribute returns this
 /// instead: it records `{"status": 201, "body": ...}` and responds with the status and the body as
-/// `application/json`. A replay responds like the first call, plus `Idempotent-Replayed: true`
-/// (as the layer's replays do): a `JsonResponse` decoded from a record is marked as replayed
-/// ([`is_replay`](Self::is_replay)).
+/// `application/json`. A replay responds like the first call, [marked](super#replays)
+/// `Idempotent-Replayed: true` as the layer's replays are: a `JsonResponse` decoded from a record
+/// is marked as replayed ([`is_replay`](Self::is_replay)).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JsonResponse<T> {
     status: u16,
@@ -72,7 +72,7 @@ impl<T: Serialize> IntoResponse for JsonResponse<T> {
                 let mut response = (self.status(), bytes).into_response();
                 response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
                 if self.replayed {
-                    response.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+                    mark_replayed(&mut response);
                 }
                 response
             }
@@ -85,13 +85,13 @@ impl<T: Serialize> IntoResponse for JsonResponse<T> {
     }
 }
 
-/// Answers like `T`, plus `Idempotent-Replayed: true` when the value was replayed.
+/// Answers like `T`, [marked](super#replays) `Idempotent-Replayed: true` when the value was replayed.
 impl<T: IntoResponse> IntoResponse for Replayable<T> {
     fn into_response(self) -> Response {
         let replayed = self.is_replay();
         let mut response = self.into_inner().into_response();
         if replayed {
-            response.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+            mark_replayed(&mut response);
         }
         response
     }

@@ -18,12 +18,12 @@ use http::{HeaderName, HeaderValue, Method, StatusCode, header};
 use http_body_util::BodyExt;
 use tower::{Layer, Service};
 
-use super::IDEMPOTENT_REPLAYED;
 use super::chunks::Chunks;
 use super::key_header;
 use super::not_processed::NotProcessed;
 use super::problem::{Problem, problem_response};
 use super::recorded::{DEFAULT_RECORDED_HEADERS, Read, Recorded, read_response};
+use super::replayed::mark_replayed;
 use super::spawn::{Completing, RunsToCompletion, panicked, run_to_completion};
 use crate::edge::{Edge, edge_setters, layer_service};
 use crate::setters::setters;
@@ -53,8 +53,8 @@ type StatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
 /// under a nested router: axum's `OriginalUri`) and the body, then runs the request through
 /// [`Call`](crate::Call) against the store: the inner service runs once per key; its response (status, the
 /// [recorded headers](Self::record_header) and the body) is recorded and replayed to later requests
-/// with the same key, with `Idempotent-Replayed: true` added. Requests with other methods pass
-/// through untouched, key or not.
+/// with the same key, [marked](super#replays) `Idempotent-Replayed: true`. Requests with other
+/// methods pass through untouched, key or not.
 ///
 /// Each request runs to its end: if its client disconnects, the request moves to a Tokio task of
 /// its own instead of being cancelled. A handler that has started is never cut off, its response
@@ -411,7 +411,7 @@ impl<St: Store> Config<St> {
                 // The record says the request ran and its response could not be kept: that too
                 // is this key's final answer, so it is marked like every replay.
                 if matches!(error, Error::Unrecordable { .. }) {
-                    response.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+                    mark_replayed(&mut response);
                 }
                 Ok(response)
             }

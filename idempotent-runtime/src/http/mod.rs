@@ -8,11 +8,19 @@
 //!
 //! - [`IdempotencyLayer`]: a tower layer for whole routes. It fingerprints the method, path, query
 //!   and body, records the response's status, [headers](DEFAULT_RECORDED_HEADERS) and body, and
-//!   replays it with `Idempotent-Replayed: true`.
+//!   replays it [marked](#replays) `Idempotent-Replayed: true`.
 //! - [`#[idempotent]`](macro@crate::idempotent) on a handler, with the key from the
 //!   [`IdempotencyKeyHeader`] extractor: the handler's result is recorded as a value (return a
 //!   [`JsonResponse`]), the fingerprint is whatever the attribute names, and the handler's error type
 //!   turns idempotency errors into responses with [`HttpError`] or [`problem_response`].
+//!
+//! # Replays
+//!
+//! A replayed response carries `Idempotent-Replayed: true` ([`IDEMPOTENT_REPLAYED`]), from the
+//! layer and from a replayed [`JsonResponse`] or [`Replayable`](crate::Replayable) alike. A
+//! replayed `409` or `5xx` also carries `Stripe-Should-Retry: false`: Stripe's SDKs retry those
+//! statuses unless that header says not to, and another attempt with the key gets the same
+//! answer. The first response, from the request that ran, carries neither.
 //!
 //! # Statuses
 //!
@@ -96,6 +104,7 @@ mod layer;
 mod not_processed;
 mod problem;
 mod recorded;
+mod replayed;
 mod spawn;
 
 pub use extractor::IdempotencyKeyHeader;

@@ -12,10 +12,10 @@ use http::{HeaderName, HeaderValue, StatusCode, header};
 use http_body_util::BodyExt as _;
 use serde::{Deserialize, Serialize};
 
-use super::IDEMPOTENT_REPLAYED;
 use super::chunks::Chunks;
 use super::compact;
 use super::problem::Problem;
+use super::replayed::mark_replayed;
 
 /// The response headers recorded and replayed by default: those that describe the body or point
 /// at the created resource. Others (`Set-Cookie`, `Date`, tracing ids, ...) belong to one exchange
@@ -98,7 +98,7 @@ impl Recorded<'_> {
             )
             .into_response();
         };
-        response.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        mark_replayed(&mut response);
         response
     }
 }

@@ -50,7 +50,7 @@ impl Reply {
         serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
     }
 
-    /// Marked as a replay. A replayed `409` or `5xx` also tells Stripe's SDKs, which retry those
+    /// Marked as a replay. A replayed `409` or `5xx` also tells Stripe's SDK, which retries those
     /// statuses, not to retry it (it would come back the same); no other response says so.
     fn replayed(&self) -> bool {
         let replayed = self.header("idempotent-replayed") == Some("true");

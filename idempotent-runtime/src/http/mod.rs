@@ -18,9 +18,9 @@
 //!
 //! A replayed response carries `Idempotent-Replayed: true` ([`IDEMPOTENT_REPLAYED`]), from the
 //! layer and from a replayed [`JsonResponse`] or [`Replayable`](crate::Replayable) alike. A
-//! replayed `409` or `5xx` also carries `Stripe-Should-Retry: false`: Stripe's SDKs retry those
-//! statuses unless that header says not to, and another attempt with the key gets the same
-//! answer. The first response, from the request that ran, carries neither.
+//! replayed `409` or `5xx` also carries `Stripe-Should-Retry: false`: Stripe's Python SDK
+//! retries those statuses unless that header says not to, and another attempt with the key gets
+//! the same answer. The first response, from the request that ran, carries neither.
 //!
 //! # Statuses
 //!

@@ -5,14 +5,15 @@ use http::{HeaderName, HeaderValue, StatusCode};
 
 use super::IDEMPOTENT_REPLAYED;
 
-/// The header Stripe's API answers with to tell its SDKs whether to retry a request. The SDKs
-/// read it before their own rule, which retries every `409` and `5xx`.
+/// The header with which Stripe's API tells its SDKs whether to retry a request. Stripe's Python
+/// SDK (`tests/tests/http_stripe.rs` runs it) reads it before its own rule, which retries every
+/// `409` and `5xx`.
 const STRIPE_SHOULD_RETRY: HeaderName = HeaderName::from_static("stripe-should-retry");
 
 /// Marks `response` as the answer recorded for its key: `Idempotent-Replayed: true`. A replayed
-/// `409` or `5xx`, which Stripe's SDKs would retry, also gets `Stripe-Should-Retry: false`, since
-/// another attempt with the same key gets the same answer: without it those SDKs spent every
-/// retry they had left, and the back-off before each, on the same replayed `500`.
+/// `409` or `5xx`, which Stripe's Python SDK would retry, also gets `Stripe-Should-Retry: false`,
+/// since another attempt with the same key gets the same answer: without it that SDK spent every
+/// retry it had left, and the back-off before each, on the same replayed `500`.
 pub(crate) fn mark_replayed(response: &mut Response) {
     let status = response.status();
     let headers = response.headers_mut();

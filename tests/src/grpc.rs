@@ -10,7 +10,7 @@
 //! then pays; `"metadata"` pays and answers with `x-ledger-seq` initial metadata;
 //! `"detailed-failure"` pays and answers `INTERNAL` with `x-ledger-seq` metadata and binary details.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -167,6 +167,9 @@ impl Payments for Bank {
 pub struct TestServer {
     /// Where it listens.
     pub addr: SocketAddr,
+    /// The calls that reached the server, by `idempotency-key` (counted outside the layer, so
+    /// replays and refusals count too): every attempt a client's retry policy made.
+    attempts: Arc<Mutex<HashMap<String, usize>>>,
     shutdown: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -177,7 +180,19 @@ impl TestServer {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (shutdown, signal) = oneshot::channel::<()>();
-        let server = tonic::transport::Server::builder().layer(layer).add_service(PaymentsServer::new(bank));
+        let attempts = Arc::new(Mutex::new(HashMap::new()));
+        let counted = Arc::clone(&attempts);
+        let count = move |request: http::Request<tonic::body::Body>| {
+            if let Some(key) = request.headers().get("idempotency-key").and_then(|v| v.to_str().ok()) {
+                *counted.lock().unwrap().entry(key.to_owned()).or_insert(0) += 1;
+            }
+            request
+        };
+        // The first layer is the outermost: it sees every call, the layer's replays included.
+        let server = tonic::transport::Server::builder()
+            .layer(tower::util::MapRequestLayer::new(count))
+            .layer(layer)
+            .add_service(PaymentsServer::new(bank));
         let task = tokio::spawn(async move {
             let signal = async {
                 let _ = signal.await;
@@ -187,7 +202,13 @@ impl TestServer {
                 .await
                 .unwrap();
         });
-        TestServer { addr, shutdown: Some(shutdown), task }
+        TestServer { addr, attempts, shutdown: Some(shutdown), task }
+    }
+
+    /// How many calls with `key` reached the server.
+    #[must_use]
+    pub fn attempts(&self, key: &str) -> usize {
+        self.attempts.lock().unwrap().get(key).copied().unwrap_or(0)
     }
 
     /// Stops accepting calls and waits for the running ones to end.

@@ -94,12 +94,14 @@ async fn grpc_python_client_retrying_after_a_lost_answer_gets_the_recorded_one()
         assert_eq!(answer["replayed"], true, "{answer}");
         assert_eq!(ledger.runs_for(&user), 1, "{user} was paid once: {answer}");
     }
-    // The handler failed after its effect: the retry policy retries UNAVAILABLE, every retry got
-    // the recorded failure, and the payment was made once.
+    // The handler failed after its effect: the retry policy retries UNAVAILABLE, its retry got
+    // the recorded failure with a negative pushback, which stops the policy's retries (gRFC A6),
+    // and the payment was made once.
     assert_eq!(first[5]["code"], "UNAVAILABLE", "{}", first[5]);
     assert!(first[5]["details"].as_str().unwrap().contains("receipt service timed out"), "{}", first[5]);
     assert_eq!(first[5]["replayed"], true, "{}", first[5]);
     assert_eq!(ledger.runs_for("failing"), 1);
+    assert_eq!(server.attempts(&failing), 2, "one run, one replayed retry, no more: {}", first[5]);
     // Marked not processed: not recorded, nothing paid.
     assert_eq!(first[6]["code"], "INVALID_ARGUMENT", "{}", first[6]);
     assert_eq!(first[6]["replayed"], false, "{}", first[6]);

@@ -307,6 +307,7 @@ impl<St: Store> Config<St> {
                     answer
                         .headers_mut()
                         .insert(crate::http::IDEMPOTENT_REPLAYED, http::HeaderValue::from_static("true"));
+                    status::refuse_retries(answer.headers_mut());
                 }
                 answer
             }

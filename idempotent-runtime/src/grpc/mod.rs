@@ -9,7 +9,10 @@
 //! key through the [`Call`](crate::Call) protocol on any [`Store`](crate::Store), records the
 //! response (initial metadata, the message, the status and trailing metadata) and replays it to
 //! every later call with the key, as AIP-155 asks ("the server should return the response for the
-//! previously successful request"), with `idempotent-replayed: true` in its initial metadata.
+//! previously successful request"), with `idempotent-replayed: true` in its initial metadata. A
+//! replayed error also carries `grpc-retry-pushback-ms: -1` beside its status: a negative
+//! pushback tells a client's `retryPolicy` not to retry (gRFC A6), since another attempt would get
+//! the same answer.
 //!
 //! # Statuses
 //!

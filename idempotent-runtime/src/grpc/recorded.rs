@@ -27,8 +27,8 @@ const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 pub(crate) enum Recorded {
     /// The answer of the call that ran, to record and then to send to that call as it is.
     Fresh(Answer),
-    /// A recorded answer, read back and rebuilt, not yet marked as a replay.
-    Answer(http::Response<Body>),
+    /// A recorded answer, read back, not yet marked as a replay.
+    Answer(Answer),
     /// The handler answered with a body over the layer's limit (sent to the call that ran it).
     TooLarge { limit: usize },
     /// The handler's answer failed mid-way (an error or a panic of its body); for the log.
@@ -122,23 +122,53 @@ impl Answer {
     pub(crate) fn into_response(self) -> http::Response<Body> {
         http::Response::from_parts(self.parts, body(self.body, self.trailers))
     }
+
+    /// An answer of these headers, messages and trailers.
+    fn new(headers: HeaderMap, body: Bytes, trailers: Option<HeaderMap>) -> Self {
+        let (mut parts, ()) = http::Response::new(()).into_parts();
+        parts.headers = headers;
+        Answer { parts, body, trailers }
+    }
+
+    /// Tells a client's retry policy not to retry this replayed answer, if it is not `OK`:
+    /// another attempt would get it again. The pushback goes where a client reads the status: in
+    /// the trailers or, for a trailers-only answer, the headers.
+    fn refuse_retries(&mut self) {
+        if self.code() == Code::Ok {
+            return;
+        }
+        match self.trailers.as_mut() {
+            Some(trailers) => status::refuse_retries(trailers),
+            None => status::refuse_retries(&mut self.parts.headers),
+        }
+    }
 }
 
 impl Recorded {
     /// The answer this call sends: the one that ran, as it is; a recorded one with
-    /// `idempotent-replayed: true`.
+    /// `idempotent-replayed: true` and, if it is an error, a negative `grpc-retry-pushback-ms`,
+    /// which stops a client's retry policy (gRFC A6): a retry would get the same answer.
     pub(crate) fn into_response(self) -> http::Response<Body> {
+        // `DATA_LOSS` is answered trailers-only: its status is in its headers.
+        let trailers_only = |status: tonic::Status| {
+            let mut response = status.into_http();
+            status::refuse_retries(response.headers_mut());
+            response
+        };
         let rebuilt = match self {
             Recorded::Fresh(answer) => return answer.into_response(),
-            Recorded::Answer(answer) => Some(answer),
-            Recorded::TooLarge { limit } => Some(status::replay_impossible(&format!(
+            Recorded::Answer(mut answer) => {
+                answer.refuse_retries();
+                Some(answer.into_response())
+            }
+            Recorded::TooLarge { limit } => Some(trailers_only(status::replay_impossible(&format!(
                 "a call with this idempotency-key was processed, but its response was over the {limit}-byte recording \
                  limit, so it cannot be replayed; it will not run again under this key"
-            )).into_http()),
-            Recorded::Failed { .. } => Some(status::replay_impossible(
+            )))),
+            Recorded::Failed { .. } => Some(trailers_only(status::replay_impossible(
                 "a call with this idempotency-key was processed, but its response failed while it was sent, so it \
                  cannot be replayed; it will not run again under this key",
-            ).into_http()),
+            ))),
             Recorded::Unreadable => None,
         };
         let Some(mut response) = rebuilt else {
@@ -247,9 +277,7 @@ fn read_compact(record: &[u8]) -> Option<Recorded> {
         b'a' => {
             let (headers, rest) = compact::read_headers(rest)?;
             let (trailers, rest) = compact::read_trailers(rest, compact::read_headers)?;
-            let mut answer = http::Response::new(body(compact::read_body(rest)?, trailers));
-            *answer.headers_mut() = headers;
-            Some(Recorded::Answer(answer))
+            Some(Recorded::Answer(Answer::new(headers, compact::read_body(rest)?, trailers)))
         }
         b'l' => Some(Recorded::TooLarge { limit: std::str::from_utf8(rest).ok()?.parse().ok()? }),
         b'f' => Some(Recorded::Failed { reason: String::from_utf8(rest.to_vec()).ok()? }),
@@ -258,18 +286,12 @@ fn read_compact(record: &[u8]) -> Option<Recorded> {
 }
 
 /// An answer of the [`Legacy`] form.
-fn rebuild(
-    headers: Vec<(String, Data)>,
-    body_data: Data,
-    trailers: Option<Vec<(String, Data)>>,
-) -> Option<http::Response<Body>> {
+fn rebuild(headers: Vec<(String, Data)>, body_data: Data, trailers: Option<Vec<(String, Data)>>) -> Option<Answer> {
     let trailers = match trailers {
         Some(entries) => Some(header_map(entries)?),
         None => None,
     };
-    let mut response = http::Response::new(body(Bytes::from(body_data.into_bytes()?), trailers));
-    *response.headers_mut() = header_map(headers)?;
-    Some(response)
+    Some(Answer::new(header_map(headers)?, Bytes::from(body_data.into_bytes()?), trailers))
 }
 
 fn header_map(entries: Vec<(String, Data)>) -> Option<HeaderMap> {
@@ -394,11 +416,16 @@ mod tests {
             let (json, read) = round_trip(&fresh(headers, body, trailers));
             assert!(json.starts_with("\"a"), "{json}");
             let Recorded::Answer(_) = &read else { panic!("not read back: {json}") };
-            let mut expected_headers = owned(headers);
+            let (mut expected_headers, mut expected_trailers) = (owned(headers), trailers.map(owned));
+            // A replayed answer that is not `OK` refuses retries, beside its status.
+            if trailers.and_then(status_of).or_else(|| status_of(headers)) != Some(b"0") {
+                let pushback = ("grpc-retry-pushback-ms".to_owned(), b"-1".to_vec());
+                expected_trailers.as_mut().unwrap_or(&mut expected_headers).push(pushback);
+            }
             expected_headers.push(("idempotent-replayed".to_owned(), b"true".to_vec()));
             assert_eq!(
                 sent(read.into_response()).await,
-                (expected_headers, body.to_vec(), trailers.map(owned)),
+                (expected_headers, body.to_vec(), expected_trailers),
                 "{json}"
             );
         }
@@ -419,6 +446,11 @@ mod tests {
         assert!(matches!(read, Recorded::Failed { reason } if reason == "stream \"broke\""), "{json}");
     }
 
+    /// The value of `grpc-status` among `fields`.
+    fn status_of<'a>(fields: &[(&str, &'a [u8])]) -> Option<&'a [u8]> {
+        fields.iter().find(|(name, _)| *name == "grpc-status").map(|field| field.1)
+    }
+
     #[tokio::test]
     async fn grpc_recorded_legacy_json_records_still_replay() {
         // What the layer wrote before the compact form, as stores keep it (the value inside `{"Ok":..}`).
@@ -433,7 +465,11 @@ mod tests {
         let trailers_only =
             r#"{"Answer":{"headers":[["grpc-status",{"Text":"5"}]],"body":{"Text":""},"trailers":null}}"#;
         let Ok(read @ Recorded::Answer(_)) = serde_json::from_str::<Recorded>(trailers_only) else { panic!() };
-        let expected = (owned(&[("grpc-status", b"5"), ("idempotent-replayed", b"true")]), vec![], None);
+        let expected = (
+            owned(&[("grpc-status", b"5"), ("grpc-retry-pushback-ms", b"-1"), ("idempotent-replayed", b"true")]),
+            vec![],
+            None,
+        );
         assert_eq!(sent(read.into_response()).await, expected);
         assert!(matches!(serde_json::from_str(r#"{"TooLarge":{"limit":9}}"#), Ok(Recorded::TooLarge { limit: 9 })));
         assert!(

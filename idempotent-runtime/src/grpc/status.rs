@@ -100,6 +100,13 @@ pub(crate) fn from_key_header(error: &KeyHeaderError) -> Status {
     })
 }
 
+/// Makes `headers` (an answer's trailers, or the headers of a trailers-only answer) tell a
+/// client's retry policy not to retry: a negative pushback means "do not retry" (gRFC A6). For a
+/// replayed error, which another attempt would get again.
+pub(crate) fn refuse_retries(headers: &mut http::HeaderMap) {
+    headers.insert(HeaderName::from_static(RETRY_PUSHBACK), http::HeaderValue::from_static("-1"));
+}
+
 /// `DATA_LOSS`: the call ran and its answer is not kept (over the limit, or its body failed).
 pub(crate) fn replay_impossible(message: &str) -> Status {
     Status::new(Code::DataLoss, message)

@@ -515,8 +515,9 @@ fn pay_headers<'a>(key: &'a str, user: &'a str) -> [(&'a str, &'a str); 3] {
     [("idempotency-key", key), ("x-user", user), ("content-type", "application/json")]
 }
 
-/// A recorded `5xx` under the attribute is replayed marked, like the layer's: `Replayed`, and
-/// `Stripe-Should-Retry: false` (checked by `Reply::replayed`), so no client retries it in vain.
+/// A recorded `5xx` under the attribute is replayed marked as the layer's replays are:
+/// `Idempotent-Replayed: true` and `Stripe-Should-Retry: false` (both checked by
+/// `Reply::replayed`), so no client retries it in vain.
 #[tokio::test]
 async fn http_attribute_replays_a_recorded_5xx_marked() {
     let (http, runs) = attribute_app().await;

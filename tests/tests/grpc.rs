@@ -42,6 +42,11 @@ fn replayed<T>(response: &tonic::Response<T>) -> bool {
     response.metadata().get("idempotent-replayed").is_some_and(|v| v == "true")
 }
 
+/// A replayed error tells retry policies not to retry it: a negative pushback (gRFC A6).
+fn refuses_retries(status: &tonic::Status) -> bool {
+    status.metadata().get("grpc-retry-pushback-ms").is_some_and(|v| v == "-1")
+}
+
 // ---- Python's grpcio ------------------------------------------------------------------------
 
 /// The Python interpreter of a virtual environment with grpcio 1.85.0, made once under
@@ -369,6 +374,25 @@ async fn grpc_a_call_whose_deadline_passes_still_runs_to_its_end_and_its_retry_g
     assert_eq!(ledger.len(), 1);
 }
 
+/// An answer the store cannot keep (over its record limit) goes to the call that ran; its retries
+/// get `DATA_LOSS`, marked as the key's final answer and refusing retries, and nothing runs twice.
+#[tokio::test]
+async fn grpc_an_answer_the_store_cannot_keep_is_final_and_refuses_retries_memory() {
+    let ledger = Ledger::default();
+    let layer = layer(MemoryStore::with_max_record_bytes(16));
+    let server = TestServer::start(layer, Bank::new(ledger.clone(), None)).await;
+    let mut client = client(server.addr).await;
+    let first = client.pay(pay(Some("unkept-1"), "judy", 5, "")).await.expect("the answer of the call that ran");
+    assert!(!replayed(&first));
+    for attempt in ["retry", "another retry"] {
+        let status = client.pay(pay(Some("unkept-1"), "judy", 5, "")).await.unwrap_err();
+        assert_eq!(status.code(), Code::DataLoss, "{attempt}: {status:?}");
+        assert!(status.metadata().get("idempotent-replayed").is_some_and(|v| v == "true"), "{attempt}: {status:?}");
+        assert!(refuses_retries(&status), "{attempt}: {status:?}");
+    }
+    assert_eq!(ledger.len(), 1, "the handler ran once");
+}
+
 #[tokio::test]
 async fn grpc_limits_and_callers_memory() {
     let ledger = Ledger::default();
@@ -395,6 +419,7 @@ async fn grpc_limits_and_callers_memory() {
     assert!(!replayed(&first));
     let retry = client.pay(from("a", "k", "ivan-the-long-named")).await.unwrap_err();
     assert_eq!(retry.code(), Code::DataLoss, "{retry:?}");
+    assert!(refuses_retries(&retry), "{retry:?}");
     assert_eq!(ledger.len(), 1);
 
     // Another caller with the same key and message runs on its own.
@@ -466,11 +491,13 @@ async fn legacy_records_replay<St: Store + Clone + 'static>(store: St) {
     let old = write(failure.to_string().as_bytes()).await;
     let status = client.pay(pay(Some(&old), "legacy", 3, "")).await.unwrap_err();
     assert_eq!((status.code(), status.message()), (Code::Unavailable, "receipt service timed out"));
+    assert!(refuses_retries(&status), "{status:?}");
     for outcome in [&br#"{"Ok":{"TooLarge":{"limit":2048}}}"#[..], br#"{"Ok":{"Failed":{"reason":"the body broke"}}}"#]
     {
         let old = write(outcome).await;
         let status = client.pay(pay(Some(&old), "legacy", 3, "")).await.unwrap_err();
         assert_eq!(status.code(), Code::DataLoss, "{status:?}");
+        assert!(refuses_retries(&status), "{status:?}");
     }
     assert_eq!(ledger.len(), 1, "only the call run now paid");
     drop(server);

@@ -301,16 +301,12 @@ impl<St: Store> Config<St> {
             Err(Failure::Inner(error)) => return Err(error),
             Err(Failure::Panicked) => status::panicked().into_http(),
             Err(Failure::NotRecorded(answer)) => answer,
-            Err(Failure::Idempotency(error)) => {
-                let mut answer = status::from_error(&error).into_http();
-                if matches!(error, Error::Unrecordable { .. }) {
-                    answer
-                        .headers_mut()
-                        .insert(crate::http::IDEMPOTENT_REPLAYED, http::HeaderValue::from_static("true"));
-                    status::refuse_retries(answer.headers_mut());
-                }
-                answer
+            // The record says the call ran and its answer could not be kept: that is this key's
+            // final answer, marked like every replay.
+            Err(Failure::Idempotency(error @ Error::Unrecordable { .. })) => {
+                status::replayed(status::from_error(&error))
             }
+            Err(Failure::Idempotency(error)) => status::from_error(&error).into_http(),
         })
     }
 }

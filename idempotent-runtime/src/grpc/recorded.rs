@@ -130,17 +130,14 @@ impl Answer {
         Answer { parts, body, trailers }
     }
 
-    /// Tells a client's retry policy not to retry this replayed answer, if it is not `OK`:
-    /// another attempt would get it again. The pushback goes where a client reads the status: in
-    /// the trailers or, for a trailers-only answer, the headers.
-    fn refuse_retries(&mut self) {
-        if self.code() == Code::Ok {
-            return;
+    /// Marks this recorded answer as replayed: `idempotent-replayed: true` and, if it is not `OK`,
+    /// a pushback that refuses retries (another attempt would get it again), where a client reads
+    /// the status: in the trailers or, for a trailers-only answer, the headers.
+    fn mark_replayed(&mut self) {
+        if self.code() != Code::Ok {
+            status::refuse_retries(self.trailers.as_mut().unwrap_or(&mut self.parts.headers));
         }
-        match self.trailers.as_mut() {
-            Some(trailers) => status::refuse_retries(trailers),
-            None => status::refuse_retries(&mut self.parts.headers),
-        }
+        self.parts.headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     }
 }
 
@@ -149,37 +146,28 @@ impl Recorded {
     /// `idempotent-replayed: true` and, if it is an error, a negative `grpc-retry-pushback-ms`,
     /// which stops a client's retry policy (gRFC A6): a retry would get the same answer.
     pub(crate) fn into_response(self) -> http::Response<Body> {
-        // `DATA_LOSS` is answered trailers-only: its status is in its headers.
-        let trailers_only = |status: tonic::Status| {
-            let mut response = status.into_http();
-            status::refuse_retries(response.headers_mut());
-            response
-        };
-        let rebuilt = match self {
-            Recorded::Fresh(answer) => return answer.into_response(),
+        match self {
+            Recorded::Fresh(answer) => answer.into_response(),
             Recorded::Answer(mut answer) => {
-                answer.refuse_retries();
-                Some(answer.into_response())
+                answer.mark_replayed();
+                answer.into_response()
             }
-            Recorded::TooLarge { limit } => Some(trailers_only(status::replay_impossible(&format!(
+            Recorded::TooLarge { limit } => status::replayed(status::replay_impossible(&format!(
                 "a call with this idempotency-key was processed, but its response was over the {limit}-byte recording \
                  limit, so it cannot be replayed; it will not run again under this key"
-            )))),
-            Recorded::Failed { .. } => Some(trailers_only(status::replay_impossible(
+            ))),
+            Recorded::Failed { .. } => status::replayed(status::replay_impossible(
                 "a call with this idempotency-key was processed, but its response failed while it was sent, so it \
                  cannot be replayed; it will not run again under this key",
-            ))),
-            Recorded::Unreadable => None,
-        };
-        let Some(mut response) = rebuilt else {
-            tracing::error!(target: "idempotent", "a recorded RPC answer is malformed and cannot be replayed");
-            return tonic::Status::internal(
-                "the answer recorded for this idempotency-key cannot be replayed; use a new key",
-            )
-            .into_http();
-        };
-        response.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-        response
+            )),
+            Recorded::Unreadable => {
+                tracing::error!(target: "idempotent", "a recorded RPC answer is malformed and cannot be replayed");
+                tonic::Status::internal(
+                    "the answer recorded for this idempotency-key cannot be replayed; use a new key",
+                )
+                .into_http()
+            }
+        }
     }
 }
 

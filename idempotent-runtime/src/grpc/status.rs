@@ -6,7 +6,7 @@ use http::HeaderName;
 use tonic::metadata::MetadataValue;
 use tonic::{Code, Status};
 
-use crate::http::KeyHeaderError;
+use crate::http::{IDEMPOTENT_REPLAYED, KeyHeaderError};
 use crate::{Error, KeyError, MAX_KEY_BYTES};
 
 /// The metadata key [`not_processed`] sets: `idempotent-not-processed`. The layer removes it
@@ -105,6 +105,15 @@ pub(crate) fn from_key_header(error: &KeyHeaderError) -> Status {
 /// replayed error, which another attempt would get again.
 pub(crate) fn refuse_retries(headers: &mut http::HeaderMap) {
     headers.insert(HeaderName::from_static(RETRY_PUSHBACK), http::HeaderValue::from_static("-1"));
+}
+
+/// `status` as this key's final, replayed answer: trailers-only, marked `idempotent-replayed:
+/// true`, and refusing retries.
+pub(crate) fn replayed(status: Status) -> http::Response<tonic::body::Body> {
+    let mut answer = status.into_http();
+    refuse_retries(answer.headers_mut());
+    answer.headers_mut().insert(IDEMPOTENT_REPLAYED, http::HeaderValue::from_static("true"));
+    answer
 }
 
 /// `DATA_LOSS`: the call ran and its answer is not kept (over the limit, or its body failed).

@@ -10,9 +10,9 @@
 //!   duplicate from a fresh insert. Both servers document this use of `LAST_INSERT_ID(expr)`; if
 //!   a server reported otherwise, the claim would read the row back and still decide correctly,
 //!   at the cost of one more statement.
-//! - A purge batch runs its `DELETE ... ORDER BY expires_at LIMIT n` after
-//!   `SET TRANSACTION ISOLATION LEVEL READ COMMITTED`, which both servers apply to the next
-//!   transaction only.
+//! - A purge batch runs its `DELETE` (of a batch picked with `FOR UPDATE SKIP LOCKED` in a
+//!   derived table) after `SET TRANSACTION ISOLATION LEVEL READ COMMITTED`, which both servers
+//!   apply to the next transaction only.
 //!
 //! # Schema
 //!
@@ -55,7 +55,11 @@
 //! A purge deletes batches of at most [`with_purge_batch`](super::SqlStore::with_purge_batch)
 //! rows through the `expires_at` index at READ COMMITTED, where InnoDB locks only the rows it
 //! deletes: at the default REPEATABLE READ it would also lock the gaps of the index range it
-//! scans, and a claim whose new `expires_at` falls into such a gap would wait for the batch.
+//! scans, and a claim whose new `expires_at` falls into such a gap would wait for the batch. A
+//! batch is picked with `FOR UPDATE SKIP LOCKED` (MariaDB 10.6 and later, MySQL 8), then
+//! deleted row by row through the primary key: an expired row that a transaction holds (a
+//! [`MySqlTxStore`] call took its key over and has not committed) is passed over, not waited on,
+//! so the purge neither stalls behind a long transaction nor fails at the lock timeout.
 //!
 //! In [`MySqlTxStore`], the locking read sees the latest committed row even under REPEATABLE READ,
 //! so a duplicate that waited for the first transaction replays its committed result.
@@ -209,7 +213,17 @@ impl Backend for MySqlDialect {
             .statements(),
             purge: vec![
                 Statement::exec("SET TRANSACTION ISOLATION LEVEL READ COMMITTED".to_owned(), &[]),
-                Statement::exec(format!("DELETE FROM {t} WHERE {expired} ORDER BY expires_at LIMIT ?"), &[Arg::Limit]),
+                // The batch is picked first (`STRAIGHT_JOIN`), passing over rows another
+                // transaction holds, and each of its rows is then deleted by its key.
+                Statement::exec(
+                    format!(
+                        "DELETE t FROM (SELECT idempotency_key FROM {t} WHERE {expired} \
+                         ORDER BY expires_at LIMIT ? FOR UPDATE SKIP LOCKED) AS batch \
+                         STRAIGHT_JOIN {t} AS t FORCE INDEX (PRIMARY) ON t.idempotency_key = batch.idempotency_key \
+                         WHERE t.{expired}"
+                    ),
+                    &[Arg::Limit],
+                ),
             ],
             check_before_commit: None,
             table: table.clone(),

@@ -7,7 +7,8 @@
 //! [`scheduler`] (one history), [`oracle`] (the verdict). This file runs many histories.
 //! [`transactions`] is apart: histories on the transactional SQL stores, with a judgement of
 //! their own (the body's effect and its record commit together, once). [`http`] is apart too:
-//! histories at the HTTP edge, judged by what an API's clients see.
+//! histories at the HTTP edge, judged by what an API's clients see. [`network`] holds the faults
+//! of the network between their clients and their server.
 //!
 //! `IDEMPOTENT_SIM_SEED=<n>` replays one history and prints it step by step;
 //! `IDEMPOTENT_SIM_HISTORIES=<n>` explores `n` histories; `IDEMPOTENT_SIM_BUG=<name>` plants a bug
@@ -19,6 +20,7 @@ pub mod faults;
 pub mod history;
 #[cfg(feature = "http")]
 pub mod http;
+pub mod network;
 pub mod oracle;
 pub mod rng;
 pub mod scheduler;

@@ -1,33 +1,13 @@
-//! The history's clients and its network: the callers that send the request, and the faults the
-//! proxy between them and the server injects.
+//! The history's clients: the callers that send the request (the network's faults are
+//! [`network`](crate::simulation::network)'s).
 
 use std::time::Duration;
 
 use idempotent_runtime::client::{IdempotentRetry, OutboundError, RetryPolicy};
 use idempotent_runtime::http::IDEMPOTENCY_KEY;
-use tokio::time::Instant;
 
-use super::plan::{CallerPlan, NetFault, request_body};
+use super::plan::{CallerPlan, request_body};
 use super::server::{Seen, seen};
-use crate::proxy::{FaultProxy, Mode};
-
-/// Injects the plan's network faults at their moments; a refusal or a stall heals after its time.
-pub(super) async fn break_the_network(proxy: &FaultProxy, mut faults: Vec<(Duration, NetFault)>) {
-    faults.sort_by_key(|(at, _)| *at);
-    let start = Instant::now();
-    for (at, fault) in faults {
-        tokio::time::sleep_until(start + at).await;
-        match fault {
-            NetFault::LoseOneResponse => proxy.set_mode(Mode::LoseOneResponse),
-            NetFault::Refuse(d) | NetFault::Stall(d) => {
-                proxy.set_mode(if matches!(fault, NetFault::Refuse(_)) { Mode::Refuse } else { Mode::Stall });
-                tokio::time::sleep(d).await;
-                proxy.set_mode(Mode::Pass);
-            }
-            NetFault::Kill => proxy.kill_connections(),
-        }
-    }
-}
 
 /// A caller's last outcome: the response it got, or its error.
 pub(super) type Final = Result<Seen, String>;

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+use crate::simulation::network::{NetFault, draw_faults};
 use crate::simulation::rng::SplitMix64;
 
 /// How a run of the handler ends.
@@ -63,15 +64,6 @@ pub(super) struct CallerPlan {
     pub(super) retry: Option<(u32, u64)>,
     /// Each attempt's timeout.
     pub(super) timeout: Option<Duration>,
-}
-
-/// A fault of the network, at a moment of the history.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum NetFault {
-    LoseOneResponse,
-    Refuse(Duration),
-    Stall(Duration),
-    Kill,
 }
 
 /// Which way into the HTTP support a history's route takes.
@@ -136,18 +128,7 @@ pub(super) fn draw(seed: u64) -> Plan {
             timeout: rng.chance(35).then(|| Duration::from_millis(50) + rng.millis(700)),
         })
         .collect();
-    let faults = (0..rng.below(4))
-        .map(|_| {
-            let at = rng.millis(2000);
-            let fault = match rng.below(4) {
-                0 => NetFault::LoseOneResponse,
-                1 => NetFault::Refuse(rng.millis(500)),
-                2 => NetFault::Stall(rng.millis(800)),
-                _ => NetFault::Kill,
-            };
-            (at, fault)
-        })
-        .collect();
+    let faults = draw_faults(&mut rng, 2000);
     let route = if rng.chance(50) { Route::Layer } else { Route::Attribute };
     let downstream = rng.chance(50);
     Plan { route, lease, json_fingerprint, wait, behaviours, callers, faults, downstream }

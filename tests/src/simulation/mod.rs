@@ -7,8 +7,9 @@
 //! [`scheduler`] (one history), [`oracle`] (the verdict). This file runs many histories.
 //! [`transactions`] is apart: histories on the transactional SQL stores, with a judgement of
 //! their own (the body's effect and its record commit together, once). [`http`] is apart too:
-//! histories at the HTTP edge, judged by what an API's clients see. [`network`] holds the faults
-//! of the network between their clients and their server.
+//! histories at the HTTP edge, judged by what an API's clients see, and so is [`grpc`]: the same at
+//! the gRPC edge, with tonic clients. [`network`] holds what the two share: the faults of the
+//! network between their clients and their server.
 //!
 //! `IDEMPOTENT_SIM_SEED=<n>` replays one history and prints it step by step;
 //! `IDEMPOTENT_SIM_HISTORIES=<n>` explores `n` histories; `IDEMPOTENT_SIM_BUG=<name>` plants a bug
@@ -17,6 +18,8 @@
 pub mod bugs;
 pub mod callers;
 pub mod faults;
+#[cfg(feature = "grpc")]
+pub mod grpc;
 pub mod history;
 #[cfg(feature = "http")]
 pub mod http;

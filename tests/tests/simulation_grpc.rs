@@ -110,6 +110,27 @@ async fn simulation_grpc_memory_store_faults() {
     explore("grpc_memory_store_faults", idempotent_runtime::MemoryStore::new(), true).await;
 }
 
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simulation_grpc_redis_store_faults() {
+    let Some((store, cleanup)) = idempotent_tests::fresh::redis("simulation_grpc_redis_store_faults").await else {
+        return;
+    };
+    explore("grpc_redis_store_faults", store, true).await;
+    cleanup.run().await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn simulation_grpc_postgres_store_faults() {
+    let Some((store, cleanup)) = idempotent_tests::fresh::postgres("simulation_grpc_postgres_store_faults").await
+    else {
+        return;
+    };
+    explore("grpc_postgres_store_faults", store, true).await;
+    cleanup.run().await;
+}
+
 /// The judgement catches each planted bug within the default histories: four of the layer's
 /// configuration (two of them in what it sends), two of the store's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,8 +8,8 @@
 //! [`transactions`] is apart: histories on the transactional SQL stores, with a judgement of
 //! their own (the body's effect and its record commit together, once). [`http`] is apart too:
 //! histories at the HTTP edge, judged by what an API's clients see, and so is [`grpc`]: the same at
-//! the gRPC edge, with tonic clients. [`network`] holds what the two share: the faults of the
-//! network between their clients and their server.
+//! the gRPC edge, with tonic clients. [`edge`] holds what the two share: the network's faults, the
+//! store's fault rates, and the waits that end a history.
 //!
 //! `IDEMPOTENT_SIM_SEED=<n>` replays one history and prints it step by step;
 //! `IDEMPOTENT_SIM_HISTORIES=<n>` explores `n` histories; `IDEMPOTENT_SIM_BUG=<name>` plants a bug
@@ -17,13 +17,13 @@
 
 pub mod bugs;
 pub mod callers;
+pub mod edge;
 pub mod faults;
 #[cfg(feature = "grpc")]
 pub mod grpc;
 pub mod history;
 #[cfg(feature = "http")]
 pub mod http;
-pub mod network;
 pub mod oracle;
 pub mod rng;
 pub mod scheduler;

@@ -8,7 +8,7 @@
 //! histories, in the request message's `request_id` field (AIP-155, `method_keyed_by`)
 //! (`plan.rs`). Between the server and its clients sits a fault proxy that loses responses,
 //! refuses connections, stalls traffic and kills connections at drawn moments in the first 600 ms
-//! ([`network`](super::network), shared with the HTTP simulation). The clients are duplicates of one call
+//! ([`edge`](super::edge), shared with the HTTP simulation). The clients are duplicates of one call
 //! (`clients.rs`): two to five callers, of one or two users, with one or two keys, each a tonic
 //! client on a channel of its own with a retry loop of its own (one to six attempts, some with a
 //! per-attempt deadline) that resends the same call with the same key on `UNAVAILABLE`,
@@ -61,12 +61,12 @@ use idempotent_runtime::Store;
 use tokio::time::Instant;
 
 use super::bugs::Planted;
-use super::faults::{FaultRates, FaultStore};
+use super::edge::{HISTORY_LIMIT, STORE_FAULTS, break_the_network, finish, settle};
+use super::faults::FaultStore;
 use super::history::{Event, Fault, History};
-use super::network::break_the_network;
 use super::rng::SplitMix64;
 use crate::proxy::{FaultProxy, Mode};
-use clients::{Final, call};
+use clients::call;
 use judge::{judge, probe};
 use plan::draw;
 use server::{Server, serve};
@@ -130,27 +130,6 @@ pub struct Verdict {
     pub log: String,
 }
 
-/// How long a history may take: far more than its plan (about 6 s at most).
-const HISTORY_LIMIT: Duration = Duration::from_secs(60);
-
-/// How often each store step fails, loses its reply or is delayed past the lease, in histories
-/// with store faults (as in the HTTP simulation: under the layer a handler is never dropped, so
-/// the only steps finished in the background are a panicking handler's releases).
-const STORE_FAULTS: FaultRates = FaultRates { fail: 6, lose_reply: 6, delay: 3, extend_fail: 6, background: false };
-
-/// Waits for each caller until `deadline`: the last outcomes of those that finished, and the
-/// indices of those that did not.
-async fn finish(callers: Vec<tokio::task::JoinHandle<Final>>, deadline: Instant) -> (Vec<Final>, Vec<usize>) {
-    let (mut finals, mut unfinished) = (Vec::new(), Vec::new());
-    for (i, caller) in callers.into_iter().enumerate() {
-        match tokio::time::timeout_at(deadline, caller).await {
-            Ok(done) => finals.push(done.expect("a caller task")),
-            Err(_) => unfinished.push(i),
-        }
-    }
-    (finals, unfinished)
-}
-
 /// Runs the history of `seed` against a server of its own over `store`, its keys under `prefix`,
 /// with `bug` planted in the layer's configuration (or none).
 pub async fn run_history<S: Store + Clone + 'static>(
@@ -208,7 +187,9 @@ pub async fn run_history<S: Store + Clone + 'static>(
     let _ = network.await;
     proxy.set_mode(Mode::Pass);
     proxy.kill_connections();
-    if verdict.violations.is_empty() && !settle(&server, deadline).await {
+    let busy = || server.running() > 0 || server.in_flight.load(Ordering::Relaxed) > 0;
+    let progress = || (server.runs().len(), server.sent().len());
+    if verdict.violations.is_empty() && !settle(busy, progress, deadline).await {
         verdict.violations.push(format!(
             "the server was not quiet within {HISTORY_LIMIT:?}: {} handler runs, {} calls in flight",
             server.running(),
@@ -246,22 +227,4 @@ pub async fn run_history<S: Store + Clone + 'static>(
         let _ = writeln!(verdict.log, "  store {step}");
     }
     verdict
-}
-
-/// Waits until the server is quiet: no handler running, no call in flight, and nothing new for
-/// 300 ms. What the network held is delivered when it heals, maybe after its client left, so a
-/// call can reach the server after every caller has finished. `false` at `deadline`.
-async fn settle(server: &Server, deadline: Instant) -> bool {
-    let (mut seen, mut quiet_since) = (None, Instant::now());
-    while Instant::now() < deadline {
-        let busy = server.running() > 0 || server.in_flight.load(Ordering::Relaxed) > 0;
-        let now = Some((server.runs().len(), server.sent().len()));
-        if busy || now != seen {
-            (seen, quiet_since) = (if busy { None } else { now }, Instant::now());
-        } else if quiet_since.elapsed() >= Duration::from_millis(300) {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    false
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tonic::Code;
 
 use crate::grpc::PayRequest;
-use crate::simulation::network::{NetFault, draw_faults};
+use crate::simulation::edge::{NetFault, draw_faults};
 use crate::simulation::rng::SplitMix64;
 
 /// How a run of the handler ends.

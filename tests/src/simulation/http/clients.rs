@@ -1,5 +1,5 @@
 //! The history's clients: the callers that send the request (the network's faults are
-//! [`network`](crate::simulation::network)'s).
+//! [`edge`](crate::simulation::edge)'s).
 
 use std::time::Duration;
 

@@ -58,12 +58,12 @@ use idempotent_runtime::Store;
 use tokio::time::Instant;
 
 use super::bugs::Planted;
-use super::faults::{FaultRates, FaultStore};
+use super::edge::{HISTORY_LIMIT, STORE_FAULTS, break_the_network, finish, settle};
+use super::faults::FaultStore;
 use super::history::{Event, Fault, History};
-use super::network::break_the_network;
 use super::rng::SplitMix64;
 use crate::proxy::{FaultProxy, Mode};
-use clients::{Final, call};
+use clients::call;
 use judge::{judge, probe};
 use plan::draw;
 use server::{Downstream, Server, router};
@@ -124,28 +124,6 @@ pub struct Verdict {
     pub violations: Vec<String>,
     /// The history, for a failure's report.
     pub log: String,
-}
-
-/// How long a history may take: far more than its plan (about 6 s at most).
-const HISTORY_LIMIT: Duration = Duration::from_secs(60);
-
-/// How often each store step fails, loses its reply or is delayed past the lease, in histories
-/// with store faults. Steps finished in the background have none here, as before the store
-/// simulation gave them faults: under the layer a handler is never dropped, so the only such
-/// steps are a panicking handler's releases.
-const STORE_FAULTS: FaultRates = FaultRates { fail: 6, lose_reply: 6, delay: 3, extend_fail: 6, background: false };
-
-/// Waits for each caller until `deadline`: the last outcomes of those that finished, and the
-/// indices of those that did not.
-async fn finish(callers: Vec<tokio::task::JoinHandle<Final>>, deadline: Instant) -> (Vec<Final>, Vec<usize>) {
-    let (mut finals, mut unfinished) = (Vec::new(), Vec::new());
-    for (i, caller) in callers.into_iter().enumerate() {
-        match tokio::time::timeout_at(deadline, caller).await {
-            Ok(done) => finals.push(done.expect("a caller task")),
-            Err(_) => unfinished.push(i),
-        }
-    }
-    (finals, unfinished)
 }
 
 /// The violation of callers that did not finish in time, with where their requests were then:
@@ -228,7 +206,9 @@ pub async fn run_history<S: Store + Clone + 'static>(
     let _ = network.await;
     proxy.set_mode(Mode::Pass);
     proxy.kill_connections();
-    if verdict.violations.is_empty() && !settle(&server, deadline).await {
+    let busy = || server.running() > 0 || server.in_flight.load(Ordering::Relaxed) > 0;
+    let progress = || (server.runs().len(), server.sent().len());
+    if verdict.violations.is_empty() && !settle(busy, progress, deadline).await {
         verdict.violations.push(format!(
             "the server was not quiet within {HISTORY_LIMIT:?}: {} handler runs, {} requests in flight",
             server.running(),
@@ -279,22 +259,4 @@ async fn serve(app: Router) -> (SocketAddr, tokio::task::JoinHandle<()>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind a history's server");
     let addr = listener.local_addr().expect("the server's address");
     (addr, tokio::spawn(async move { axum::serve(listener, app).await.expect("a history's server") }))
-}
-
-/// Waits until the server is quiet: no handler running, no request in flight, and nothing new
-/// for 300 ms. What the network held is delivered when it heals, maybe after its client left, so
-/// a request can reach the server after every caller has finished. `false` at `deadline`.
-async fn settle(server: &Server, deadline: Instant) -> bool {
-    let (mut seen, mut quiet_since) = (None, Instant::now());
-    while Instant::now() < deadline {
-        let busy = server.running() > 0 || server.in_flight.load(Ordering::Relaxed) > 0;
-        let now = Some((server.runs().len(), server.sent().len()));
-        if busy || now != seen {
-            (seen, quiet_since) = (if busy { None } else { now }, Instant::now());
-        } else if quiet_since.elapsed() >= Duration::from_millis(300) {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    false
 }

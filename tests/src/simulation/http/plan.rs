@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use crate::simulation::network::{NetFault, draw_faults};
+use crate::simulation::edge::{NetFault, draw_faults};
 use crate::simulation::rng::SplitMix64;
 
 /// How a run of the handler ends.

@@ -12,7 +12,8 @@
 //!   at the cost of one more statement.
 //! - A purge batch runs its `DELETE` (of a batch picked with `FOR UPDATE SKIP LOCKED` in a
 //!   derived table) after `SET TRANSACTION ISOLATION LEVEL READ COMMITTED`, which both servers
-//!   apply to the next transaction only.
+//!   apply to the next transaction only. MySQL 8 has `SKIP LOCKED` too; whether it honours it
+//!   inside a derived table, as MariaDB does, no test shows.
 //!
 //! # Schema
 //!
@@ -56,8 +57,8 @@
 //! rows through the `expires_at` index at READ COMMITTED, where InnoDB locks only the rows it
 //! deletes: at the default REPEATABLE READ it would also lock the gaps of the index range it
 //! scans, and a claim whose new `expires_at` falls into such a gap would wait for the batch. A
-//! batch is picked with `FOR UPDATE SKIP LOCKED` (MariaDB 10.6 and later, MySQL 8), then
-//! deleted row by row through the primary key: an expired row that a transaction holds (a
+//! batch is picked with `FOR UPDATE SKIP LOCKED` (which MariaDB has since 10.6: an older server
+//! refuses the purge's statement), then deleted row by row through the primary key: an expired row that a transaction holds (a
 //! [`MySqlTxStore`] call took its key over and has not committed) is passed over, not waited on,
 //! so the purge neither stalls behind a long transaction nor fails at the lock timeout.
 //!

@@ -118,6 +118,8 @@ pub mod observe;
 mod outcome;
 mod random;
 mod replayable;
+#[cfg(any(feature = "reqwest", feature = "tonic"))]
+mod retry;
 mod scope;
 mod setters;
 mod step;

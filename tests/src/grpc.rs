@@ -8,7 +8,10 @@
 //! `"fail-after-effect"` pays and answers `UNAVAILABLE` (a receipt service that timed out);
 //! `"refuse"` pays nothing and answers `not_processed(INVALID_ARGUMENT)`; `"slow"` waits 300 ms,
 //! then pays; `"metadata"` pays and answers with `x-ledger-seq` initial metadata;
-//! `"detailed-failure"` pays and answers `INTERNAL` with `x-ledger-seq` metadata and binary details.
+//! `"detailed-failure"` pays and answers `INTERNAL` with `x-ledger-seq` metadata and binary details;
+//! `"busy"` pays nothing and answers `not_processed(UNAVAILABLE)`; `"no-retry"` pays nothing and
+//! answers `not_processed(UNAVAILABLE)` with a negative `grpc-retry-pushback-ms` (gRFC A6's "do
+//! not retry").
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -122,6 +125,14 @@ impl Payments for Bank {
         let request = request.into_inner();
         if request.behaviour == "refuse" {
             return Err(not_processed(Status::invalid_argument("this request is refused before any payment")));
+        }
+        if request.behaviour == "busy" {
+            return Err(not_processed(Status::unavailable("busy: nothing was done, try again")));
+        }
+        if request.behaviour == "no-retry" {
+            let mut status = Status::unavailable("closed for the day: nothing was done, do not retry");
+            status.metadata_mut().insert("grpc-retry-pushback-ms", "-1".parse().unwrap());
+            return Err(not_processed(status));
         }
         if request.behaviour == "slow" {
             tokio::time::sleep(Duration::from_millis(300)).await;

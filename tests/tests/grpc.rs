@@ -9,7 +9,9 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotent_runtime::grpc::{GrpcIdempotencyLayer, IdempotencyKeys};
+use idempotent_runtime::grpc::{
+    Attempts, GrpcIdempotencyLayer, GrpcRetry, GrpcRetryLayer, IdempotencyKeys, RetryPolicy,
+};
 use idempotent_runtime::{Call, Error, MemoryStore, Store};
 use idempotent_tests::grpc::{Bank, Ledger, PAY, PayRequest, PaymentsClient, TestServer, request_id};
 use idempotent_tests::proxy::FaultProxy;
@@ -561,4 +563,172 @@ async fn grpc_tonic_client_retrying_inside_an_idempotent_body_with_a_key_pinned_
     println!("a key pinned before the loop: outcome {receipt:?}, the bank paid {} time(s)", ledger.len());
     assert_eq!(receipt.unwrap(), (1, true), "the retry got the first attempt's recorded answer");
     assert_eq!(ledger.len(), 1);
+}
+
+// ---- tonic's client behind GrpcRetryLayer ------------------------------------------------------
+
+/// A policy with short waits, the same in every run.
+fn quick_policy() -> RetryPolicy {
+    RetryPolicy::default()
+        .max_attempts(6)
+        .backoff(Duration::from_millis(20), Duration::from_millis(200))
+        .max_elapsed(Duration::from_secs(10))
+        .jitter_seed(7)
+}
+
+/// A tonic client of `addr` whose `Pay` calls go through `GrpcRetryLayer`.
+fn retrying_client(addr: std::net::SocketAddr, layer: &GrpcRetryLayer) -> PaymentsClient<GrpcRetry<Channel>> {
+    let channel = Channel::from_shared(format!("http://{addr}")).unwrap().connect_lazy();
+    PaymentsClient::new(layer.service(channel))
+}
+
+fn attempts<T>(response: &tonic::Response<T>) -> Attempts {
+    response.extensions().get::<Attempts>().cloned().expect("GrpcRetryLayer notes its attempts on an answer")
+}
+
+/// The answer to the first attempt is lost after the payment (the bank cuts the connections
+/// before it answers). The layer sends the call again with the key it gave the first attempt, and
+/// the server replays: one payment, two attempts of one key. A client that retries by calling the
+/// method again gets a new key from `IdempotencyKeys` and pays twice (the last test of the tonic
+/// section above shows why).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_retry_layer_after_a_lost_answer_gets_the_recorded_one_memory() {
+    let proxy = Arc::new(FaultProxy::start("127.0.0.1:9").await.unwrap());
+    let ledger = Ledger::default();
+    let server =
+        TestServer::start(layer(MemoryStore::new()), Bank::new(ledger.clone(), Some(Arc::clone(&proxy)))).await;
+    proxy.set_target(server.addr);
+    let mut client = retrying_client(proxy.addr(), &GrpcRetryLayer::new(quick_policy()).method(PAY));
+
+    let receipt = client.pay(pay(None, "kim", 25, "drop-first")).await.expect("the retry gets the recorded answer");
+    let noted = attempts(&receipt);
+    assert!(replayed(&receipt), "the second attempt is answered from the record");
+    assert_eq!(receipt.get_ref().seq, 1);
+    assert_eq!(ledger.runs_for("kim"), 1, "paid once");
+    assert_eq!(noted.count, 2, "{noted:?}");
+    assert_eq!(noted.stopped, None, "{noted:?}");
+    assert_eq!(server.attempts(&noted.key), 2, "both attempts carried the one key {}", noted.key);
+}
+
+/// Defaults composed: the server records the handler's `UNAVAILABLE` after a payment (its default),
+/// the layer retries `UNAVAILABLE` (its default). The retry gets the recorded failure, marked
+/// replayed with a negative pushback, and stops there: paid once, two attempts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_retry_layer_stops_at_a_replayed_failure_and_pays_once_memory() {
+    let ledger = Ledger::default();
+    let server = TestServer::start(layer(MemoryStore::new()), Bank::new(ledger.clone(), None)).await;
+    let mut client = retrying_client(server.addr, &GrpcRetryLayer::new(quick_policy()).method(PAY));
+    let key = format!("retry-failed-{}", uuid::Uuid::new_v4());
+
+    let status = client.pay(pay(Some(&key), "lee", 5, "fail-after-effect")).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("receipt service timed out (seq 1)"), "the first run's answer: {status:?}");
+    assert!(refuses_retries(&status), "replayed with a negative pushback: {status:?}");
+    assert_eq!(ledger.runs_for("lee"), 1, "paid once");
+    assert_eq!(server.attempts(&key), 2, "one run, one replayed retry, no more");
+}
+
+/// Inside an idempotent body, each attempt's timeout (200 ms) passes before the payment's 300 ms.
+/// The layer derives the call's key once and sends it on every attempt: the server, which runs
+/// the first attempt to its end, answers the next with `ABORTED` and a pushback, then with the
+/// recorded receipt. One payment; the same scenario with a retry loop around the generated client
+/// paid once per attempt until its key was pinned by hand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_retry_layer_inside_an_idempotent_body_outlasts_timeouts_with_one_derived_key_memory() {
+    let ledger = Ledger::default();
+    let server = TestServer::start(layer(MemoryStore::new()), Bank::new(ledger.clone(), None)).await;
+    let client = retrying_client(server.addr, &GrpcRetryLayer::new(quick_policy()).method(PAY));
+    let shop = MemoryStore::new();
+    let outcome = Call::new("shop", "order-20")
+        .run(&shop, async move {
+            let mut client = client.clone();
+            let mut request = pay(None, "mia", 7, "slow");
+            request.set_timeout(Duration::from_millis(200));
+            let receipt = client.pay(request).await.map_err(Failed::Rpc)?;
+            let noted = attempts(&receipt);
+            Ok::<_, Failed>((receipt.get_ref().seq, replayed(&receipt), noted.key, noted.count))
+        })
+        .await;
+    let (seq, was_replayed, key, count) = outcome.unwrap();
+    // The key a run of this call derives first for `Pay` (a run on another store: the key depends
+    // on the call's scope and key, not on the store).
+    let first_derived = Call::new("shop", "order-20")
+        .run(&MemoryStore::new(), async { Ok::<_, Failed>(idempotent_runtime::derived_key("POST", PAY).unwrap()) })
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    println!("timeouts inside a body: {count} attempts with key {key}, the bank paid {} time(s)", ledger.len());
+    assert_eq!((seq, was_replayed), (1, true), "a later attempt got the first one's recorded answer");
+    assert!(count >= 2, "{count} attempts");
+    assert_eq!(key, first_derived, "the layer took the body's derived key, once for all attempts");
+    assert_eq!(server.attempts(&key), usize::try_from(count).unwrap(), "every attempt had the one key");
+    assert_eq!(ledger.len(), 1, "paid once");
+}
+
+/// The server is down for the first 300 ms (the proxy points at a closed port): the attempts
+/// find no answer, and the layer retries them until the server is there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_retry_layer_retries_while_the_server_is_unreachable_memory() {
+    let proxy = Arc::new(FaultProxy::start("127.0.0.1:9").await.unwrap());
+    let ledger = Ledger::default();
+    let server = TestServer::start(layer(MemoryStore::new()), Bank::new(ledger.clone(), None)).await;
+    let mut client = retrying_client(proxy.addr(), &GrpcRetryLayer::new(quick_policy()).method(PAY));
+    let target = server.addr;
+    let repair = {
+        let proxy = Arc::clone(&proxy);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            proxy.set_target(target);
+        })
+    };
+    let receipt = client.pay(pay(None, "ned", 3, "")).await.expect("an attempt after the repair is answered");
+    repair.await.unwrap();
+    let noted = attempts(&receipt);
+    assert!(noted.count >= 2, "the attempts before the repair were retried: {noted:?}");
+    assert!(!replayed(&receipt), "the first attempt that reached the server ran the call");
+    assert_eq!(server.attempts(&noted.key), 1);
+    assert_eq!(ledger.runs_for("ned"), 1);
+}
+
+/// The server says how to go on: a released `UNAVAILABLE` is retried until the attempts are used
+/// (the handler says it did nothing, so each retry runs it again); the same with a negative
+/// pushback is returned at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_retry_layer_bounds_its_attempts_and_obeys_a_negative_pushback_memory() {
+    let ledger = Ledger::default();
+    let server = TestServer::start(layer(MemoryStore::new()), Bank::new(ledger.clone(), None)).await;
+    let mut client = retrying_client(server.addr, &GrpcRetryLayer::new(quick_policy().max_attempts(3)).method(PAY));
+
+    let busy = format!("retry-busy-{}", uuid::Uuid::new_v4());
+    let status = client.pay(pay(Some(&busy), "olga", 1, "busy")).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(server.attempts(&busy), 3, "max_attempts(3)");
+
+    let closed = format!("retry-closed-{}", uuid::Uuid::new_v4());
+    let status = client.pay(pay(Some(&closed), "olga", 1, "no-retry")).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(refuses_retries(&status), "{status:?}");
+    assert_eq!(server.attempts(&closed), 1, "a negative pushback is not retried");
+    assert_eq!(ledger.runs_for("olga"), 0);
+}
+
+/// A key the call carries is kept; a method the layer does not cover passes through untouched
+/// (no key added: the server refuses it for want of one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_retry_layer_keeps_a_callers_key_and_passes_other_methods_memory() {
+    let ledger = Ledger::default();
+    let server = TestServer::start(layer(MemoryStore::new()), Bank::new(ledger.clone(), None)).await;
+
+    let mut covered = retrying_client(server.addr, &GrpcRetryLayer::new(quick_policy()).method(PAY));
+    let key = format!("retry-mine-{}", uuid::Uuid::new_v4());
+    let receipt = covered.pay(pay(Some(&key), "pat", 2, "")).await.unwrap();
+    assert_eq!(attempts(&receipt), Attempts { key: key.clone(), count: 1, stopped: None });
+    assert_eq!(server.attempts(&key), 1);
+
+    let elsewhere = GrpcRetryLayer::new(quick_policy()).method("/payments.Payments/Refund");
+    let mut uncovered = retrying_client(server.addr, &elsewhere);
+    let status = uncovered.pay(pay(None, "pat", 2, "")).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "sent without a key: {status:?}");
+    assert!(status.message().contains("requires an idempotency key"), "{status:?}");
+    assert_eq!(ledger.runs_for("pat"), 1);
 }

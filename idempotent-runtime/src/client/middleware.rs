@@ -7,9 +7,10 @@ use reqwest::{Request, Response, ResponseBuilderExt as _};
 use reqwest_middleware::{Middleware, Next};
 use tokio::time::Instant;
 
-use super::error::{Attempts, OutboundError, Stopped};
-use super::policy::{RetryPolicy, is_retryable_status, retry_after};
+use super::error::OutboundError;
+use super::policy::{is_retryable_status, retry_after};
 use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+use crate::retry::{Attempts, RetryPolicy, Stopped};
 
 /// `reqwest-middleware` middleware that makes non-idempotent requests safe to retry, and retries
 /// them: each gets an `Idempotency-Key` (a v4 UUID from the operating system's random source, so

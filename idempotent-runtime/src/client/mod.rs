@@ -35,9 +35,10 @@ mod middleware;
 mod policy;
 
 pub use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
-pub use error::{Attempts, OutboundError, Stopped};
-pub use middleware::IdempotentRetry;
-pub use policy::{
-    DEFAULT_INITIAL_BACKOFF, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BACKOFF, DEFAULT_MAX_ELAPSED, RetryPolicy,
-    is_retryable_status, retry_after,
+pub use crate::retry::{
+    Attempts, DEFAULT_INITIAL_BACKOFF, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BACKOFF, DEFAULT_MAX_ELAPSED, RetryPolicy,
+    Stopped,
 };
+pub use error::OutboundError;
+pub use middleware::IdempotentRetry;
+pub use policy::{is_retryable_status, retry_after};

@@ -69,11 +69,14 @@ mod client;
 mod frames;
 mod layer;
 mod recorded;
+mod retry;
 mod status;
 
 #[cfg(test)]
 pub(crate) use recorded::recorded_for_tests;
 
+pub use crate::retry::{Attempts, RetryPolicy, Stopped};
 pub use client::IdempotencyKeys;
 pub use layer::{DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, GrpcIdempotencyLayer, GrpcIdempotencyService};
+pub use retry::{DEFAULT_RETRY_CODES, GrpcRetry, GrpcRetryLayer};
 pub use status::{NOT_PROCESSED, not_processed};

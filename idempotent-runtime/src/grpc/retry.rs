@@ -1,0 +1,383 @@
+//! Retries for tonic clients: a tower layer over the channel that gives a unary call one key,
+//! sends it again with that key while its answer says another attempt could change it, and stops
+//! at the server's record.
+
+use std::future::{Future, poll_fn};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{HeaderMap, HeaderValue, Request};
+use http_body_util::{BodyExt as _, Full, LengthLimitError, Limited};
+use tokio::time::Instant;
+use tonic::body::Body;
+use tonic::{Code, Status};
+use tower::{Layer, Service};
+
+use super::layer::DEFAULT_MAX_REQUEST_BYTES;
+use super::recorded::{Answer, Read, read_answer};
+use crate::http::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+use crate::retry::{Attempts, RetryPolicy, Stopped};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The codes [`GrpcRetryLayer`] retries unless told otherwise: `UNAVAILABLE` (the server or the
+/// way to it is down; [`GrpcIdempotencyLayer`](super::GrpcIdempotencyLayer) answers it when its
+/// store is) and `ABORTED` (the layer's "a call with this key is still running", with a pushback).
+pub const DEFAULT_RETRY_CODES: [Code; 2] = [Code::Unavailable, Code::Aborted];
+
+/// The largest answer read whole to decide whether to retry it: tonic's default limit for a
+/// decoded message, and its 5-byte prefix. A larger answer is passed on as it comes, not retried.
+const MAX_ANSWER_BYTES: usize = 4 * 1024 * 1024 + 5;
+
+/// The trailing metadata of gRFC A6 that tells a retrying client how long to wait, or not to retry.
+const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
+
+/// Retries the unary calls of a tonic channel with one `idempotency-key` for all their attempts,
+/// so that a server honouring the key (as [`GrpcIdempotencyLayer`](super::GrpcIdempotencyLayer)
+/// does) runs each call once however many attempts reach it.
+///
+/// tonic has no retries of its own, and a retry written by hand around a generated client calls
+/// the method again: [`IdempotencyKeys`](super::IdempotencyKeys) cannot tell that from a second
+/// payment and gives it a new key. This layer sits under the generated client, so it sees each
+/// call once and every attempt of it:
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotent_runtime::grpc::{GrpcRetryLayer, RetryPolicy};
+///
+/// let retries = GrpcRetryLayer::new(RetryPolicy::default().max_elapsed(Duration::from_secs(10)))
+///     .method("/payments.Payments/Pay");
+/// // let channel = Channel::from_static("http://[::1]:50051").connect_lazy();
+/// // let mut client = PaymentsClient::new(retries.service(channel));
+/// // client.pay(request).await: one key, however many attempts.
+/// # let _ = retries;
+/// ```
+///
+/// It covers the unary methods it is given by path, as the server's layer does; calls to other
+/// paths pass through untouched (it buffers a covered call's request to send it again, which a
+/// streaming call cannot survive). A covered call gets a key unless it carries one: inside an
+/// idempotent body the key [derived](crate::derived_key) from the body's key, the method's path
+/// and the call's position (the key [`IdempotencyKeys`](super::IdempotencyKeys) would give it),
+/// elsewhere a fresh UUID. A key the call carries is kept.
+///
+/// | outcome of an attempt | what happens |
+/// |---|---|
+/// | no answer (connection refused or lost, the call's timeout passed, the answer cut off) | retried after a back-off |
+/// | a code in the [retried set](Self::retry_codes) (default `UNAVAILABLE`, `ABORTED`) | retried after the server's `grpc-retry-pushback-ms` if it sent one, else after a back-off |
+/// | the same with a negative pushback | returned ([`Stopped::ServerRefusedRetries`]): the server asks not to retry (gRFC A6) |
+/// | a replayed answer (`idempotent-replayed: true` in its metadata), whatever its code | returned: it is the call's recorded outcome, which another attempt would get again ([`Stopped::Replayed`] if its code is in the retried set) |
+/// | any other answer, `OK` or not | returned as it is |
+/// | attempts or time budget used up | the last answer, or the last attempt's error |
+///
+/// A successful answer carries an [`Attempts`] extension (`tonic::Response::extensions`): the
+/// key, the attempts, why it stopped. An error status carries no extensions: set the key yourself
+/// (`idempotency-key` metadata) if you need to know it after a failure.
+///
+/// **Timeouts.** A call's timeout (`Request::set_timeout`, the channel's `timeout`) bounds each
+/// attempt; the policy's [`max_elapsed`](RetryPolicy::max_elapsed) bounds them all. A call whose
+/// timeout passed may have run on the server: its retry carries the same key, and the server's
+/// layer, which runs each call to its end, answers it with `ABORTED` while the first attempt runs
+/// and with its recorded answer after.
+///
+/// **Against a server that ignores the key** a retried call can run twice, as any retried call
+/// can: cover only methods whose server honours `idempotency-key`.
+#[derive(Debug, Clone)]
+pub struct GrpcRetryLayer {
+    config: Arc<Config>,
+}
+
+#[derive(Debug, Clone)]
+struct Config {
+    policy: RetryPolicy,
+    methods: Vec<String>,
+    codes: Vec<Code>,
+    derive_keys: bool,
+    max_request_bytes: usize,
+}
+
+impl GrpcRetryLayer {
+    /// A layer that retries with `policy`, covering no method yet.
+    #[must_use]
+    pub fn new(policy: RetryPolicy) -> Self {
+        GrpcRetryLayer {
+            config: Arc::new(Config {
+                policy,
+                methods: Vec::new(),
+                codes: DEFAULT_RETRY_CODES.to_vec(),
+                derive_keys: true,
+                max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+            }),
+        }
+    }
+
+    /// Covers the unary method at `path` (`/package.Service/Method`).
+    #[must_use]
+    pub fn method(mut self, path: impl Into<String>) -> Self {
+        Arc::make_mut(&mut self.config).methods.push(path.into());
+        self
+    }
+
+    /// Retries exactly these codes (default [`DEFAULT_RETRY_CODES`]); `OK` is never retried.
+    /// Add a code only if the server answers it without acting, or records what it answers: a
+    /// retry of a code the server released after acting runs the call again.
+    #[must_use]
+    pub fn retry_codes(mut self, codes: impl IntoIterator<Item = Code>) -> Self {
+        Arc::make_mut(&mut self.config).codes = codes.into_iter().filter(|code| *code != Code::Ok).collect();
+        self
+    }
+
+    /// Whether a call without a key, made inside an idempotent body, gets the key derived from
+    /// that body (default `true`); with `false` it gets a fresh UUID, as outside any body.
+    #[must_use]
+    pub fn derive_keys(mut self, derive_keys: bool) -> Self {
+        Arc::make_mut(&mut self.config).derive_keys = derive_keys;
+        self
+    }
+
+    /// The largest request it buffers to send again (default 4 MiB); a larger one is refused with
+    /// `RESOURCE_EXHAUSTED` before it is sent.
+    #[must_use]
+    pub fn max_request_bytes(mut self, limit: usize) -> Self {
+        Arc::make_mut(&mut self.config).max_request_bytes = limit;
+        self
+    }
+
+    /// The policy in use.
+    #[must_use]
+    pub fn policy(&self) -> &RetryPolicy {
+        &self.config.policy
+    }
+
+    /// Wraps `inner` (a `tonic::transport::Channel`), as [`Layer::layer`] does.
+    ///
+    /// # Panics
+    ///
+    /// If the layer covers no method.
+    #[must_use]
+    pub fn service<S>(&self, inner: S) -> GrpcRetry<S> {
+        self.layer(inner)
+    }
+}
+
+impl<S> Layer<S> for GrpcRetryLayer {
+    type Service = GrpcRetry<S>;
+
+    /// # Panics
+    ///
+    /// If the layer covers no method.
+    fn layer(&self, inner: S) -> GrpcRetry<S> {
+        assert!(
+            !self.config.methods.is_empty(),
+            "GrpcRetryLayer covers no method, so it would retry nothing: name each unary method with \
+             `.method(\"/package.Service/Method\")`"
+        );
+        GrpcRetry { inner, config: Arc::clone(&self.config) }
+    }
+}
+
+/// The service [`GrpcRetryLayer`] wraps around a channel.
+#[derive(Debug, Clone)]
+pub struct GrpcRetry<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S, B> Service<Request<Body>> for GrpcRetry<S>
+where
+    S: Service<Request<Body>, Response = http::Response<B>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: std::fmt::Display + Send + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Response = http::Response<Body>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        // The service polled ready sends the first attempt (tower's contract); its clone stays.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        if !self.config.methods.iter().any(|path| path == request.uri().path()) {
+            let mut inner = inner;
+            return Box::pin(async move { Ok(inner.call(request).await?.map(Body::new)) });
+        }
+        let config = Arc::clone(&self.config);
+        Box::pin(async move { config.send(inner, request).await })
+    }
+}
+
+/// What one attempt's outcome calls for.
+enum Verdict {
+    /// Return it, noting why when it asked for a retry.
+    Done(Option<Stopped>),
+    /// Retry after the server's pushback if it sent one, else after a back-off.
+    Retry { pushback: Option<Duration> },
+}
+
+/// One attempt's outcome (an answer too large to read is returned at once).
+enum Outcome<E> {
+    /// An answer, read whole (boxed: the outcome is moved about, and an answer's head is large).
+    Whole(Box<Answer>),
+    /// The answer's body failed before its end.
+    CutOff(String),
+    /// No answer: the channel's error.
+    Failed(E),
+}
+
+impl Config {
+    async fn send<S, B>(&self, mut inner: S, request: Request<Body>) -> Result<http::Response<Body>, S::Error>
+    where
+        S: Service<Request<Body>, Response = http::Response<B>> + Clone,
+        S::Error: std::fmt::Display,
+        B: http_body::Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let (mut parts, body) = request.into_parts();
+        let path = parts.uri.path().to_owned();
+        let message = match Limited::new(body, self.max_request_bytes).collect().await {
+            Ok(collected) => collected.to_bytes(),
+            Err(error) if error.is::<LengthLimitError>() => {
+                return Ok(Status::resource_exhausted(format!(
+                    "the request of {path} is over GrpcRetryLayer's limit of {} bytes, so it was not sent; raise \
+                     `max_request_bytes` or send a smaller message",
+                    self.max_request_bytes
+                ))
+                .into_http());
+            }
+            Err(error) => {
+                return Ok(Status::cancelled(format!("the request of {path} could not be read: {error}")).into_http());
+            }
+        };
+        let key = self.key(&mut parts.headers, &path);
+        let start = Instant::now();
+        let mut count = 1;
+        loop {
+            let outcome = match inner.call(attempt(&parts, &message)).await {
+                Ok(answer) => match read_answer(answer, MAX_ANSWER_BYTES).await {
+                    Read::Whole(answer) => Outcome::Whole(Box::new(answer)),
+                    // Passed on as it comes: its code is in trailers not read yet.
+                    Read::TooLarge(answer) => return Ok(mark(answer, &key, count, None)),
+                    Read::Failed(reason) => Outcome::CutOff(reason),
+                },
+                Err(error) => Outcome::Failed(error),
+            };
+            let pushback = match &outcome {
+                Outcome::Whole(answer) => match self.classify(answer) {
+                    Verdict::Done(stopped) => return outcome.finish(&path, &key, count, stopped),
+                    Verdict::Retry { pushback } => pushback,
+                },
+                Outcome::CutOff(_) | Outcome::Failed(_) => None,
+            };
+            // A server's pushback can be anything up to u64::MAX ms: bounded by the budget.
+            let wait = pushback.unwrap_or_else(|| self.policy.next_backoff(count)).min(self.policy.budget());
+            let stopped = if count >= self.policy.attempts() {
+                Some(Stopped::AttemptsExhausted)
+            } else if start.elapsed().saturating_add(wait) > self.policy.budget() {
+                Some(Stopped::TimeBudgetExhausted)
+            } else {
+                None
+            };
+            if let Some(stopped) = stopped {
+                tracing::warn!(target: "idempotent", path, key, attempts = count, %stopped, "giving up");
+                return outcome.finish(&path, &key, count, Some(stopped));
+            }
+            let wait_ms = wait.as_millis();
+            match &outcome {
+                Outcome::Whole(answer) => tracing::info!(
+                    target: "idempotent", path, key, attempt = count, code = ?answer.code(), wait_ms,
+                    "retrying with the same key"
+                ),
+                Outcome::CutOff(reason) => tracing::info!(
+                    target: "idempotent", path, key, attempt = count, reason, wait_ms,
+                    "the answer was cut off; retrying with the same key"
+                ),
+                Outcome::Failed(error) => tracing::info!(
+                    target: "idempotent", path, key, attempt = count, %error, wait_ms,
+                    "no answer; retrying with the same key"
+                ),
+            }
+            drop(outcome);
+            tokio::time::sleep(wait).await;
+            inner = inner.clone();
+            poll_fn(|cx| inner.poll_ready(cx)).await?;
+            count += 1;
+        }
+    }
+
+    /// The call's key: the one it carries, else one derived from the idempotent body it is made
+    /// in, else a fresh UUID; set in `headers`.
+    fn key(&self, headers: &mut HeaderMap, path: &str) -> String {
+        if let Some(value) = headers.get(&IDEMPOTENCY_KEY) {
+            return String::from_utf8_lossy(value.as_bytes()).into_owned();
+        }
+        let derived = if self.derive_keys { crate::derived_key("POST", path) } else { None };
+        let key = derived.unwrap_or_else(|| crate::random::fresh_uuid().to_string());
+        headers.insert(IDEMPOTENCY_KEY, HeaderValue::from_str(&key).expect("a UUID or hex digest is valid metadata"));
+        key
+    }
+
+    fn classify(&self, answer: &Answer) -> Verdict {
+        let code = answer.code();
+        let retried = self.codes.contains(&code);
+        let replayed = answer.parts.headers.get(&IDEMPOTENT_REPLAYED);
+        if replayed.is_some_and(|value| value.as_bytes().eq_ignore_ascii_case(b"true")) {
+            return Verdict::Done(retried.then_some(Stopped::Replayed));
+        }
+        if !retried {
+            return Verdict::Done(None);
+        }
+        // Where a client reads the status: the trailers, or the headers of a trailers-only answer.
+        let status =
+            answer.trailers.as_ref().filter(|t| t.contains_key("grpc-status")).unwrap_or(&answer.parts.headers);
+        let Some(pushback) = status.get(RETRY_PUSHBACK) else {
+            return Verdict::Retry { pushback: None };
+        };
+        // gRFC A6: a negative or unreadable pushback means "do not retry".
+        match std::str::from_utf8(pushback.as_bytes()).ok().and_then(|v| v.trim().parse::<u64>().ok()) {
+            Some(ms) => Verdict::Retry { pushback: Some(Duration::from_millis(ms)) },
+            None => Verdict::Done(Some(Stopped::ServerRefusedRetries)),
+        }
+    }
+}
+
+impl<E> Outcome<E> {
+    /// What the caller gets for this outcome, marked with the attempts.
+    fn finish(self, path: &str, key: &str, count: u32, stopped: Option<Stopped>) -> Result<http::Response<Body>, E> {
+        let answer = match self {
+            Outcome::Whole(answer) => answer.into_response(),
+            Outcome::CutOff(reason) => Status::unavailable(format!(
+                "the answer of {path} was cut off after {count} attempt(s) with idempotency-key {key:?} ({reason}); \
+                 the call may have run: call again with the same key to get its answer"
+            ))
+            .into_http(),
+            Outcome::Failed(error) => return Err(error),
+        };
+        Ok(mark(answer, key, count, stopped))
+    }
+}
+
+/// An attempt of the call: its head again, and its buffered message.
+fn attempt(parts: &Parts, message: &Bytes) -> Request<Body> {
+    let mut request = Request::new(Body::new(Full::new(message.clone())));
+    *request.method_mut() = parts.method.clone();
+    *request.uri_mut() = parts.uri.clone();
+    *request.version_mut() = parts.version;
+    *request.headers_mut() = parts.headers.clone();
+    *request.extensions_mut() = parts.extensions.clone();
+    request
+}
+
+/// Notes the attempts on the answer, where `tonic::Response::extensions` finds them.
+fn mark(mut answer: http::Response<Body>, key: &str, count: u32, stopped: Option<Stopped>) -> http::Response<Body> {
+    answer.extensions_mut().insert(Attempts { key: key.to_owned(), count, stopped });
+    answer
+}

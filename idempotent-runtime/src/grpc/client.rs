@@ -16,15 +16,19 @@ const KEY: &str = "idempotency-key";
 /// the same order and the server replays what it did the first time. Elsewhere each call gets a
 /// fresh UUID.
 ///
-/// **Retrying a call: pin its key first.** tonic does not retry, so a retry is a second call of
-/// the method, and the interceptor cannot tell it from a second payment: inside a body it gets the
-/// next position's key, elsewhere a new UUID, and the server runs it again. Take the key once,
-/// before the retry loop, and send it on every attempt (the interceptor keeps a key a call
+/// **Retrying a call: use [`GrpcRetryLayer`](super::GrpcRetryLayer), or pin its key first.**
+/// tonic does not retry, so a retry written around a generated client is a second call of the
+/// method, and the interceptor cannot tell it from a second payment: inside a body it gets the
+/// next position's key, elsewhere a new UUID, and the server runs it again. `GrpcRetryLayer` goes
+/// under the client and sends every attempt of a call with one key. Without it, take the key
+/// once, before the retry loop, and send it on every attempt (the interceptor keeps a key a call
 /// carries): inside a body `derived_key("POST", "/pkg.Service/Method")` (the method and path the
 /// interceptor uses), elsewhere a UUID of your own;
 /// `request.metadata_mut().insert("idempotency-key", key.parse()?)`. A body that called the method
 /// again after a passed deadline paid once per attempt; with the key pinned, once
-/// (`grpc_tonic_client_retrying_inside_an_idempotent_body_with_a_key_pinned_before_the_loop_pays_once_memory`).
+/// (`grpc_tonic_client_retrying_inside_an_idempotent_body_with_a_key_pinned_before_the_loop_pays_once_memory`),
+/// and through the layer, once
+/// (`grpc_retry_layer_inside_an_idempotent_body_outlasts_timeouts_with_one_derived_key_memory`).
 ///
 /// ```
 /// use idempotent_runtime::grpc::IdempotencyKeys;

@@ -60,10 +60,14 @@
 //!
 //! # Clients
 //!
-//! [`IdempotencyKeys`] is a tonic interceptor that gives each outbound call an `idempotency-key`
-//! unless it has one: inside an idempotent body, the key derived from the body's key and the
+//! [`GrpcRetryLayer`] goes under a generated tonic client and retries the unary calls it covers
+//! with one `idempotency-key` for all their attempts: on no answer, `UNAVAILABLE` and `ABORTED`,
+//! after the server's pushback, and never past a replayed answer or a negative pushback. A call
+//! without a key gets one: inside an idempotent body, the key derived from the body's key and the
 //! call's position (see [`derived_key`](crate::derived_key)), so a body that runs again after a
 //! crash sends the same key and the server replays; elsewhere a fresh UUID.
+//! [`IdempotencyKeys`] is a tonic interceptor that gives each call such a key and does nothing
+//! more.
 
 mod client;
 mod frames;

@@ -73,6 +73,9 @@ const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
 /// | any other answer, `OK` or not | returned as it is |
 /// | attempts or time budget used up | the last answer, or the last attempt's error |
 ///
+/// An answer without `grpc-status` (an HTTP proxy's own, such as a load balancer's `503`) is read
+/// as gRPC maps its HTTP status: `429`, `502`, `503` and `504` are `UNAVAILABLE`.
+///
 /// A successful answer carries an [`Attempts`] extension (`tonic::Response::extensions`): the
 /// key, the attempts, why it stopped. An error status carries no extensions: set the key yourself
 /// (`idempotency-key` metadata) if you need to know it after a failure.
@@ -293,7 +296,7 @@ impl Config {
             let wait_ms = wait.as_millis();
             match &outcome {
                 Outcome::Whole(answer) => tracing::info!(
-                    target: "idempotent", path, key, attempt = count, code = ?answer.code(), wait_ms,
+                    target: "idempotent", path, key, attempt = count, code = ?code_of(answer), wait_ms,
                     "retrying with the same key"
                 ),
                 Outcome::CutOff(reason) => tracing::info!(
@@ -326,7 +329,7 @@ impl Config {
     }
 
     fn classify(&self, answer: &Answer) -> Verdict {
-        let code = answer.code();
+        let code = code_of(answer);
         let retried = self.codes.contains(&code);
         let replayed = answer.parts.headers.get(&IDEMPOTENT_REPLAYED);
         if replayed.is_some_and(|value| value.as_bytes().eq_ignore_ascii_case(b"true")) {
@@ -365,6 +368,24 @@ impl<E> Outcome<E> {
     }
 }
 
+/// The code a client reads from `answer`: its `grpc-status`, or, when it has none (an HTTP proxy's
+/// own answer), the code gRPC's spec maps its HTTP status to (`502`, `503`, `504` and `429` are
+/// `UNAVAILABLE`).
+fn code_of(answer: &Answer) -> Code {
+    let has_status = |map: &HeaderMap| map.contains_key("grpc-status");
+    if has_status(&answer.parts.headers) || answer.trailers.as_ref().is_some_and(has_status) {
+        return answer.code();
+    }
+    match answer.parts.status.as_u16() {
+        400 => Code::Internal,
+        401 => Code::Unauthenticated,
+        403 => Code::PermissionDenied,
+        404 => Code::Unimplemented,
+        429 | 502 | 503 | 504 => Code::Unavailable,
+        _ => Code::Unknown,
+    }
+}
+
 /// An attempt of the call: its head again, and its buffered message.
 fn attempt(parts: &Parts, message: &Bytes) -> Request<Body> {
     let mut request = Request::new(Body::new(Full::new(message.clone())));
@@ -380,4 +401,74 @@ fn attempt(parts: &Parts, message: &Bytes) -> Request<Body> {
 fn mark(mut answer: http::Response<Body>, key: &str, count: u32, stopped: Option<Stopped>) -> http::Response<Body> {
     answer.extensions_mut().insert(Attempts { key: key.to_owned(), count, stopped });
     answer
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(
+        status: u16,
+        headers: &[(&'static str, &'static str)],
+        trailers: &[(&'static str, &'static str)],
+    ) -> Answer {
+        let map = |entries: &[(&'static str, &'static str)]| {
+            entries.iter().map(|(k, v)| (http::HeaderName::from_static(k), HeaderValue::from_static(v))).collect()
+        };
+        let (mut parts, ()) = http::Response::new(()).into_parts();
+        parts.status = http::StatusCode::from_u16(status).unwrap();
+        parts.headers = map(headers);
+        Answer { parts, body: Bytes::new(), trailers: (!trailers.is_empty()).then(|| map(trailers)) }
+    }
+
+    fn verdict(answer: &Answer) -> (bool, Option<Duration>, Option<Stopped>) {
+        let config = GrpcRetryLayer::new(RetryPolicy::default()).method("/p.S/M").config;
+        match config.classify(answer) {
+            Verdict::Retry { pushback } => (true, pushback, None),
+            Verdict::Done(stopped) => (false, None, stopped),
+        }
+    }
+
+    #[test]
+    fn grpc_retry_reads_codes_pushbacks_and_replay_marks() {
+        let retry = |pushback| (true, pushback, None);
+        // The code in the trailers, or in the headers of a trailers-only answer.
+        assert_eq!(verdict(&answer(200, &[], &[("grpc-status", "14")])), retry(None), "UNAVAILABLE");
+        assert_eq!(verdict(&answer(200, &[("grpc-status", "10")], &[])), retry(None), "ABORTED, trailers-only");
+        assert_eq!(verdict(&answer(200, &[], &[("grpc-status", "0")])), (false, None, None), "OK");
+        assert_eq!(
+            verdict(&answer(200, &[], &[("grpc-status", "13")])),
+            (false, None, None),
+            "INTERNAL: not in the set"
+        );
+        // gRFC A6's pushback: wait it when positive, stop when negative or unreadable.
+        let aborted = [("grpc-status", "10"), ("grpc-retry-pushback-ms", "250")];
+        assert_eq!(verdict(&answer(200, &aborted, &[])), retry(Some(Duration::from_millis(250))));
+        assert_eq!(verdict(&answer(200, &[], &aborted)), retry(Some(Duration::from_millis(250))));
+        let refused = (false, None, Some(Stopped::ServerRefusedRetries));
+        for value in ["-1", "soon", "1.5", ""] {
+            let pushback = [("grpc-status", "14"), ("grpc-retry-pushback-ms", value)];
+            assert_eq!(verdict(&answer(200, &[], &pushback)), refused, "{value:?}");
+        }
+        // A replay is the call's outcome, whatever its code.
+        let replayed = [("idempotent-replayed", "true")];
+        let stopped = (false, None, Some(Stopped::Replayed));
+        assert_eq!(verdict(&answer(200, &replayed, &[("grpc-status", "14")])), stopped);
+        assert_eq!(verdict(&answer(200, &replayed, &[("grpc-status", "0")])), (false, None, None));
+        // No grpc-status: an HTTP proxy's answer, read as gRPC's spec maps it.
+        for status in [429, 502, 503, 504] {
+            assert_eq!(verdict(&answer(status, &[], &[])), retry(None), "{status}");
+        }
+        for status in [200, 400, 401, 403, 404, 500] {
+            assert_eq!(verdict(&answer(status, &[], &[])), (false, None, None), "{status}");
+        }
+    }
+
+    #[test]
+    fn grpc_retry_layer_without_a_method_panics_naming_the_fix() {
+        let panic = std::panic::catch_unwind(|| GrpcRetryLayer::new(RetryPolicy::default()).service(()))
+            .expect_err("a layer that covers nothing");
+        let message = panic.downcast_ref::<String>().map(String::as_str).or(panic.downcast_ref::<&str>().copied());
+        assert!(message.is_some_and(|m| m.contains(".method(")), "{message:?}");
+    }
 }

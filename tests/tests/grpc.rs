@@ -732,3 +732,42 @@ async fn grpc_retry_layer_keeps_a_callers_key_and_passes_other_methods_memory() 
     assert!(status.message().contains("requires an idempotency key"), "{status:?}");
     assert_eq!(ledger.runs_for("pat"), 1);
 }
+
+/// The server's store is unreachable until the layer has retried the call: the server answers
+/// `UNAVAILABLE` without running anything and records nothing, the layer retries it with the same
+/// key, and the first attempt after the store is back runs the call, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_retry_layer_outlasts_a_store_outage_and_pays_once_redis() {
+    use idempotent_tests::proxy::Mode;
+    let test = "grpc_retry_layer_outlasts_a_store_outage_and_pays_once_redis";
+    let Some((store, cleanup, proxy)) = idempotent_tests::fresh::redis_behind_proxy(test).await else { return };
+    let ledger = Ledger::default();
+    let server = Arc::new(TestServer::start(layer(store), Bank::new(ledger.clone(), None)).await);
+    let policy = quick_policy().max_attempts(100).max_elapsed(Duration::from_secs(30));
+    let mut client = retrying_client(server.addr, &GrpcRetryLayer::new(policy).method(PAY));
+    let key = format!("retry-outage-{}", uuid::Uuid::new_v4());
+    proxy.set_mode(Mode::Refuse);
+    proxy.kill_connections();
+    let repair = {
+        let (server, key) = (Arc::clone(&server), key.clone());
+        tokio::spawn(async move {
+            // Back once a retry has reached the server: the first attempt was answered UNAVAILABLE.
+            let start = tokio::time::Instant::now();
+            while server.attempts(&key) < 2 && start.elapsed() < Duration::from_secs(20) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            proxy.set_mode(Mode::Pass);
+            proxy
+        })
+    };
+    let receipt = client.pay(pay(Some(&key), "quinn", 4, "")).await.expect("an attempt after the outage runs the call");
+    let _proxy = repair.await.unwrap();
+    let noted = attempts(&receipt);
+    println!("a store outage: {noted:?}, the bank paid {} time(s)", ledger.len());
+    assert!(noted.count >= 2, "the attempts during the outage were retried: {noted:?}");
+    assert!(!replayed(&receipt), "the UNAVAILABLE answers were not recorded: an attempt ran the call");
+    assert_eq!(server.attempts(&key), usize::try_from(noted.count).unwrap(), "one key for every attempt");
+    assert_eq!(ledger.len(), 1, "paid once");
+    drop(server);
+    cleanup.run().await;
+}

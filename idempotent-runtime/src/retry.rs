@@ -121,6 +121,26 @@ impl RetryPolicy {
         let (low, high) = self.backoff_range(retry);
         self.jitter.between(low, high)
     }
+
+    /// The wait before the attempt after attempt `count`, begun `elapsed` after the first: the
+    /// server's `asked` wait if it named one, else a back-off; or why no attempt follows. A
+    /// server's wait can be anything up to `u64::MAX` seconds: it is bounded by the budget, and
+    /// added without overflow.
+    pub(crate) fn next_wait(
+        &self,
+        count: u32,
+        asked: Option<Duration>,
+        elapsed: Duration,
+    ) -> Result<Duration, Stopped> {
+        let wait = asked.unwrap_or_else(|| self.next_backoff(count)).min(self.max_elapsed);
+        if count >= self.max_attempts {
+            Err(Stopped::AttemptsExhausted)
+        } else if elapsed.saturating_add(wait) > self.max_elapsed {
+            Err(Stopped::TimeBudgetExhausted)
+        } else {
+            Ok(wait)
+        }
+    }
 }
 
 /// The jitter's generator: `rand`'s Xoshiro256++, whose output for a seed is fixed across `rand`

@@ -184,29 +184,22 @@ impl IdempotentRetry {
                     })),
                 };
             };
-            // A server's Retry-After can be anything up to u64::MAX seconds: bounded by the budget,
-            // and added without overflow.
-            let wait = retry_after.unwrap_or_else(|| self.policy.next_backoff(count)).min(self.policy.budget());
-            let stopped = if count >= self.policy.attempts() {
-                Some(Stopped::AttemptsExhausted)
-            } else if start.elapsed().saturating_add(wait) > self.policy.budget() {
-                Some(Stopped::TimeBudgetExhausted)
-            } else {
-                None
+            let wait = match self.policy.next_wait(count, retry_after, start.elapsed()) {
+                Ok(wait) => wait,
+                Err(stopped) => {
+                    tracing::warn!(target: "idempotent", %url, key, attempts = count, %stopped, "giving up");
+                    return match result {
+                        Ok(response) => Ok(mark(response, &key, count, Some(stopped))),
+                        Err(source) => Err(reqwest_middleware::Error::middleware(OutboundError::GaveUp {
+                            key,
+                            url,
+                            attempts: count,
+                            elapsed: start.elapsed(),
+                            source: Box::new(source),
+                        })),
+                    };
+                }
             };
-            if let Some(stopped) = stopped {
-                tracing::warn!(target: "idempotent", %url, key, attempts = count, %stopped, "giving up");
-                return match result {
-                    Ok(response) => Ok(mark(response, &key, count, Some(stopped))),
-                    Err(source) => Err(reqwest_middleware::Error::middleware(OutboundError::GaveUp {
-                        key,
-                        url,
-                        attempts: count,
-                        elapsed: start.elapsed(),
-                        source: Box::new(source),
-                    })),
-                };
-            }
             match &result {
                 Ok(response) => tracing::info!(
                     target: "idempotent", %url, key, attempt = count, status = response.status().as_u16(),

@@ -280,19 +280,13 @@ impl Config {
                 },
                 Outcome::CutOff(_) | Outcome::Failed(_) => None,
             };
-            // A server's pushback can be anything up to u64::MAX ms: bounded by the budget.
-            let wait = pushback.unwrap_or_else(|| self.policy.next_backoff(count)).min(self.policy.budget());
-            let stopped = if count >= self.policy.attempts() {
-                Some(Stopped::AttemptsExhausted)
-            } else if start.elapsed().saturating_add(wait) > self.policy.budget() {
-                Some(Stopped::TimeBudgetExhausted)
-            } else {
-                None
+            let wait = match self.policy.next_wait(count, pushback, start.elapsed()) {
+                Ok(wait) => wait,
+                Err(stopped) => {
+                    tracing::warn!(target: "idempotent", path, key, attempts = count, %stopped, "giving up");
+                    return outcome.finish(&path, &key, count, Some(stopped));
+                }
             };
-            if let Some(stopped) = stopped {
-                tracing::warn!(target: "idempotent", path, key, attempts = count, %stopped, "giving up");
-                return outcome.finish(&path, &key, count, Some(stopped));
-            }
             let wait_ms = wait.as_millis();
             match &outcome {
                 Outcome::Whole(answer) => tracing::info!(

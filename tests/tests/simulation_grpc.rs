@@ -1,5 +1,6 @@
 //! Histories at the gRPC edge (`tests/src/simulation/grpc/`): tonic clients that retry with one
-//! key as a `retryPolicy` with a deadline would, a network that loses responses, refuses, stalls
+//! key as a `retryPolicy` with a deadline would (by a loop of their own or through
+//! `GrpcRetryLayer`), a network that loses responses, refuses, stalls
 //! and kills connections, and handlers behind `GrpcIdempotencyLayer` that pay, fail after paying,
 //! decline, say they did nothing, or panic. Each test runs 32 histories at once, each with a
 //! server, a proxy and keys of its own, over one store. `IDEMPOTENT_SIM_FROM=<seed>` sets the
@@ -50,10 +51,15 @@ async fn explore<S: Store + Clone + 'static>(name: &str, store: S, store_faults:
     let sum = |count: fn(&grpc::Verdict) -> u64| verdicts.iter().map(count).sum::<u64>();
     let failing: Vec<_> = verdicts.iter().filter(|v| !v.violations.is_empty()).collect();
     println!(
-        "simulation_{name}: histories {}, calls {}, handler runs {}, answers {} ({} replays), responses lost {}, \
-         callers left without an answer {}, store faults {}, re-runs under them {}, violations {} ({:.1?})",
+        "simulation_{name}: histories {}, calls {} ({} through GrpcRetryLayer, in {} histories, with {} attempts, {} stopped \
+         at a replay or a negative pushback), handler runs {}, answers {} ({} replays), responses lost {}, callers left without an answer {}, store \
+         faults {}, re-runs under them {}, violations {} ({:.1?})",
         verdicts.len(),
         sum(|v| v.calls),
+        sum(|v| v.layered_calls),
+        verdicts.iter().filter(|v| v.layered_calls > 0).count(),
+        sum(|v| v.layered_attempts),
+        sum(|v| v.layered_stopped_at_final),
         sum(|v| v.runs),
         sum(|v| v.answers),
         sum(|v| v.replays),
@@ -73,6 +79,10 @@ async fn explore<S: Store + Clone + 'static>(name: &str, store: S, store_faults:
         println!("{}VIOLATIONS: {:#?}", verdict.log, verdict.violations);
     }
     assert!(sum(|v| v.runs) > 0 && sum(|v| v.replays) > 0, "simulation_{name}: handlers ran and answers were replayed");
+    assert!(
+        sum(|v| v.layered_attempts) > sum(|v| v.layered_calls) && sum(|v| v.layered_calls) < sum(|v| v.calls),
+        "simulation_{name}: calls went through GrpcRetryLayer, some of them retried, and others through the hand loop"
+    );
     assert!(failing.is_empty(), "simulation_{name}: {} histories break the promise (printed above)", failing.len());
     let foreign = callers::FOREIGN_PANICS.load(Ordering::Relaxed) - foreign_before;
     assert_eq!(foreign, 0, "simulation_{name}: {foreign} panics that no handler planted (printed above)");
@@ -131,8 +141,9 @@ async fn simulation_grpc_postgres_store_faults() {
     cleanup.run().await;
 }
 
-/// The judgement catches each planted bug within the default histories: four of the layer's
-/// configuration (two of them in what it sends), two of the store's.
+/// The judgement catches each planted bug within the default histories: five of the layer's
+/// configuration (two of them in what it sends, one in the clients' `GrpcRetryLayer`), two of the
+/// store's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn simulation_grpc_memory_planted_bugs() {
     callers::quiet_planted_panics();

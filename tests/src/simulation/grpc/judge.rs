@@ -10,7 +10,7 @@ use tonic::Code;
 use tonic::transport::Channel;
 
 use super::Verdict;
-use super::clients::{Final, received};
+use super::clients::{Ended, Final, RETRIED, RETRY_BUDGET, Tried, backoff, received};
 use super::plan::{Ending, MessageForm, Plan, message};
 use super::server::{Answer, Run, Seen, Server};
 use crate::grpc::{PayRequest, PaymentsClient};
@@ -18,11 +18,11 @@ use crate::grpc::{PayRequest, PaymentsClient};
 /// What the callers saw and the ledger says, per user and key. With store faults (`faulted`), a
 /// run may follow another's recorded answer, by the limits README names (a record that could not
 /// be written, a claim whose lease ran out while the store was unreachable): those are counted,
-/// not judged.
+/// not judged. Then each caller's attempts ([`check_attempts`]).
 pub(super) fn judge(
     server: &Server,
     plan: &Plan,
-    finals: &[Final],
+    ended: &[Ended],
     key_of: &(dyn Fn(usize) -> String + Sync),
     faulted: bool,
     verdict: &mut Verdict,
@@ -79,9 +79,144 @@ pub(super) fn judge(
         }
     }
     let answers =
-        sent.iter().map(|s| ("sent", s)).chain(finals.iter().filter_map(|f| f.as_ref().ok()).map(|s| ("got", s)));
+        sent.iter().map(|s| ("sent", s)).chain(ended.iter().filter_map(|e| e.last.as_ref().ok()).map(|s| ("got", s)));
     for (how, s) in answers {
         check_answer(plan, &runs, key_of, how, s, faulted, verdict);
+    }
+    check_attempts(server, plan, ended, key_of, verdict);
+}
+
+/// Whether a caller of this kind retries after `outcome`: after no answer, or an answer with a
+/// retried code and no negative pushback that is, for a layered caller, not a replay.
+fn retried_after(layered: bool, outcome: &Final) -> bool {
+    let Ok(seen) = outcome else { return true };
+    let negative = seen.pushback.as_deref().is_some_and(|p| p.parse::<i64>().map_or(layered, |ms| ms < 0));
+    RETRIED.contains(&seen.answer.code) && !negative && !(layered && seen.replayed)
+}
+
+/// The sequence of each caller's attempts, from its side (the hand loop's own notes, or the tap
+/// under the layer) and from the server's log of the attempts that reached it (`x-caller`,
+/// `x-attempt`, the `idempotency-key` metadata):
+/// - each answer an attempt got is one the server sent that attempt;
+/// - every attempt that reached the server carried the caller's key (plans keyed by metadata), or
+///   one key for all of the call's attempts (plans keyed by message, where the layer sets one);
+/// - no attempt reached the server past those its caller made, nor past the caller's attempts;
+/// - an attempt follows only one that got no answer, or a retried code without a negative
+///   pushback, and for a layered caller not a replay: a caller stops at a final answer;
+/// - the pause before an attempt is at least the server's positive pushback (capped by the
+///   budget), or else the lower end of the back-off;
+/// - a caller that stopped at an answer inviting another attempt used up its attempts or its
+///   budget: its time so far and the wait it would have had end past the budget;
+/// - a layered caller gets its last attempt's answer, as it came.
+fn check_attempts(
+    server: &Server,
+    plan: &Plan,
+    ended: &[Ended],
+    key_of: &(dyn Fn(usize) -> String + Sync),
+    verdict: &mut Verdict,
+) {
+    let arrived = server.arrived().clone();
+    for (i, (caller, e)) in plan.callers.iter().zip(ended).enumerate() {
+        let kind = if caller.layered { "layered caller" } else { "caller" };
+        let mine: Vec<_> = arrived.iter().filter(|a| a.caller == i).collect();
+        let keys: Vec<Option<&str>> = mine.iter().map(|a| a.key.as_deref()).collect();
+        let own = key_of(caller.key);
+        let keyed = if plan.keyed_by_message {
+            keys.windows(2).all(|w| w[0] == w[1])
+        } else {
+            keys.iter().all(|k| *k == Some(own.as_str()))
+        };
+        if !keyed {
+            verdict.violations.push(format!(
+                "{kind} {i}: its attempts reached the server with keys {keys:?}, not all {}",
+                if plan.keyed_by_message { "one key".to_owned() } else { format!("{own:?}") }
+            ));
+        }
+        let made = e.tried.len();
+        if made > caller.attempts as usize {
+            verdict.violations.push(format!("{kind} {i}: {made} attempts, of {} at most", caller.attempts));
+        }
+        if let Some(a) = mine.iter().find(|a| a.attempt == 0 || a.attempt > made) {
+            verdict
+                .violations
+                .push(format!("{kind} {i}: its attempt {} reached the server, but it made {made}", a.attempt));
+        }
+        // What the caller's side saw of each attempt is what the server sent that attempt, but
+        // for the `CANCELLED` tonic's server answers (outside the log) when the attempt's deadline
+        // passed.
+        let sent = server.sent();
+        for (n, tried) in e.tried.iter().enumerate() {
+            let Ok(got) = &tried.outcome else { continue };
+            let by_tonic = got.answer.code == Code::Cancelled && got.answer.tag().is_none();
+            let logged = sent.iter().any(|s| {
+                (s.caller, s.attempt) == (i, n + 1)
+                    && s.answer == got.answer
+                    && s.replayed == got.replayed
+                    && s.pushback == got.pushback
+            });
+            if !logged && !by_tonic {
+                verdict
+                    .violations
+                    .push(format!("{kind} {i}: its attempt {} got {got:?}, which the server did not send it", n + 1));
+            }
+        }
+        drop(sent);
+        for (n, pair) in e.tried.windows(2).enumerate() {
+            let (before, after): (&Tried, &Tried) = (&pair[0], &pair[1]);
+            if !retried_after(caller.layered, &before.outcome) {
+                verdict.violations.push(format!(
+                    "{kind} {i}: attempt {} followed attempt {}, which got a final answer: {:?}",
+                    n + 2,
+                    n + 1,
+                    before.outcome
+                ));
+                continue;
+            }
+            let pushback = before.outcome.as_ref().ok().and_then(|s| s.pushback.as_deref()?.parse::<u64>().ok());
+            let least = pushback.map_or(backoff(u32::try_from(n + 1).unwrap_or(5)) / 2, |ms| {
+                Duration::from_millis(ms).min(RETRY_BUDGET)
+            });
+            let pause = before.done.map(|done| after.sent.saturating_duration_since(done));
+            if pause.is_none_or(|pause| pause + Duration::from_millis(1) < least) {
+                verdict.violations.push(format!(
+                    "{kind} {i}: attempt {} was sent {pause:?} after attempt {} ended, before the least wait                      {least:?} (pushback {pushback:?})",
+                    n + 2,
+                    n + 1
+                ));
+            }
+        }
+        let Some(last) = e.tried.last() else {
+            verdict.violations.push(format!("{kind} {i}: no attempt made ({:?})", e.last));
+            continue;
+        };
+        if made < caller.attempts as usize && retried_after(caller.layered, &last.outcome) {
+            let pushback = last.outcome.as_ref().ok().and_then(|s| s.pushback.as_deref()?.parse::<u64>().ok());
+            let most =
+                pushback.map_or(backoff(u32::try_from(made).unwrap_or(5)), Duration::from_millis).min(RETRY_BUDGET);
+            let taken = e.returned.saturating_duration_since(e.called);
+            if taken + most < RETRY_BUDGET {
+                verdict.violations.push(format!(
+                    "{kind} {i}: stopped after {made} of {} attempts at {:?}, {taken:?} into a budget of                      {RETRY_BUDGET:?}, with a wait of at most {most:?} to go",
+                    caller.attempts, last.outcome
+                ));
+            }
+        }
+        if caller.layered {
+            let same = match (&last.outcome, &e.last) {
+                (Ok(tried), Ok(got)) => {
+                    tried.answer == got.answer && tried.replayed == got.replayed && tried.pushback == got.pushback
+                }
+                (Err(_), Err(_)) => true,
+                // An answer cut off comes back as the layer's UNAVAILABLE.
+                (Err(reason), Ok(got)) => reason.starts_with("cut off") && got.answer.code == Code::Unavailable,
+                (Ok(_), Err(_)) => false,
+            };
+            if !same {
+                verdict
+                    .violations
+                    .push(format!("{kind} {i}: its last attempt got {:?}, and it got {:?}", last.outcome, e.last));
+            }
+        }
     }
 }
 

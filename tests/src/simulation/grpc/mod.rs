@@ -10,11 +10,12 @@
 //! refuses connections, stalls traffic and kills connections at drawn moments in the first 600 ms
 //! ([`edge`](super::edge), shared with the HTTP simulation). The clients are duplicates of one call
 //! (`clients.rs`): two to five callers, of one or two users, with one or two keys, each a tonic
-//! client on a channel of its own with a retry loop of its own (one to six attempts, some with a
-//! per-attempt deadline) that resends the same call with the same key on `UNAVAILABLE`,
-//! `ABORTED`, a passed deadline or a transport error, waits a positive
-//! `grpc-retry-pushback-ms` and stops at a negative one, as grpcio's `retryPolicy` with a
-//! deadline does. Some send a different message under the same key.
+//! client on a channel of its own that resends the same call with the same key (one to six
+//! attempts, some with a per-attempt deadline) on `UNAVAILABLE`, `ABORTED`, a passed deadline or
+//! a transport error, waits a positive `grpc-retry-pushback-ms` and stops at a negative one, as
+//! grpcio's `retryPolicy` with a deadline does: about half by a retry loop of its own, the others
+//! through the library's `GrpcRetryLayer` on their channel, configured alike (which also stops at
+//! a replayed answer). Some send a different message under the same key.
 //!
 //! The handler works for up to 3 s (past a third of a short lease: the claim must be renewed),
 //! then pays and answers `OK` with a receipt, pays and fails with `UNAVAILABLE` or `INTERNAL`
@@ -38,6 +39,11 @@
 //! - of the layer's own answers: `OK` only with a run's receipt; `ABORTED` with a positive
 //!   pushback; `FAILED_PRECONDITION` only when the key was sent with another message; no replay
 //!   but of a run's answer (without store faults);
+//! - of each caller's attempts, as its side saw them and as they reached the server (`x-caller`,
+//!   `x-attempt`): each carried the caller's key (or, keyed by message, one key for all), each
+//!   answer it got is one the server sent it, none followed a final answer, none came sooner
+//!   than the pushback or back-off asked, a caller stopped early only at its budget, and a
+//!   layered caller got its last attempt's answer;
 //! - once the server is quiet, a probe on a second server over the store itself (no proxy, no
 //!   store faults) replays the recorded answer, or runs the handler once if nothing was recorded,
 //!   so each key ends paid exactly once, or not at all if declined (without store faults).
@@ -74,8 +80,9 @@ use server::{Server, serve};
 /// The scope of these histories' keys.
 pub const SCOPE: &str = "simgrpc";
 
-/// A configuration of the layer broken on purpose, to show the judgement catches it (the last
-/// two break what the layer sends, in the server's own tower layer outside it).
+/// A configuration of the layer broken on purpose, to show the judgement catches it (two break
+/// what the layer sends, in the server's own tower layer outside it; the last breaks the clients'
+/// `GrpcRetryLayer`, in a tower layer under it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ConfigBug {
     /// The layer's `record_code` releases the key after `UNAVAILABLE` and `INTERNAL`: the retry
@@ -90,15 +97,19 @@ pub enum ConfigBug {
     /// A replayed error's `grpc-retry-pushback-ms: -1` goes out as `0` (changed on its way out):
     /// a client's retry policy resends a call whose answer is final.
     ReplayedErrorsInviteRetries,
+    /// Under each layered caller's `GrpcRetryLayer`, every attempt's `idempotency-key` is replaced
+    /// by a fresh UUID: a retry is a new call to the server.
+    RetryLayerFreshKeys,
 }
 
 impl ConfigBug {
     /// Every planted configuration bug.
-    pub const ALL: [ConfigBug; 4] = [
+    pub const ALL: [ConfigBug; 5] = [
         ConfigBug::ReleaseServerErrors,
         ConfigBug::KeysSharedByAllCallers,
         ConfigBug::ReplaysUnmarked,
         ConfigBug::ReplayedErrorsInviteRetries,
+        ConfigBug::RetryLayerFreshKeys,
     ];
 }
 
@@ -112,6 +123,13 @@ pub struct Verdict {
     pub reruns_under_store_faults: u64,
     /// Calls the callers made (not counting retries).
     pub calls: u64,
+    /// Of them, calls made through `GrpcRetryLayer`.
+    pub layered_calls: u64,
+    /// The attempts of those calls (as the layer sent them).
+    pub layered_attempts: u64,
+    /// Of those calls, how many the layer ended at an answer with a retried code because it was
+    /// a replay or carried a negative pushback.
+    pub layered_stopped_at_final: u64,
     /// Handler runs.
     pub runs: u64,
     /// Answers the server sent.
@@ -143,6 +161,7 @@ pub async fn run_history<S: Store + Clone + 'static>(
         plan: draw(seed),
         runs: Mutex::default(),
         sent: Mutex::default(),
+        arrived: Mutex::default(),
         in_flight: AtomicUsize::new(0),
     });
     let plan = &server.plan;
@@ -170,12 +189,13 @@ pub async fn run_history<S: Store + Clone + 'static>(
         .map(|i| {
             let (server, target, key) =
                 (Arc::clone(&server), format!("http://{}", proxy.addr()), key_of(plan.callers[i].key));
-            tokio::spawn(async move { call(i, &server.plan, &server.plan.callers[i], &target, &key).await })
+            tokio::spawn(async move { call(i, &server.plan, &server.plan.callers[i], &target, &key, bug).await })
         })
         .collect();
     let mut verdict = Verdict::default();
     let deadline = Instant::now() + HISTORY_LIMIT;
-    let (finals, unfinished) = finish(callers, deadline).await;
+    let (ended, unfinished) = finish(callers, deadline).await;
+    let finals: Vec<_> = ended.iter().map(|e| e.last.clone()).collect();
     if !unfinished.is_empty() {
         verdict.violations.push(format!(
             "callers {unfinished:?} did not finish within {HISTORY_LIMIT:?}; the server then had {} calls in flight \
@@ -202,9 +222,10 @@ pub async fn run_history<S: Store + Clone + 'static>(
     if verdict.violations.is_empty() {
         probe(&server, plan, probe_addr, &key_of, injected > 0, &mut verdict).await;
         verdict.probe_violations = verdict.violations.len();
-        judge(&server, plan, &finals, &key_of, injected > 0, &mut verdict);
+        judge(&server, plan, &ended, &key_of, injected > 0, &mut verdict);
     }
     verdict.calls = plan.callers.len() as u64;
+    count_layered(plan, &ended, &mut verdict);
     verdict.runs = server.runs().len() as u64;
     let sent = server.sent().clone();
     verdict.answers = sent.len() as u64;
@@ -220,11 +241,35 @@ pub async fn run_history<S: Store + Clone + 'static>(
     for s in &sent {
         let _ = writeln!(verdict.log, "  sent {s:?}");
     }
-    for f in &finals {
-        let _ = writeln!(verdict.log, "  got {f:?}");
+    for (i, e) in ended.iter().enumerate() {
+        for (n, t) in e.tried.iter().enumerate() {
+            let _ = writeln!(verdict.log, "  caller {i} attempt {} got {:?}", n + 1, t.outcome);
+        }
+        let _ = writeln!(verdict.log, "  caller {i} got {:?}", e.last);
+    }
+    for a in server.arrived().iter() {
+        let _ = writeln!(verdict.log, "  arrived {a:?}");
     }
     for step in &steps {
         let _ = writeln!(verdict.log, "  store {step}");
     }
     verdict
+}
+
+/// Notes in `verdict` the calls made through `GrpcRetryLayer`, their attempts, and how many of
+/// them it ended at a final answer with a retried code.
+fn count_layered(plan: &plan::Plan, ended: &[clients::Ended], verdict: &mut Verdict) {
+    verdict.layered_calls = plan.callers.iter().filter(|c| c.layered).count() as u64;
+    verdict.layered_attempts =
+        ended.iter().zip(&plan.callers).filter(|(_, c)| c.layered).map(|(e, _)| e.tried.len() as u64).sum();
+    verdict.layered_stopped_at_final = ended
+        .iter()
+        .zip(&plan.callers)
+        .filter(|(e, c)| {
+            let final_answer = |s: &server::Seen| {
+                s.replayed || s.pushback.as_deref().is_some_and(|p| p.parse::<i64>().is_ok_and(|ms| ms < 0))
+            };
+            c.layered && e.last.as_ref().is_ok_and(|s| clients::RETRIED.contains(&s.answer.code) && final_answer(s))
+        })
+        .count() as u64;
 }

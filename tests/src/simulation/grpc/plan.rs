@@ -53,8 +53,8 @@ pub(super) enum MessageForm {
     Other,
 }
 
-/// One caller: a client process with a channel of its own and a retry loop of its own, which
-/// resends the same call with the same key.
+/// One caller: a client process with a channel of its own that resends the same call with the
+/// same key, by a retry loop of its own or through [`GrpcRetryLayer`](idempotent_runtime::grpc::GrpcRetryLayer).
 #[derive(Debug, Clone)]
 pub(super) struct CallerPlan {
     pub(super) user: usize,
@@ -67,6 +67,9 @@ pub(super) struct CallerPlan {
     pub(super) jitter: u64,
     /// Each attempt's deadline.
     pub(super) deadline: Option<Duration>,
+    /// Whether its call goes through `GrpcRetryLayer` on its channel (with the same retried codes,
+    /// attempts, back-off and budget) instead of the hand-written loop.
+    pub(super) layered: bool,
 }
 
 /// A history's plan.
@@ -118,8 +121,13 @@ pub(super) fn draw(seed: u64) -> Plan {
             attempts: 1 + u32::try_from(rng.below(6)).unwrap_or(0),
             jitter: rng.next_u64(),
             deadline: rng.chance(35).then(|| Duration::from_millis(50) + rng.millis(700)),
+            layered: false,
         })
-        .collect();
+        .collect::<Vec<_>>();
+    // Which callers retry through `GrpcRetryLayer`: drawn from a stream of the seed's own, so the
+    // rest of each seed's plan is what it was before the layer had callers.
+    let mut kinds = SplitMix64::new(seed ^ 0x1A7E_12ED_CA11_0000);
+    let callers = callers.into_iter().map(|caller| CallerPlan { layered: kinds.chance(50), ..caller }).collect();
     // Within the first 600 ms, while most calls are under way: most are answered within half a
     // second, and a fault armed after the last call (a response to lose) does nothing.
     let faults = draw_faults(&mut rng, 600);

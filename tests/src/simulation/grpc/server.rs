@@ -83,6 +83,9 @@ pub(super) struct Run {
 #[derive(Debug, Clone)]
 pub(super) struct Seen {
     pub(super) caller: usize,
+    /// The caller's attempt it answers (`x-attempt`), or `usize::MAX` where unknown (the probe's,
+    /// a caller's last outcome).
+    pub(super) attempt: usize,
     pub(super) answer: Answer,
     /// `idempotent-replayed: true` in its initial metadata.
     pub(super) replayed: bool,
@@ -92,12 +95,25 @@ pub(super) struct Seen {
     pub(super) at: Instant,
 }
 
+/// An attempt of a call as it reached the server (seen outside the layer, before it).
+#[derive(Debug, Clone)]
+pub(super) struct Arrival {
+    /// Its `x-caller`.
+    pub(super) caller: usize,
+    /// Its `x-attempt`: the caller's count of its attempts, 1 for the first.
+    pub(super) attempt: usize,
+    /// Its `idempotency-key` metadata, if it had one.
+    pub(super) key: Option<String>,
+}
+
 /// The server's side of a history.
 #[derive(Debug)]
 pub(super) struct Server {
     pub(super) plan: Plan,
     pub(super) runs: Mutex<Vec<Run>>,
     pub(super) sent: Mutex<Vec<Seen>>,
+    /// Every attempt that reached the server, answered or not.
+    pub(super) arrived: Mutex<Vec<Arrival>>,
     /// Calls that reached the server and have not been answered, nor given up by their client.
     pub(super) in_flight: AtomicUsize,
 }
@@ -116,6 +132,11 @@ impl Server {
     /// Every answer sent so far.
     pub(super) fn sent(&self) -> std::sync::MutexGuard<'_, Vec<Seen>> {
         self.sent.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Every attempt that reached the server so far.
+    pub(super) fn arrived(&self) -> std::sync::MutexGuard<'_, Vec<Arrival>> {
+        self.arrived.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -273,7 +294,10 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let server = Arc::clone(&self.server);
-        let (caller, bug) = (number(request.headers(), "x-caller"), self.bug);
+        let (caller, attempt, bug) =
+            (number(request.headers(), "x-caller"), number(request.headers(), "x-attempt"), self.bug);
+        let key = request.headers().get("idempotency-key").map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        server.arrived().push(Arrival { caller, attempt, key });
         Box::pin(async move {
             server.in_flight.fetch_add(1, Ordering::Relaxed);
             let in_flight = InFlight(Arc::clone(&server));
@@ -287,6 +311,7 @@ where
                     let failed = Status::internal(format!("the answer's body failed: {status}"));
                     server.sent().push(Seen {
                         caller,
+                        attempt,
                         answer: Answer::of(&Err(failed.clone())),
                         replayed: false,
                         pushback: None,
@@ -296,7 +321,7 @@ where
                 }
             };
             tamper(bug, &mut parts.headers, trailers.as_mut());
-            server.sent().push(seen(caller, &parts.headers, &data, trailers.as_ref()));
+            server.sent().push(Seen { attempt, ..seen(caller, &parts.headers, &data, trailers.as_ref()) });
             drop(in_flight);
             // A trailers-only answer stays one: no data frame before its end.
             let body = match trailers {
@@ -309,9 +334,9 @@ where
     }
 }
 
-/// An answer as the server sends it: its status from its trailers (or, trailers-only, its
-/// headers), its receipt from its one length-prefixed message.
-fn seen(caller: usize, headers: &HeaderMap, data: &Bytes, trailers: Option<&HeaderMap>) -> Seen {
+/// An answer as the server sends it (or a caller's channel receives it): its status from its
+/// trailers (or, trailers-only, its headers), its receipt from its one length-prefixed message.
+pub(super) fn seen(caller: usize, headers: &HeaderMap, data: &Bytes, trailers: Option<&HeaderMap>) -> Seen {
     let status = trailers.and_then(Status::from_header_map).or_else(|| Status::from_header_map(headers));
     let (code, message) =
         status.map_or((Code::Unknown, "no grpc-status".to_owned()), |s| (s.code(), s.message().to_owned()));
@@ -319,6 +344,7 @@ fn seen(caller: usize, headers: &HeaderMap, data: &Bytes, trailers: Option<&Head
     let pushback = trailers.and_then(|t| t.get(PUSHBACK)).or_else(|| headers.get(PUSHBACK));
     Seen {
         caller,
+        attempt: usize::MAX,
         answer: Answer { code, message, receipt },
         replayed: headers.get("idempotent-replayed").is_some_and(|v| v == "true"),
         pushback: pushback.and_then(|v| v.to_str().ok()).map(str::to_owned),

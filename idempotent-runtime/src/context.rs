@@ -203,6 +203,15 @@ pub fn derived_key(method: &str, path: &str) -> Option<String> {
     current().map(|context| context.next_outbound_key(method, path))
 }
 
+/// The key an outbound request without one gets: inside an idempotent body and with `derive`, the
+/// [derived](derived_key) one; otherwise a fresh UUID from the operating system. The one rule of
+/// the reqwest middleware, the tonic interceptor and the tonic retry layer.
+#[cfg(any(feature = "reqwest", feature = "tonic"))]
+pub(crate) fn outbound_key(method: &str, path: &str, derive: bool) -> String {
+    let derived = if derive { derived_key(method, path) } else { None };
+    derived.unwrap_or_else(|| crate::random::fresh_uuid().to_string())
+}
+
 /// Runs `future` as if outside any idempotent body: outbound requests it makes get fresh keys,
 /// not derived ones, and do not count towards the body's positions; [`step`](crate::step) inside it
 /// fails with [`Error::StepOutsideCall`](crate::Error::StepOutsideCall). For requests that must

@@ -9,7 +9,7 @@ use tokio::time::Instant;
 
 use super::error::OutboundError;
 use super::policy::{is_retryable_status, retry_after};
-use crate::headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+use crate::headers::{IDEMPOTENCY_KEY, is_replayed};
 use crate::retry::{Attempts, RetryPolicy, Stopped};
 
 /// `reqwest-middleware` middleware that makes non-idempotent requests safe to retry, and retries
@@ -146,12 +146,7 @@ impl IdempotentRetry {
         let key = if let Some(value) = request.headers().get(&IDEMPOTENCY_KEY) {
             String::from_utf8_lossy(value.as_bytes()).into_owned()
         } else {
-            let derived = if self.derive_keys {
-                crate::derived_key(request.method().as_str(), request.url().path())
-            } else {
-                None
-            };
-            let key = derived.unwrap_or_else(|| crate::random::fresh_uuid().to_string());
+            let key = crate::context::outbound_key(request.method().as_str(), request.url().path(), self.derive_keys);
             let value = HeaderValue::from_str(&key).expect("a UUID or hex digest is a valid header value");
             request.headers_mut().insert(IDEMPOTENCY_KEY, value);
             key
@@ -236,7 +231,7 @@ impl Middleware for IdempotentRetry {
 fn classify(result: &Result<Response, reqwest_middleware::Error>) -> Verdict {
     match result {
         // The server's record of this key: every later attempt gets the same answer.
-        Ok(response) if is_replay(response) => {
+        Ok(response) if is_replayed(response.headers()) => {
             Verdict::Done(is_retryable_status(response.status()).then_some(Stopped::Replayed))
         }
         Ok(response) if response.status() == StatusCode::UNPROCESSABLE_ENTITY => Verdict::KeyReused,
@@ -254,11 +249,6 @@ fn classify(result: &Result<Response, reqwest_middleware::Error>) -> Verdict {
         // attempt would fail the same way.
         Ok(_) | Err(_) => Verdict::Done(None),
     }
-}
-
-/// `Idempotent-Replayed: true`.
-fn is_replay(response: &Response) -> bool {
-    response.headers().get(&IDEMPOTENT_REPLAYED).is_some_and(|value| value.as_bytes().eq_ignore_ascii_case(b"true"))
 }
 
 fn mark(mut response: Response, key: &str, count: u32, stopped: Option<Stopped>) -> Response {

@@ -47,11 +47,10 @@ impl Interceptor for IdempotencyKeys {
         if request.metadata().contains_key(KEY) {
             return Ok(request);
         }
-        let derived = request
-            .extensions()
-            .get::<GrpcMethod<'static>>()
-            .and_then(|method| crate::derived_key("POST", &format!("/{}/{}", method.service(), method.method())));
-        let key = derived.unwrap_or_else(|| crate::random::fresh_uuid().to_string());
+        let path =
+            request.extensions().get::<GrpcMethod<'static>>().map(|m| format!("/{}/{}", m.service(), m.method()));
+        // Without the method (a request not made by a generated client) no key can be derived.
+        let key = crate::context::outbound_key("POST", path.as_deref().unwrap_or_default(), path.is_some());
         let value = MetadataValue::try_from(key.as_str())
             .map_err(|_| Status::internal("a derived idempotency key is not valid metadata"))?;
         request.metadata_mut().insert(KEY, value);

@@ -19,7 +19,8 @@ use tower::{Layer, Service};
 
 use super::layer::DEFAULT_MAX_REQUEST_BYTES;
 use super::recorded::{Answer, Read, read_answer};
-use crate::http::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+use super::status::RETRY_PUSHBACK;
+use crate::headers::{IDEMPOTENCY_KEY, is_replayed};
 use crate::retry::{Attempts, RetryPolicy, Stopped};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -32,9 +33,6 @@ pub const DEFAULT_RETRY_CODES: [Code; 2] = [Code::Unavailable, Code::Aborted];
 /// The largest answer read whole to decide whether to retry it: tonic's default limit for a
 /// decoded message, and its 5-byte prefix. A larger answer is passed on as it comes, not retried.
 const MAX_ANSWER_BYTES: usize = 4 * 1024 * 1024 + 5;
-
-/// The trailing metadata of gRFC A6 that tells a retrying client how long to wait, or not to retry.
-const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
 
 /// Retries the unary calls of a tonic channel with one `idempotency-key` for all their attempts,
 /// so that a server honouring the key (as [`GrpcIdempotencyLayer`](super::GrpcIdempotencyLayer)
@@ -316,8 +314,7 @@ impl Config {
         if let Some(value) = headers.get(&IDEMPOTENCY_KEY) {
             return String::from_utf8_lossy(value.as_bytes()).into_owned();
         }
-        let derived = if self.derive_keys { crate::derived_key("POST", path) } else { None };
-        let key = derived.unwrap_or_else(|| crate::random::fresh_uuid().to_string());
+        let key = crate::context::outbound_key("POST", path, self.derive_keys);
         headers.insert(IDEMPOTENCY_KEY, HeaderValue::from_str(&key).expect("a UUID or hex digest is valid metadata"));
         key
     }
@@ -325,8 +322,7 @@ impl Config {
     fn classify(&self, answer: &Answer) -> Verdict {
         let code = code_of(answer);
         let retried = self.codes.contains(&code);
-        let replayed = answer.parts.headers.get(&IDEMPOTENT_REPLAYED);
-        if replayed.is_some_and(|value| value.as_bytes().eq_ignore_ascii_case(b"true")) {
+        if is_replayed(&answer.parts.headers) {
             return Verdict::Done(retried.then_some(Stopped::Replayed));
         }
         if !retried {

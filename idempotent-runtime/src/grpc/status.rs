@@ -13,8 +13,8 @@ use crate::{Error, KeyError, MAX_KEY_BYTES};
 /// before the answer leaves the server.
 pub const NOT_PROCESSED: &str = "idempotent-not-processed";
 
-/// The trailing metadata of gRFC A6 that tells a retrying client how long to wait.
-const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
+/// The trailing metadata of gRFC A6 that tells a retrying client how long to wait, or not to retry.
+pub(super) const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
 
 /// The longest pushback sent with `ABORTED`: the running call's remaining lease is its upper
 /// bound, but a client told to wait a whole lease (a minute by default) would wait long after a

@@ -43,10 +43,14 @@ pub(super) const RETRY_BUDGET: Duration = Duration::from_secs(4);
 /// The codes a caller retries (both kinds).
 pub(super) const RETRIED: [Code; 4] = [Code::Unavailable, Code::Aborted, Code::DeadlineExceeded, Code::Cancelled];
 
+/// The shortest and longest back-off of both kinds of caller: 20 ms doubling up to 200 ms.
+const BACKOFF: (Duration, Duration) = (Duration::from_millis(20), Duration::from_millis(200));
+
 /// The back-off before retry `retry` (1 for the first): 20, 40, 80, 160, 200 ms, of which a
-/// pause is drawn from the upper half.
+/// pause is drawn from the upper half. The hand loop spaces its retries as the layer's
+/// [`RetryPolicy`] does, so this is that policy's range.
 pub(super) fn backoff(retry: u32) -> Duration {
-    Duration::from_millis((20u64 << retry.clamp(1, 5).saturating_sub(1)).min(200))
+    RetryPolicy::default().backoff(BACKOFF.0, BACKOFF.1).backoff_range(retry).1
 }
 
 /// One attempt of a call, as its caller's side saw it.
@@ -171,7 +175,7 @@ async fn by_hand(i: usize, plan: &Plan, caller: &CallerPlan, channel: Channel, k
 async fn layered(i: usize, plan: &Plan, caller: &CallerPlan, channel: Channel, key: &str, fresh_keys: bool) -> Ended {
     let policy = RetryPolicy::default()
         .max_attempts(caller.attempts)
-        .backoff(backoff(1), backoff(5))
+        .backoff(BACKOFF.0, BACKOFF.1)
         .max_elapsed(RETRY_BUDGET)
         .jitter_seed(caller.jitter);
     let retries = GrpcRetryLayer::new(policy).method(PAY).retry_codes(RETRIED);

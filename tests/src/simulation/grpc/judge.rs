@@ -161,42 +161,20 @@ fn check_attempts(
             }
         }
         drop(sent);
-        for (n, pair) in e.tried.windows(2).enumerate() {
-            let (before, after): (&Tried, &Tried) = (&pair[0], &pair[1]);
-            if !retried_after(caller.layered, &before.outcome) {
-                verdict.violations.push(format!(
-                    "{kind} {i}: attempt {} followed attempt {}, which got a final answer: {:?}",
-                    n + 2,
-                    n + 1,
-                    before.outcome
-                ));
-                continue;
-            }
-            let pushback = before.outcome.as_ref().ok().and_then(|s| s.pushback.as_deref()?.parse::<u64>().ok());
-            let least = pushback.map_or(backoff(u32::try_from(n + 1).unwrap_or(5)) / 2, |ms| {
-                Duration::from_millis(ms).min(RETRY_BUDGET)
-            });
-            let pause = before.done.map(|done| after.sent.saturating_duration_since(done));
-            if pause.is_none_or(|pause| pause + Duration::from_millis(1) < least) {
-                verdict.violations.push(format!(
-                    "{kind} {i}: attempt {} was sent {pause:?} after attempt {} ended, before the least wait                      {least:?} (pushback {pushback:?})",
-                    n + 2,
-                    n + 1
-                ));
-            }
-        }
+        check_pauses(kind, i, caller.layered, &e.tried, verdict);
         let Some(last) = e.tried.last() else {
             verdict.violations.push(format!("{kind} {i}: no attempt made ({:?})", e.last));
             continue;
         };
         if made < caller.attempts as usize && retried_after(caller.layered, &last.outcome) {
-            let pushback = last.outcome.as_ref().ok().and_then(|s| s.pushback.as_deref()?.parse::<u64>().ok());
+            let pushback = positive_pushback(&last.outcome);
             let most =
                 pushback.map_or(backoff(u32::try_from(made).unwrap_or(5)), Duration::from_millis).min(RETRY_BUDGET);
             let taken = e.returned.saturating_duration_since(e.called);
             if taken + most < RETRY_BUDGET {
                 verdict.violations.push(format!(
-                    "{kind} {i}: stopped after {made} of {} attempts at {:?}, {taken:?} into a budget of                      {RETRY_BUDGET:?}, with a wait of at most {most:?} to go",
+                    "{kind} {i}: stopped after {made} of {} attempts at {:?}, {taken:?} into a budget of \
+                     {RETRY_BUDGET:?}, with a wait of at most {most:?} to go",
                     caller.attempts, last.outcome
                 ));
             }
@@ -218,6 +196,40 @@ fn check_attempts(
             }
         }
     }
+}
+
+/// A caller's pauses: an attempt follows only one that invited it, and no sooner than the
+/// server's positive pushback (capped by the budget) or the lower end of the back-off.
+fn check_pauses(kind: &str, i: usize, layered: bool, tried: &[Tried], verdict: &mut Verdict) {
+    for (n, pair) in tried.windows(2).enumerate() {
+        let (before, after): (&Tried, &Tried) = (&pair[0], &pair[1]);
+        if !retried_after(layered, &before.outcome) {
+            verdict.violations.push(format!(
+                "{kind} {i}: attempt {} followed attempt {}, which got a final answer: {:?}",
+                n + 2,
+                n + 1,
+                before.outcome
+            ));
+            continue;
+        }
+        let pushback = positive_pushback(&before.outcome);
+        let least = pushback
+            .map_or(backoff(u32::try_from(n + 1).unwrap_or(5)) / 2, |ms| Duration::from_millis(ms).min(RETRY_BUDGET));
+        let pause = before.done.map(|done| after.sent.saturating_duration_since(done));
+        if pause.is_none_or(|pause| pause + Duration::from_millis(1) < least) {
+            verdict.violations.push(format!(
+                "{kind} {i}: attempt {} was sent {pause:?} after attempt {} ended, before the least wait \
+                 {least:?} (pushback {pushback:?})",
+                n + 2,
+                n + 1
+            ));
+        }
+    }
+}
+
+/// The positive pushback an outcome carries, in milliseconds.
+fn positive_pushback(outcome: &Final) -> Option<u64> {
+    outcome.as_ref().ok().and_then(|s| s.pushback.as_deref()?.parse::<u64>().ok())
 }
 
 /// The message caller `c` sends.

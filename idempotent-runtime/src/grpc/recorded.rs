@@ -111,6 +111,13 @@ impl Answer {
         value.map_or(Code::Unknown, |value| Code::from_bytes(value.as_bytes()))
     }
 
+    /// Where a client reads the answer's status: the trailers, or the headers of a trailers-only
+    /// answer; `None` when neither carries `grpc-status` (an HTTP proxy's own answer).
+    pub(crate) fn status_metadata(&self) -> Option<&HeaderMap> {
+        let carries_status = |map: &&HeaderMap| map.contains_key(GRPC_STATUS);
+        self.trailers.as_ref().filter(carries_status).or_else(|| Some(&self.parts.headers).filter(carries_status))
+    }
+
     /// Removes the [`not_processed`](super::not_processed) marker; `true` if it was there.
     pub(crate) fn take_not_processed(&mut self) -> bool {
         let in_headers = self.parts.headers.remove(NOT_PROCESSED_HEADER).is_some();

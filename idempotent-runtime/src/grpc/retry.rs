@@ -328,9 +328,8 @@ impl Config {
         if !retried {
             return Verdict::Done(None);
         }
-        // Where a client reads the status: the trailers, or the headers of a trailers-only answer.
-        let status =
-            answer.trailers.as_ref().filter(|t| t.contains_key("grpc-status")).unwrap_or(&answer.parts.headers);
+        // Beside the status; an HTTP proxy's answer has none, and its pushback would be in its headers.
+        let status = answer.status_metadata().unwrap_or(&answer.parts.headers);
         let Some(pushback) = status.get(RETRY_PUSHBACK) else {
             return Verdict::Retry { pushback: None };
         };
@@ -362,8 +361,7 @@ impl<E> Outcome<E> {
 /// own answer), the code gRPC's spec maps its HTTP status to (`502`, `503`, `504` and `429` are
 /// `UNAVAILABLE`).
 fn code_of(answer: &Answer) -> Code {
-    let has_status = |map: &HeaderMap| map.contains_key("grpc-status");
-    if has_status(&answer.parts.headers) || answer.trailers.as_ref().is_some_and(has_status) {
+    if answer.status_metadata().is_some() {
         return answer.code();
     }
     match answer.parts.status.as_u16() {

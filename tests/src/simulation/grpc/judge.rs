@@ -148,12 +148,7 @@ fn check_attempts(
         for (n, tried) in e.tried.iter().enumerate() {
             let Ok(got) = &tried.outcome else { continue };
             let by_tonic = got.answer.code == Code::Cancelled && got.answer.tag().is_none();
-            let logged = sent.iter().any(|s| {
-                (s.caller, s.attempt) == (i, n + 1)
-                    && s.answer == got.answer
-                    && s.replayed == got.replayed
-                    && s.pushback == got.pushback
-            });
+            let logged = sent.iter().any(|s| (s.caller, s.attempt) == (i, n + 1) && s.says_the_same(got));
             if !logged && !by_tonic {
                 verdict
                     .violations
@@ -181,9 +176,7 @@ fn check_attempts(
         }
         if caller.layered {
             let same = match (&last.outcome, &e.last) {
-                (Ok(tried), Ok(got)) => {
-                    tried.answer == got.answer && tried.replayed == got.replayed && tried.pushback == got.pushback
-                }
+                (Ok(tried), Ok(got)) => tried.says_the_same(got),
                 (Err(_), Err(_)) => true,
                 // An answer cut off comes back as the layer's UNAVAILABLE.
                 (Err(reason), Ok(got)) => reason.starts_with("cut off") && got.answer.code == Code::Unavailable,

@@ -95,6 +95,13 @@ pub(super) struct Seen {
     pub(super) at: Instant,
 }
 
+impl Seen {
+    /// The same answer, marks and pushback as `other`, whoever saw it and when.
+    pub(super) fn says_the_same(&self, other: &Seen) -> bool {
+        self.answer == other.answer && self.replayed == other.replayed && self.pushback == other.pushback
+    }
+}
+
 /// An attempt of a call as it reached the server (seen outside the layer, before it).
 #[derive(Debug, Clone)]
 pub(super) struct Arrival {

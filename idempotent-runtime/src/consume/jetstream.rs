@@ -302,7 +302,7 @@ impl<E: HandlerError> Consumer<E> {
             Some(id) => {
                 let message = Message { id: id.clone(), subject, payload, headers, delivered };
                 // Called inside the future whose panics `decide` catches (see the AMQP consumer).
-                let work = async move { handler.handle(message).await };
+                let work = super::run_boxed(handler, message);
                 let run = with_progress(work, &acker, limits.progress_every);
                 self.decide(id, attempt, limits.cap, run).await
             }
@@ -442,5 +442,32 @@ async fn with_progress<F: Future>(work: F, acker: &Acker, every: Duration) -> F:
     tokio::select! {
         output = work => output,
         () = progress => unreachable!("the progress loop never ends"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::broker::Handle;
+    use super::super::sizes::{GROWTH_ALLOWED, future_size, large, small};
+    use super::{Consumer, JetStream, Limits, Message};
+    use crate::Error;
+
+    /// The size of a delivery's future with `handler`.
+    fn delivery_size(handler: &'static impl Handle<JetStream, Error>) -> usize {
+        future_size(
+            |(consumer, message, limits): (&'static Consumer<Error>, async_nats::jetstream::Message, Limits)| {
+                consumer.settle(message, handler, limits, std::future::pending::<()>())
+            },
+        )
+    }
+
+    #[test]
+    fn jetstream_a_delivery_in_hand_does_not_hold_the_handler_future_inline() {
+        // As for the AMQP consumer: the handler's future is boxed, not copied with each move.
+        let (small, large) = (delivery_size(&small::<Message>), delivery_size(&large::<Message>));
+        assert!(
+            large < small + GROWTH_ALLOWED,
+            "a delivery's future is {large} bytes with a 64 KiB handler future, {small} with a small one"
+        );
     }
 }

@@ -263,7 +263,20 @@ pub(crate) mod broker {
     }
 }
 
-use broker::{Broker, Consume};
+use broker::{Broker, Consume, Handle};
+
+/// Runs `handler` on `message` with the handler's future on the heap.
+///
+/// A delivery in hand is a future that the consumer creates and moves as it starts (into its
+/// task, into `decide`'s panic guard), and a handler's future can be tens of kilobytes (38 KB
+/// for an `#[idempotent]` handler on the PostgreSQL store): held inline, a delivery's future
+/// kept two to four copies of it (by the layout the compiler gave the brokers' code), and each
+/// move copied them. Boxed, it costs one allocation per delivery. The handler is called when
+/// this future is first polled, inside `decide`: a handler that panics before it returns its
+/// future is caught like its future's panics.
+pub(crate) async fn run_boxed<B: Broker, E, H: Handle<B, E>>(handler: &H, message: B::Message) -> Result<H::Ok, E> {
+    Box::pin(handler.handle(message)).await
+}
 
 /// What the consumer decided for one delivery, from the handler's run.
 pub(crate) struct Verdict {
@@ -491,6 +504,35 @@ fn log(settled: &Settled) {
 
 /// The reason logged for a message without an id.
 pub(crate) const NO_ID: &str = "the message has no id to deduplicate it by";
+
+/// What the brokers' tests of a delivery's future size share.
+#[cfg(test)]
+pub(crate) mod sizes {
+    use crate::Error;
+
+    /// The size of the futures `make` returns (it is never called).
+    pub(crate) fn future_size<A, F: std::future::Future>(_: impl Fn(A) -> F) -> usize {
+        std::mem::size_of::<F>()
+    }
+
+    /// A handler whose future holds 64 KiB across an await, as large as the futures of handlers
+    /// on some stores (an `#[idempotent]` handler on the PostgreSQL store: 38 KB).
+    #[allow(clippy::large_stack_arrays, reason = "the large future is what the tests measure; it is never polled")]
+    pub(crate) async fn large<M>(_: M) -> Result<(), Error> {
+        let buffer = [1u8; 65_536];
+        tokio::task::yield_now().await;
+        std::hint::black_box(&buffer);
+        Ok(())
+    }
+
+    /// A handler whose future is small.
+    pub(crate) async fn small<M>(_: M) -> Result<(), Error> {
+        Ok(())
+    }
+
+    /// How much larger a delivery's future may be with [`large`] than with [`small`].
+    pub(crate) const GROWTH_ALLOWED: usize = 1024;
+}
 
 #[cfg(test)]
 mod tests {

@@ -1,5 +1,5 @@
-//! What the benchmark programs of `src/bin` share: the CPU time they read off the machine, and
-//! the median they report.
+//! What the benchmark programs of `src/bin` share: the CPU time they read off the machine, the
+//! median they report, and the consumer benchmarks' queues, streams and handler.
 
 /// CPU time as the benchmark programs read it: from `/proc` (user + system, in clock ticks of
 /// 1/100 s) and from Redis's own count.
@@ -40,6 +40,21 @@ pub mod measure {
             * 1e6
     }
 
+    /// The processes whose CPU time the consumer benchmarks count: the program itself, then, by
+    /// the command name `/proc` gives them, RabbitMQ, NATS, Redis and PostgreSQL (all of its
+    /// processes).
+    pub const CONSUMER_PROCESSES: [&str; 5] = ["this program", "beam.smp", "nats-server", "redis-server", "postgres"];
+
+    /// The CPU ticks so far of this process and of each server of [`CONSUMER_PROCESSES`], summed
+    /// per name.
+    #[must_use]
+    pub fn consumer_processes_ticks() -> [f64; CONSUMER_PROCESSES.len()] {
+        std::array::from_fn(|i| match i {
+            0 => process_ticks("/proc/self/stat").map_or(f64::NAN, |(_, ticks)| ticks),
+            _ => ticks_of_processes_named(CONSUMER_PROCESSES[i]),
+        })
+    }
+
     /// The median of the finite values (the mean of the middle two for an even count), or NaN
     /// if there is none.
     #[must_use]
@@ -52,4 +67,91 @@ pub mod measure {
         let mid = values.len() / 2;
         if values.len() % 2 == 1 { values[mid] } else { f64::midpoint(values[mid - 1], values[mid]) }
     }
+}
+
+/// Queues and streams filled for the consumer benchmarks (`consume_load`, `window_ceiling`): one
+/// small message (`{}`) per id, each confirmed by the broker before the fill returns.
+pub mod fill {
+    use idempotent_runtime::consume::amqp::lapin::options::{
+        BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    };
+    use idempotent_runtime::consume::amqp::lapin::types::FieldTable;
+    use idempotent_runtime::consume::amqp::lapin::{self, BasicProperties};
+    use idempotent_runtime::consume::jetstream::async_nats::{self, jetstream};
+
+    /// How many JetStream publish acks a fill has pending at most (the context allows 5,000).
+    const PUBLISH_WINDOW: usize = 1000;
+
+    /// Puts `channel` in confirm mode, declares `queue` and publishes one message per id (its
+    /// `message_id`) through the default exchange.
+    ///
+    /// # Errors
+    ///
+    /// RabbitMQ's, when a declaration, publish or confirm fails.
+    pub async fn amqp(
+        channel: &lapin::Channel,
+        queue: &str,
+        ids: impl IntoIterator<Item = String>,
+    ) -> Result<(), lapin::Error> {
+        channel.confirm_select(ConfirmSelectOptions::default()).await?;
+        channel.queue_declare(queue.into(), QueueDeclareOptions::default(), FieldTable::default()).await?;
+        let mut confirms = Vec::new();
+        for id in ids {
+            let properties = BasicProperties::default().with_message_id(id.into());
+            let options = BasicPublishOptions::default();
+            confirms.push(channel.basic_publish("".into(), queue.into(), options, b"{}", properties).await?);
+        }
+        for confirm in confirms {
+            confirm.await?;
+        }
+        Ok(())
+    }
+
+    /// Creates the stream `name` on the subject `bench.<name>` and publishes one message per id
+    /// (its `Nats-Msg-Id` header); returns the stream.
+    ///
+    /// # Errors
+    ///
+    /// JetStream's, when the stream cannot be created or a publish is not acknowledged.
+    pub async fn jetstream(
+        js: &jetstream::Context,
+        name: &str,
+        ids: impl IntoIterator<Item = String>,
+    ) -> Result<jetstream::stream::Stream, async_nats::Error> {
+        let subject = format!("bench.{name}");
+        let config =
+            jetstream::stream::Config { name: name.to_owned(), subjects: vec![subject.clone()], ..Default::default() };
+        let stream = js.create_stream(config).await?;
+        // Acks awaited a window at a time: each pending ack holds one of the context's permits
+        // (5,000 by default), and a publish waits for a free one, so holding the acks of every
+        // message until the end stalled the fill for good at 5,001 messages.
+        let mut acks = std::collections::VecDeque::with_capacity(PUBLISH_WINDOW);
+        for id in ids {
+            if acks.len() == PUBLISH_WINDOW {
+                acks.pop_front().expect("a full window").await?;
+            }
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("Nats-Msg-Id", id.as_str());
+            acks.push_back(js.publish_with_headers(subject.clone(), headers, "{}".into()).await?);
+        }
+        for ack in acks {
+            ack.await?;
+        }
+        Ok(stream)
+    }
+}
+
+/// The handler the consumer benchmarks run under `#[idempotent]`, keyed by the message id: it
+/// counts the message (once per id, on the store given) and returns the count before it.
+///
+/// # Errors
+///
+/// The idempotency step's (the store down, the key claimed elsewhere).
+#[idempotent_runtime::idempotent(key = id, store = store, scope = "consumer-bench", retention = "10m")]
+pub async fn count_once<S: idempotent_runtime::Store>(
+    store: &S,
+    id: &str,
+    handled: &std::sync::atomic::AtomicUsize,
+) -> Result<usize, idempotent_runtime::Error> {
+    Ok(handled.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
 }

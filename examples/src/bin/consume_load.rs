@@ -44,27 +44,17 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idempotent_examples::measure::{median, process_ticks, ticks_of_processes_named};
-use idempotent_runtime::consume::amqp::lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
-};
-use idempotent_runtime::consume::amqp::lapin::types::FieldTable;
-use idempotent_runtime::consume::amqp::lapin::{self, BasicProperties};
+use idempotent_examples::measure::{CONSUMER_PROCESSES, consumer_processes_ticks, median};
+use idempotent_examples::{count_once, fill};
+use idempotent_runtime::consume::amqp::lapin;
+use idempotent_runtime::consume::amqp::lapin::options::QueueDeleteOptions;
 use idempotent_runtime::consume::jetstream::async_nats::{self, jetstream};
 use idempotent_runtime::consume::{Disposition, amqp, jetstream as js_consume};
 use idempotent_runtime::stores::sql::{PostgresStore, sqlx};
-use idempotent_runtime::{Error, RedisStore, Store, StoreError, idempotent};
+use idempotent_runtime::{Error, RedisStore, StoreError};
 
 const USAGE: &str = "usage: consume_load [--runs 5] [--messages 20000] [--concurrency 16]
                     [--brokers amqp,jetstream] [--modes plain,redis,postgres,postgres-untested,postgres-tx]";
-
-/// How many JetStream publish acks the fill has pending at most (the context allows 5,000).
-const PUBLISH_WINDOW: usize = 1000;
-
-#[idempotent(key = id, store = store, scope = "consume-load", retention = "10m")]
-async fn handle<S: Store>(store: &S, id: &str, handled: &AtomicUsize) -> Result<usize, Error> {
-    Ok(handled.fetch_add(1, Ordering::Relaxed))
-}
 
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
 enum Broker {
@@ -208,7 +198,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let ratio = ratios.get(&(*broker, *mode)).map_or("1".to_owned(), |r| format!("{:.2}", median(r.clone())));
         let used = |i: usize| median(cpu.get(&(*broker, *mode, i)).cloned().unwrap_or_default());
         let own_broker = if *broker == Broker::Amqp { used(1) } else { used(2) };
-        let all: f64 = (0..PROCESSES.len()).map(used).sum();
+        let all: f64 = (0..CONSUMER_PROCESSES.len()).map(used).sum();
         let cpu = format!("{:.1} | {own_broker:.1} | {:.1} | {:.1} | {all:.1}", used(0), used(3), used(4));
         let broker = match broker {
             Broker::Amqp => "RabbitMQ",
@@ -253,20 +243,7 @@ impl Setup {
     async fn amqp(&self, queue: &str, mode: Mode) -> Result<Measured, Box<dyn std::error::Error>> {
         let connection = lapin::Connection::connect(&self.amqp, lapin::ConnectionProperties::default()).await?;
         let channel = connection.create_channel().await?;
-        channel.confirm_select(ConfirmSelectOptions::default()).await?;
-        channel.queue_declare(queue.into(), QueueDeclareOptions::default(), FieldTable::default()).await?;
-        let mut confirms = Vec::with_capacity(self.messages);
-        for id in self.ids(queue) {
-            let properties = BasicProperties::default().with_message_id(id.as_str().into());
-            confirms.push(
-                channel
-                    .basic_publish("".into(), queue.into(), BasicPublishOptions::default(), b"{}", properties)
-                    .await?,
-            );
-        }
-        for confirm in confirms {
-            confirm.await?;
-        }
+        fill::amqp(&channel, queue, self.ids(queue)).await?;
         let consumer = amqp::Consumer::new(connection.create_channel().await?, queue).concurrency(self.concurrency);
         let rate =
             self.drain(mode, |handler, observer, stop| consumer.on_settled(observer).run_until(handler, stop)).await?;
@@ -277,25 +254,7 @@ impl Setup {
 
     async fn jetstream(&self, name: &str, mode: Mode) -> Result<Measured, Box<dyn std::error::Error>> {
         let js = jetstream::new(async_nats::connect(&self.nats).await?);
-        let subject = format!("bench.{name}");
-        let config =
-            jetstream::stream::Config { name: name.to_owned(), subjects: vec![subject.clone()], ..Default::default() };
-        let stream = js.create_stream(config).await?;
-        // Acks awaited a window at a time: each pending ack holds one of the context's permits
-        // (5,000 by default), and a publish waits for a free one, so holding the acks of every
-        // message until the end stalled the fill for good at 5,001 messages.
-        let mut acks = std::collections::VecDeque::with_capacity(PUBLISH_WINDOW);
-        for id in self.ids(name) {
-            if acks.len() == PUBLISH_WINDOW {
-                acks.pop_front().expect("a full window").await?;
-            }
-            let mut headers = async_nats::HeaderMap::new();
-            headers.insert("Nats-Msg-Id", id.as_str());
-            acks.push_back(js.publish_with_headers(subject.clone(), headers, "{}".into()).await?);
-        }
-        for ack in acks {
-            ack.await?;
-        }
+        let stream = fill::jetstream(&js, name, self.ids(name)).await.map_err(|e| e.to_string())?;
         let config = jetstream::consumer::pull::Config { durable_name: Some("bench".into()), ..Default::default() };
         let pull = stream.create_consumer(config).await?;
         let consumer = js_consume::Consumer::new(js.clone(), pull).concurrency(self.concurrency);
@@ -336,12 +295,12 @@ impl Setup {
                     Mode::Plain => Box::pin(async move { Ok(handled.fetch_add(1, Ordering::Relaxed)) }),
                     Mode::Redis => {
                         let store = redis.clone();
-                        Box::pin(async move { handle(&store, &id, &handled).await })
+                        Box::pin(async move { count_once(&store, &id, &handled).await })
                     }
                     Mode::Postgres | Mode::PostgresUntested => {
                         let store = Arc::clone(&postgres);
                         let which = usize::from(mode == Mode::PostgresUntested);
-                        Box::pin(async move { handle(&store[which], &id, &handled).await })
+                        Box::pin(async move { count_once(&store[which], &id, &handled).await })
                     }
                     Mode::PostgresTx => {
                         let store = Arc::clone(&postgres);
@@ -352,7 +311,7 @@ impl Setup {
                                 source: StoreError::backend("postgres", e),
                             };
                             let tx = store[1].begin().await.map_err(|e| failed("begin", e))?;
-                            let handled = handle(&tx, &id, &handled).await?;
+                            let handled = count_once(&tx, &id, &handled).await?;
                             tx.commit().await.map_err(|e| failed("commit", e))?;
                             Ok(handled)
                         })
@@ -360,7 +319,7 @@ impl Setup {
                 }
             })
         };
-        let (started, cpu_before) = (Instant::now(), cpu_by_process());
+        let (started, cpu_before) = (Instant::now(), consumer_processes_ticks());
         let stopped = Box::pin(async move {
             let _ = stopped.await;
         });
@@ -368,7 +327,7 @@ impl Setup {
             .await?
             .map_err(|e| e.to_string())?;
         let elapsed = started.elapsed();
-        let cpu_after = cpu_by_process();
+        let cpu_after = consumer_processes_ticks();
         assert_eq!(handled.load(Ordering::SeqCst), total, "every message handled once");
         let per_message = |i: usize| (cpu_after[i] - cpu_before[i]) * 10_000.0 / total as f64;
         Ok(Measured { rate: total as f64 / elapsed.as_secs_f64(), cpu: std::array::from_fn(per_message) })
@@ -376,23 +335,10 @@ impl Setup {
 }
 
 /// What one drain measured: messages per second, and the CPU µs per message of each process of
-/// [`PROCESSES`].
+/// [`CONSUMER_PROCESSES`].
 struct Measured {
     rate: f64,
-    cpu: [f64; PROCESSES.len()],
-}
-
-/// The processes whose CPU time is counted: this consumer, then, by the command name `/proc`
-/// gives them, the two brokers, Redis and PostgreSQL (all of its processes).
-const PROCESSES: [&str; 5] = ["this consumer", "beam.smp", "nats-server", "redis-server", "postgres"];
-
-/// The CPU time (user and system, in clock ticks of 10 ms) so far of this process and of every
-/// process whose command name is in [`PROCESSES`], summed per name.
-fn cpu_by_process() -> [f64; PROCESSES.len()] {
-    std::array::from_fn(|i| match i {
-        0 => process_ticks("/proc/self/stat").map_or(f64::NAN, |(_, ticks)| ticks),
-        _ => ticks_of_processes_named(PROCESSES[i]),
-    })
+    cpu: [f64; CONSUMER_PROCESSES.len()],
 }
 
 /// The id of a consumer's message type.

@@ -50,18 +50,18 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use futures_util::{FutureExt as _, StreamExt as _};
-use idempotent_examples::measure::{median, process_ticks, ticks_of_processes_named};
+use idempotent_examples::measure::{CONSUMER_PROCESSES, consumer_processes_ticks, median};
+use idempotent_examples::{count_once, fill};
+use idempotent_runtime::consume::amqp::lapin;
 use idempotent_runtime::consume::amqp::lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
-    QueueDeclareOptions, QueueDeleteOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeleteOptions,
 };
 use idempotent_runtime::consume::amqp::lapin::types::FieldTable;
-use idempotent_runtime::consume::amqp::lapin::{self, BasicProperties};
 use idempotent_runtime::consume::jetstream::async_nats::{self, jetstream};
 use idempotent_runtime::consume::{Disposition, Settled, amqp, jetstream as js_consume};
 use idempotent_runtime::stores::redis::redis;
 use idempotent_runtime::stores::sql::{PostgresStore, sqlx};
-use idempotent_runtime::{Error, RedisStore, Store, idempotent};
+use idempotent_runtime::{Error, RedisStore};
 
 const USAGE: &str = "usage: window_ceiling [--runs 5] [--messages 20000] [--window 16] [--brokers amqp,jetstream]
                       [--modes lib-plain,lib-redis,lib-postgres,window-plain,window-redis,window-postgres]";
@@ -84,11 +84,6 @@ for i, key in ipairs(KEYS) do
   end
 end
 return recorded";
-
-#[idempotent(key = id, store = store, scope = "window-ceiling", retention = "10m")]
-async fn handle<S: Store>(store: &S, id: &str, handled: &AtomicUsize) -> Result<usize, Error> {
-    Ok(handled.fetch_add(1, Ordering::Relaxed))
-}
 
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
 enum Broker {
@@ -116,9 +111,6 @@ impl Mode {
         names.iter().position(|n| *n == name).map(|i| MODES[i])
     }
 }
-
-/// The processes whose CPU time is counted: this program, the brokers, Redis, PostgreSQL.
-const PROCESSES: [&str; 5] = ["this program", "beam.smp", "nats-server", "redis-server", "postgres"];
 
 struct Setup {
     amqp: String,
@@ -238,14 +230,6 @@ fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg").map_or_else(|e| format!("unknown ({e})"), |l| l.trim().to_owned())
 }
 
-/// The CPU time (clock ticks of 10 ms) so far of this program and of each of the servers.
-fn cpu_by_process() -> [f64; PROCESSES.len()] {
-    std::array::from_fn(|i| match i {
-        0 => process_ticks("/proc/self/stat").map_or(f64::NAN, |(_, ticks)| ticks),
-        _ => ticks_of_processes_named(PROCESSES[i]),
-    })
-}
-
 impl Setup {
     async fn reset_tables(&self) -> Result<(), Failed> {
         sqlx::query("DROP TABLE IF EXISTS idempotent_window_ceiling").execute(&self.pool).await?;
@@ -261,7 +245,7 @@ impl Setup {
     }
 
     /// Fills a fresh queue (stream) of `broker` and drains it in `mode`: messages per second, and
-    /// CPU µs per message of each of [`PROCESSES`].
+    /// CPU µs per message of each of [`CONSUMER_PROCESSES`].
     async fn measure(&self, broker: Broker, mode: Mode, run: usize) -> Result<Measured, Failed> {
         let name = format!("idempotent-window-ceiling-{}-{run}-{mode:?}", std::process::id());
         match broker {
@@ -276,10 +260,10 @@ impl Setup {
         handled: &AtomicUsize,
         drain: impl Future<Output = Result<(), Failed>>,
     ) -> Result<Measured, Failed> {
-        let (started, before) = (Instant::now(), cpu_by_process());
+        let (started, before) = (Instant::now(), consumer_processes_ticks());
         tokio::time::timeout(Duration::from_secs(300), drain).await??;
         let elapsed = started.elapsed();
-        let after = cpu_by_process();
+        let after = consumer_processes_ticks();
         assert_eq!(handled.load(Ordering::SeqCst), self.messages, "every message handled once");
         let per_message = |i: usize| (after[i] - before[i]) * 10_000.0 / self.messages as f64;
         Ok((self.messages as f64 / elapsed.as_secs_f64(), std::array::from_fn(per_message)))
@@ -288,17 +272,7 @@ impl Setup {
     async fn amqp(&self, queue: &str, mode: Mode) -> Result<Measured, Failed> {
         let connection = lapin::Connection::connect(&self.amqp, lapin::ConnectionProperties::default()).await?;
         let channel = connection.create_channel().await?;
-        channel.confirm_select(ConfirmSelectOptions::default()).await?;
-        channel.queue_declare(queue.into(), QueueDeclareOptions::default(), FieldTable::default()).await?;
-        let mut confirms = Vec::with_capacity(self.messages);
-        for i in 0..self.messages {
-            let properties = BasicProperties::default().with_message_id(format!("{queue}-{i}").into());
-            let options = BasicPublishOptions::default();
-            confirms.push(channel.basic_publish("".into(), queue.into(), options, b"{}", properties).await?);
-        }
-        for confirm in confirms {
-            confirm.await?;
-        }
+        fill::amqp(&channel, queue, (0..self.messages).map(|i| format!("{queue}-{i}"))).await?;
         let handled = AtomicUsize::new(0);
         let consuming = connection.create_channel().await?;
         let measured = if mode < Mode::WindowPlain {
@@ -316,24 +290,7 @@ impl Setup {
 
     async fn jetstream(&self, name: &str, mode: Mode) -> Result<Measured, Failed> {
         let js = jetstream::new(async_nats::connect(&self.nats).await?);
-        let subject = format!("bench.{name}");
-        let config =
-            jetstream::stream::Config { name: name.to_owned(), subjects: vec![subject.clone()], ..Default::default() };
-        let stream = js.create_stream(config).await?;
-        // Acks awaited a window at a time, as `consume_load` fills its streams: each pending ack
-        // holds one of the context's 5,000 permits.
-        let mut acks = std::collections::VecDeque::with_capacity(1000);
-        for i in 0..self.messages {
-            if acks.len() == 1000 {
-                acks.pop_front().expect("a full window").await?;
-            }
-            let mut headers = async_nats::HeaderMap::new();
-            headers.insert("Nats-Msg-Id", format!("{name}-{i}").as_str());
-            acks.push_back(js.publish_with_headers(subject.clone(), headers, "{}".into()).await?);
-        }
-        for ack in acks {
-            ack.await?;
-        }
+        let stream = fill::jetstream(&js, name, (0..self.messages).map(|i| format!("{name}-{i}"))).await?;
         let handled = AtomicUsize::new(0);
         let measured = if mode < Mode::WindowPlain {
             let config = jetstream::consumer::pull::Config { durable_name: Some("lib".into()), ..Default::default() };
@@ -372,8 +329,8 @@ impl Setup {
     /// The library consumer's handler in `mode`.
     async fn handle(&self, mode: Mode, id: String, handled: &AtomicUsize) -> Result<usize, Error> {
         match mode {
-            Mode::LibRedis => handle(&self.redis_store, &id, handled).await,
-            Mode::LibPostgres => handle(&self.postgres_store, &id, handled).await,
+            Mode::LibRedis => count_once(&self.redis_store, &id, handled).await,
+            Mode::LibPostgres => count_once(&self.postgres_store, &id, handled).await,
             _ => Ok(handled.fetch_add(1, Ordering::Relaxed)),
         }
     }
@@ -507,8 +464,8 @@ impl Setup {
 /// How the program fails (every client's error converts into it).
 type Failed = Box<dyn std::error::Error + Send + Sync>;
 
-/// Messages per second, and the CPU µs per message of each of [`PROCESSES`].
-type Measured = (f64, [f64; PROCESSES.len()]);
+/// Messages per second, and the CPU µs per message of each of [`CONSUMER_PROCESSES`].
+type Measured = (f64, [f64; CONSUMER_PROCESSES.len()]);
 
 /// A random token per window (uuid's per-thread generator: enough for a benchmark's one process).
 fn rand_token() -> u128 {

@@ -117,6 +117,9 @@ struct Setup {
     nats: String,
     redis_store: RedisStore,
     redis: redis::aio::MultiplexedConnection,
+    /// The window's claim and record scripts ([`CLAIM`], [`RECORD`]), hashed once.
+    claim: redis::Script,
+    record: redis::Script,
     postgres_store: PostgresStore,
     pool: sqlx::PgPool,
     messages: usize,
@@ -170,6 +173,8 @@ async fn main() -> Result<(), Failed> {
         nats: env("NATS_URL", "nats://127.0.0.1:4222"),
         redis_store,
         redis,
+        claim: redis::Script::new(CLAIM),
+        record: redis::Script::new(RECORD),
         postgres_store,
         pool,
         messages,
@@ -350,14 +355,7 @@ impl Setup {
         let (mut acked, mut windows) = (0, 0);
         let mut window = Vec::with_capacity(self.window);
         while acked < self.messages {
-            window.clear();
-            window.push(consumer.next().await.ok_or("the consumer ended")??);
-            while window.len() < self.window {
-                match consumer.next().now_or_never() {
-                    Some(Some(delivery)) => window.push(delivery?),
-                    _ => break,
-                }
-            }
+            next_window(&mut consumer, self.window, &mut window).await?;
             let id = |d: &lapin::message::Delivery| d.properties.message_id().as_ref().map(ToString::to_string);
             let keys: Vec<String> = window.iter().map(id).collect::<Option<_>>().ok_or("a message without an id")?;
             self.window_step(mode, &keys, handled).await?;
@@ -382,14 +380,7 @@ impl Setup {
         let (mut acked, mut windows) = (0, 0);
         let mut window = Vec::with_capacity(self.window);
         while acked < self.messages {
-            window.clear();
-            window.push(messages.next().await.ok_or("the consumer ended")??);
-            while window.len() < self.window {
-                match messages.next().now_or_never() {
-                    Some(Some(message)) => window.push(message?),
-                    _ => break,
-                }
-            }
+            next_window(&mut messages, self.window, &mut window).await?;
             let id = |m: &jetstream::Message| Some(m.headers.as_ref()?.get("Nats-Msg-Id")?.to_string());
             let keys: Vec<String> = window.iter().map(id).collect::<Option<_>>().ok_or("a message without an id")?;
             self.window_step(mode, &keys, handled).await?;
@@ -411,19 +402,14 @@ impl Setup {
             Mode::WindowRedis => {
                 let mut redis = self.redis.clone();
                 let found: Vec<Option<String>> =
-                    redis::Script::new(CLAIM).key(keys).arg(&token).arg(60_000).invoke_async(&mut redis).await?;
+                    self.claim.key(keys).arg(&token).arg(60_000).invoke_async(&mut redis).await?;
                 assert!(found.iter().all(Option::is_none), "every key claimed: {found:?}");
                 let outcomes: Vec<String> = keys
                     .iter()
                     .map(|_| format!("d{}\n{{\"Ok\":{}}}", &token[1..], handled.fetch_add(1, Ordering::Relaxed)))
                     .collect();
-                let recorded: usize = redis::Script::new(RECORD)
-                    .key(keys)
-                    .arg(&token)
-                    .arg(600_000)
-                    .arg(&outcomes)
-                    .invoke_async(&mut redis)
-                    .await?;
+                let recorded: usize =
+                    self.record.key(keys).arg(&token).arg(600_000).arg(&outcomes).invoke_async(&mut redis).await?;
                 assert_eq!(recorded, keys.len());
             }
             Mode::WindowPostgres => {
@@ -466,6 +452,24 @@ type Failed = Box<dyn std::error::Error + Send + Sync>;
 
 /// Messages per second, and the CPU µs per message of each of [`CONSUMER_PROCESSES`].
 type Measured = (f64, [f64; CONSUMER_PROCESSES.len()]);
+
+/// Waits for the next delivery of `stream`, then takes those already at hand, up to `size` in
+/// all, into `window` (emptied first).
+async fn next_window<T, E: Into<Failed>>(
+    stream: &mut (impl futures_util::Stream<Item = Result<T, E>> + Unpin),
+    size: usize,
+    window: &mut Vec<T>,
+) -> Result<(), Failed> {
+    window.clear();
+    window.push(stream.next().await.ok_or("the consumer ended")?.map_err(Into::into)?);
+    while window.len() < size {
+        match stream.next().now_or_never() {
+            Some(Some(item)) => window.push(item.map_err(Into::into)?),
+            _ => break,
+        }
+    }
+    Ok(())
+}
 
 /// A random token per window (uuid's per-thread generator: enough for a benchmark's one process).
 fn rand_token() -> u128 {

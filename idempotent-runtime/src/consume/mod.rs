@@ -511,7 +511,7 @@ pub(crate) mod sizes {
     use crate::Error;
 
     /// The size of the futures `make` returns (it is never called).
-    pub(crate) fn future_size<A, F: std::future::Future>(_: impl Fn(A) -> F) -> usize {
+    pub(crate) fn future_size<A, F: std::future::Future>(_make: impl Fn(A) -> F) -> usize {
         std::mem::size_of::<F>()
     }
 

@@ -57,6 +57,44 @@ pub trait Store: Send + Sync {
     /// token holds the key (see the trait docs for the rule).
     fn complete(&self, completion: &Completion<'_>) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// Claims the keys of several requests at once, and returns each request's answer in the
+    /// requests' order: what its own [`claim`](Store::claim) would have answered, had the
+    /// requests' claims been sent concurrently.
+    ///
+    /// For callers that hold many keys at once (a consumer with a window of deliveries): a store
+    /// that can claim them in one round trip (the PostgreSQL store: one statement) overrides it.
+    /// The default sends each request's `claim`, concurrently, and never fails as a whole.
+    ///
+    /// Of several requests for one key, one at most is [`Claim::Claimed`] (which one is not
+    /// specified), unless they share their token: a token's second request for a key it holds is
+    /// `Claimed` too, as its single `claim` is. An error of one request (a corrupt record, say)
+    /// is that request's; the outer error says the batch failed as a whole (its connection, its
+    /// statement). As after a failed `claim`, its keys may then be held by claims whose answers
+    /// were lost, until their leases end.
+    fn claim_many(
+        &self,
+        requests: &[ClaimRequest<'_>],
+    ) -> impl Future<Output = Result<Vec<Result<Claim, StoreError>>, StoreError>> + Send {
+        async move { Ok(futures_util::future::join_all(requests.iter().map(|request| self.claim(request))).await) }
+    }
+
+    /// Records several completions at once, and returns each one's answer in their order: what
+    /// its own [`complete`](Store::complete) would have answered, had they been sent
+    /// concurrently.
+    ///
+    /// The default sends each completion's `complete`, concurrently, and never fails as a whole;
+    /// a store that can record them in one round trip overrides it. The outer error says the batch
+    /// failed as a whole; like a failed `complete`, it may have recorded some of them, and
+    /// sending them again (the same tokens) records the rest and changes nothing of those.
+    fn complete_many(
+        &self,
+        completions: &[Completion<'_>],
+    ) -> impl Future<Output = Result<Vec<Result<(), StoreError>>, StoreError>> + Send {
+        async move {
+            Ok(futures_util::future::join_all(completions.iter().map(|completion| self.complete(completion))).await)
+        }
+    }
+
     /// Deletes the claim this token holds, so that a retry may run the body.
     fn release(&self, key: &Key, token: &Token) -> impl Future<Output = Result<(), StoreError>> + Send;
 
@@ -427,6 +465,16 @@ macro_rules! forward_store {
             $crate::forward_store!(@future $mode $target(self).complete(completion))
         }
     };
+    (@claim_many $mode:ident $target:path) => {
+        fn claim_many(&self, requests: &[$crate::ClaimRequest<'_>]) -> impl ::core::future::Future<Output = Result<Vec<Result<$crate::Claim, $crate::StoreError>>, $crate::StoreError>> + Send {
+            $crate::forward_store!(@future $mode $target(self).claim_many(requests))
+        }
+    };
+    (@complete_many $mode:ident $target:path) => {
+        fn complete_many(&self, completions: &[$crate::Completion<'_>]) -> impl ::core::future::Future<Output = Result<Vec<Result<(), $crate::StoreError>>, $crate::StoreError>> + Send {
+            $crate::forward_store!(@future $mode $target(self).complete_many(completions))
+        }
+    };
     (@release $mode:ident $target:path) => {
         fn release(&self, key: &$crate::Key, token: &$crate::Token) -> impl ::core::future::Future<Output = Result<(), $crate::StoreError>> + Send {
             $crate::forward_store!(@future $mode $target(self).release(key, token))
@@ -472,7 +520,8 @@ macro_rules! forward_through_pointers {
     ($([$($generics:tt)*] $pointer:ty;)*) => {$(
         impl<$($generics)*> Store for $pointer {
             forward_store!(direct std::ops::Deref::deref;
-                claim complete release extend detach purge_expired max_record_bytes name process_local);
+                claim complete claim_many complete_many release extend detach purge_expired max_record_bytes name
+                process_local);
         }
     )*};
 }

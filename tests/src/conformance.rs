@@ -29,6 +29,12 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Barrier;
 
+mod batched;
+pub use batched::{
+    batched_claims_answer_as_single_claims, batched_completions_answer_as_single_completions,
+    batched_steps_follow_leases_and_retentions, batched_steps_keep_each_answer_on_its_request,
+};
+
 /// Expands to one `#[tokio::test]` per conformance case, in a module named `$name`.
 #[macro_export]
 macro_rules! conformance_suite {
@@ -60,7 +66,10 @@ macro_rules! conformance_suite {
                 invalid_keys_never_reach_the_body,
                 oversized_results_are_never_run_twice,
                 undecodable_records_are_a_typed_error,
-                a_resent_claim_finds_its_own_claim
+                a_resent_claim_finds_its_own_claim,
+                batched_claims_answer_as_single_claims,
+                batched_completions_answer_as_single_completions,
+                batched_steps_keep_each_answer_on_its_request
             );
         }
     };
@@ -101,7 +110,11 @@ macro_rules! conformance_suite {
                 invalid_keys_never_reach_the_body,
                 oversized_results_are_never_run_twice,
                 undecodable_records_are_a_typed_error,
-                store_steps_are_fenced_by_the_token
+                store_steps_are_fenced_by_the_token,
+                batched_claims_answer_as_single_claims,
+                batched_completions_answer_as_single_completions,
+                batched_steps_keep_each_answer_on_its_request,
+                batched_steps_follow_leases_and_retentions
             );
         }
     };
@@ -147,7 +160,11 @@ macro_rules! conformance_suite {
                 invalid_keys_never_reach_the_body,
                 oversized_results_are_never_run_twice,
                 undecodable_records_are_a_typed_error,
-                store_steps_are_fenced_by_the_token
+                store_steps_are_fenced_by_the_token,
+                batched_claims_answer_as_single_claims,
+                batched_completions_answer_as_single_completions,
+                batched_steps_keep_each_answer_on_its_request,
+                batched_steps_follow_leases_and_retentions
             );
         }
     };

@@ -35,10 +35,15 @@ pub use url::StoreUrlError;
 
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
+/// The answer of a batched step: one result per request, or the batch's failure.
+type Many<T> = Result<Vec<Result<T, StoreError>>, StoreError>;
+
 /// [`Store`] in object-safe form, implemented for every `Store`; private to [`AnyStore`].
 trait Erased: Send + Sync {
     fn claim<'a>(&'a self, request: &'a ClaimRequest<'_>) -> BoxFuture<'a, Result<Claim, StoreError>>;
     fn complete<'a>(&'a self, completion: &'a Completion<'_>) -> BoxFuture<'a, Result<(), StoreError>>;
+    fn claim_many<'a>(&'a self, requests: &'a [ClaimRequest<'_>]) -> BoxFuture<'a, Many<Claim>>;
+    fn complete_many<'a>(&'a self, completions: &'a [Completion<'_>]) -> BoxFuture<'a, Many<()>>;
     fn release<'a>(&'a self, key: &'a Key, token: &'a Token) -> BoxFuture<'a, Result<(), StoreError>>;
     fn extend<'a>(&'a self, key: &'a Key, token: &'a Token, lease: Duration) -> BoxFuture<'a, Result<(), StoreError>>;
     fn detach(&self, step: Detached);
@@ -56,6 +61,14 @@ impl<S: Store> Erased for S {
 
     fn complete<'a>(&'a self, completion: &'a Completion<'_>) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(Store::complete(self, completion))
+    }
+
+    fn claim_many<'a>(&'a self, requests: &'a [ClaimRequest<'_>]) -> BoxFuture<'a, Many<Claim>> {
+        Box::pin(Store::claim_many(self, requests))
+    }
+
+    fn complete_many<'a>(&'a self, completions: &'a [Completion<'_>]) -> BoxFuture<'a, Many<()>> {
+        Box::pin(Store::complete_many(self, completions))
     }
 
     fn release<'a>(&'a self, key: &'a Key, token: &'a Token) -> BoxFuture<'a, Result<(), StoreError>> {
@@ -170,5 +183,6 @@ impl AnyStore {
 // `Store`'s signatures cannot name.
 impl Store for AnyStore {
     forward_store!(awaited AnyStore::erased;
-        claim complete release extend detach purge_expired max_record_bytes name process_local);
+        claim complete claim_many complete_many release extend detach purge_expired max_record_bytes name
+        process_local);
 }

@@ -75,7 +75,7 @@ pub trait Store: Send + Sync {
         &self,
         requests: &[ClaimRequest<'_>],
     ) -> impl Future<Output = Result<Vec<Result<Claim, StoreError>>, StoreError>> + Send {
-        async move { Ok(futures_util::future::join_all(requests.iter().map(|request| self.claim(request))).await) }
+        async move { Ok(claim_each(self, requests).await) }
     }
 
     /// Records several completions at once, and returns each one's answer in their order: what
@@ -90,9 +90,7 @@ pub trait Store: Send + Sync {
         &self,
         completions: &[Completion<'_>],
     ) -> impl Future<Output = Result<Vec<Result<(), StoreError>>, StoreError>> + Send {
-        async move {
-            Ok(futures_util::future::join_all(completions.iter().map(|completion| self.complete(completion))).await)
-        }
+        async move { Ok(complete_each(self, completions).await) }
     }
 
     /// Deletes the claim this token holds, so that a retry may run the body.
@@ -151,6 +149,22 @@ pub trait Store: Send + Sync {
     fn process_local(&self) -> bool {
         false
     }
+}
+
+/// The default of [`Store::claim_many`]: each request's `claim`, concurrently.
+pub(crate) async fn claim_each<S: Store + ?Sized>(
+    store: &S,
+    requests: &[ClaimRequest<'_>],
+) -> Vec<Result<Claim, StoreError>> {
+    futures_util::future::join_all(requests.iter().map(|request| store.claim(request))).await
+}
+
+/// The default of [`Store::complete_many`]: each completion's `complete`, concurrently.
+pub(crate) async fn complete_each<S: Store + ?Sized>(
+    store: &S,
+    completions: &[Completion<'_>],
+) -> Vec<Result<(), StoreError>> {
+    futures_util::future::join_all(completions.iter().map(|completion| store.complete(completion))).await
 }
 
 /// Whose claim on which key, for which request: what [`ClaimRequest`] and [`Completion`] both

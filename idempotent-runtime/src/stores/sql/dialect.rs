@@ -44,6 +44,17 @@ pub trait Backend: Debug + Send + Sync + Sized + 'static {
         params: &'c Params<'c>,
     ) -> Running<'c>;
 
+    /// Runs one of the dialect's [`Batched`] statements with `arrays`. Only dialects that have
+    /// them are asked; the default says it has none.
+    fn run_batch<'c>(
+        conn: &'c mut <Self::Db as Database>::Connection,
+        statement: &'c Statement,
+        arrays: &'c Arrays<'c>,
+    ) -> RunningBatch<'c> {
+        let _ = (conn, statement, arrays);
+        Box::pin(async { Err(sqlx::Error::InvalidArgument(format!("{} has no batched statements", Self::NAME))) })
+    }
+
     /// `true` for an error after which the same autocommit statement may simply run again
     /// (InnoDB's deadlock victim).
     fn retryable(error: &sqlx::Error) -> bool {
@@ -194,7 +205,39 @@ pub struct Statements {
     /// Run before a transactional store commits (PostgreSQL: a statement that fails in an aborted
     /// transaction, whose `COMMIT` would otherwise report a rollback as success).
     pub check_before_commit: Option<Statement>,
+    /// The claim and the completion of several keys in one statement each, where the dialect has
+    /// them (PostgreSQL); `None`: a batch is one statement per key.
+    pub batched: Option<Batched>,
 }
+
+/// A dialect's statements over arrays ([`Backend::run_batch`]): one row per request they
+/// answer, led by the request's position in the arrays (from 1).
+#[derive(Debug)]
+pub struct Batched {
+    /// Claims: keys, tokens, fingerprints, leases. A row for each key claimed or found live,
+    /// with the columns of [`Found`] after the position.
+    pub claim: Statement,
+    /// Completions fenced as [`Fenced::complete`]: keys, tokens, outcomes, retentions. A row for
+    /// each key recorded (or recorded before by its token).
+    pub complete: Statement,
+}
+
+/// The arrays a batched statement binds: the requests' columns, one element per request (the
+/// outcomes for completions only, the fingerprints for claims only).
+#[derive(Debug, Default)]
+pub struct Arrays<'a> {
+    pub keys: Vec<&'a str>,
+    pub tokens: Vec<&'a str>,
+    pub fingerprints: Vec<Option<&'a str>>,
+    pub outcomes: Vec<&'a str>,
+    pub micros: Vec<i64>,
+}
+
+/// The rows of a batched statement: each request's position (from 1) and, for a claim, its row.
+pub type BatchRows = Vec<(i64, Option<Result<Found, String>>)>;
+
+/// A batched statement under way.
+pub type RunningBatch<'c> = Pin<Box<dyn Future<Output = Result<BatchRows, sqlx::Error>> + Send + 'c>>;
 
 /// The column types of the table, in the dialect's words.
 pub struct Columns<'a> {
@@ -364,17 +407,26 @@ where
             return Ok(ran(&query.execute(&mut *conn).await?));
         }
         let row = query.fetch_optional(&mut *conn).await?;
-        let row = row.map(|row| {
-            let column = |e: sqlx::Error| format!("{e}; does the table have the documented columns and types?");
-            Ok(Found {
-                state: row.try_get(0).map_err(column)?,
-                token: row.try_get(1).map_err(column)?,
-                fingerprint: row.try_get(2).map_err(column)?,
-                outcome: row.try_get(3).map_err(column)?,
-                remaining_micros: row.try_get(4).map_err(column)?,
-            })
-        });
+        let row = row.map(|row| found(&row, 0));
         Ok(Ran { row, ..Ran::default() })
+    })
+}
+
+/// The columns of a [`Found`] in `row`, from column `first` on (state, token, fingerprint,
+/// outcome, remaining microseconds).
+pub fn found<R: Row>(row: &R, first: usize) -> Result<Found, String>
+where
+    i64: Type<R::Database> + for<'r> Decode<'r, R::Database>,
+    String: Type<R::Database> + for<'r> Decode<'r, R::Database>,
+    usize: ColumnIndex<R>,
+{
+    let column = |e: sqlx::Error| format!("{e}; does the table have the documented columns and types?");
+    Ok(Found {
+        state: row.try_get(first).map_err(column)?,
+        token: row.try_get(first + 1).map_err(column)?,
+        fingerprint: row.try_get(first + 2).map_err(column)?,
+        outcome: row.try_get(first + 3).map_err(column)?,
+        remaining_micros: row.try_get(first + 4).map_err(column)?,
     })
 }
 

@@ -227,6 +227,7 @@ impl Backend for MySqlDialect {
                 ),
             ],
             check_before_commit: None,
+            batched: None,
             table: table.clone(),
         }
     }

@@ -165,6 +165,7 @@ impl Backend for SqliteDialect {
                 &[Arg::Limit],
             )],
             check_before_commit: None,
+            batched: None,
             table: table.clone(),
         }
     }

@@ -7,7 +7,7 @@ use sqlx::Database;
 
 use super::CLAIM_ATTEMPTS;
 use super::dialect::Verdict;
-use super::dialect::{Backend, ClaimReport, Params, Ran, Statement, Statements};
+use super::dialect::{Arrays, Backend, BatchRows, ClaimReport, Params, Ran, Statement, Statements};
 use crate::{Claim, ClaimRequest, Completion, Fingerprint, Key, StoreError, Token};
 
 type Conn<D> = <<D as Backend>::Db as Database>::Connection;
@@ -139,6 +139,114 @@ pub async fn release<D: Backend>(
 
 fn owned(ran: &Ran) -> Result<(), StoreError> {
     if ran.affected == 1 { Ok(()) } else { Err(StoreError::NotOwner) }
+}
+
+/// Claims the keys of `requests` with the dialect's batched statement (`batched`): the first
+/// request for each key in the statement, every other one after it by a single [`claim`], in
+/// order: a key asked for again, a key whose row the statement did not return (committed after
+/// its snapshot), a lease that ended under it.
+pub async fn claim_many<D: Backend>(
+    session: &mut Session<'_, D>,
+    sql: &Statements,
+    batched: &Statement,
+    requests: &[ClaimRequest<'_>],
+) -> Result<Vec<Result<Claim, StoreError>>, StoreError> {
+    let firsts = first_of_each_key(requests.iter().map(|request| Some(request.key.as_str())));
+    let arrays = Arrays {
+        keys: firsts.iter().map(|&i| requests[i].key.as_str()).collect(),
+        tokens: firsts.iter().map(|&i| requests[i].token.as_str()).collect(),
+        fingerprints: firsts.iter().map(|&i| requests[i].fingerprint.map(Fingerprint::as_str)).collect(),
+        micros: firsts.iter().map(|&i| super::micros(requests[i].lease)).collect(),
+        ..Arrays::default()
+    };
+    let mut answers: Vec<Option<Result<Claim, StoreError>>> = requests.iter().map(|_| None).collect();
+    for (position, row) in run_batch::<D>(session, batched, &arrays).await? {
+        let i = request_at(&firsts, position)?;
+        let Some(row) = row else { continue };
+        answers[i] = match row.map_err(StoreError::Corrupt).and_then(|found| found.verdict(requests[i].token)) {
+            Ok(Verdict::Mine) => Some(Ok(Claim::Claimed)),
+            Ok(Verdict::Live(claim)) => Some(Ok(claim)),
+            Ok(Verdict::Expired) => None,
+            Err(error) => Some(Err(error)),
+        };
+    }
+    let mut claims = Vec::with_capacity(requests.len());
+    for (request, answer) in requests.iter().zip(answers) {
+        claims.push(match answer {
+            Some(answer) => answer,
+            None => claim::<D>(session, sql, request).await,
+        });
+    }
+    Ok(claims)
+}
+
+/// Records `completions` with the dialect's batched statement (`batched`): the first completion
+/// of each key in the statement, every other one after it by a single [`complete`], in order: a
+/// key completed again, a key no longer carrying its token (gone or expired: adopted; another
+/// owner's: refused). An outcome that is not text is refused at once.
+pub async fn complete_many<D: Backend>(
+    session: &mut Session<'_, D>,
+    sql: &Statements,
+    batched: &Statement,
+    completions: &[Completion<'_>],
+) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+    let mut answers: Vec<Option<Result<(), StoreError>>> = Vec::with_capacity(completions.len());
+    let mut outcomes = Vec::with_capacity(completions.len());
+    for completion in completions {
+        match super::outcome_text(completion.outcome) {
+            Ok(text) => (answers.push(None), outcomes.push(text)),
+            Err(error) => (answers.push(Some(Err(error))), outcomes.push("")),
+        };
+    }
+    let firsts = first_of_each_key(completions.iter().zip(&answers).map(|(c, a)| a.is_none().then(|| c.key.as_str())));
+    let arrays = Arrays {
+        keys: firsts.iter().map(|&i| completions[i].key.as_str()).collect(),
+        tokens: firsts.iter().map(|&i| completions[i].token.as_str()).collect(),
+        outcomes: firsts.iter().map(|&i| outcomes[i]).collect(),
+        micros: firsts.iter().map(|&i| super::micros(completions[i].retention)).collect(),
+        ..Arrays::default()
+    };
+    if !firsts.is_empty() {
+        for (position, _) in run_batch::<D>(session, batched, &arrays).await? {
+            answers[request_at(&firsts, position)?] = Some(Ok(()));
+        }
+    }
+    let mut recorded = Vec::with_capacity(completions.len());
+    for (completion, answer) in completions.iter().zip(answers) {
+        recorded.push(match answer {
+            Some(answer) => answer,
+            None => complete::<D>(session, sql, completion).await,
+        });
+    }
+    Ok(recorded)
+}
+
+/// The positions of the first request for each key (`None`: a request left out).
+fn first_of_each_key<'a>(keys: impl Iterator<Item = Option<&'a str>>) -> Vec<usize> {
+    let mut seen = std::collections::HashSet::new();
+    keys.enumerate().filter_map(|(i, key)| key.filter(|key| seen.insert(*key)).map(|_| i)).collect()
+}
+
+/// The request a batched statement's row answers: its position (from 1) among `firsts`.
+fn request_at(firsts: &[usize], position: i64) -> Result<usize, StoreError> {
+    let index = usize::try_from(position).ok().and_then(|p| p.checked_sub(1));
+    index.and_then(|p| firsts.get(p).copied()).ok_or_else(|| {
+        StoreError::Corrupt(format!("a batched statement answered request {position} of {}", firsts.len()))
+    })
+}
+
+async fn run_batch<D: Backend>(
+    session: &mut Session<'_, D>,
+    statement: &Statement,
+    arrays: &Arrays<'_>,
+) -> Result<BatchRows, StoreError> {
+    let mut retried = 0;
+    loop {
+        match D::run_batch(session.conn, statement, arrays).await {
+            Err(e) if session.autocommit && retried < RETRIES && D::retryable(&e) => retried += 1,
+            result => return result.map_err(backend::<D>),
+        }
+    }
 }
 
 /// Deletes at most `limit` expired rows; returns how many it deleted.

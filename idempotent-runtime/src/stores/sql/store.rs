@@ -284,6 +284,27 @@ impl<D: Dialect> Store for SqlStore<D> {
         self.resending(|| self.step("complete", async |s| steps::complete(s, &self.sql, completion).await)).await
     }
 
+    /// One statement for a batch where the dialect has one (PostgreSQL; see its module docs), else
+    /// the default: the single claims, concurrently.
+    async fn claim_many(&self, requests: &[ClaimRequest<'_>]) -> Result<Vec<Result<Claim, StoreError>>, StoreError> {
+        let Some(batched) = self.sql.batched.as_ref().filter(|_| !requests.is_empty()) else {
+            return Ok(crate::store::claim_each(self, requests).await);
+        };
+        self.resending(|| self.step("claim", async |s| steps::claim_many(s, &self.sql, &batched.claim, requests).await))
+            .await
+    }
+
+    /// One statement for a batch where the dialect has one (PostgreSQL), else the default.
+    async fn complete_many(&self, completions: &[Completion<'_>]) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let Some(batched) = self.sql.batched.as_ref().filter(|_| !completions.is_empty()) else {
+            return Ok(crate::store::complete_each(self, completions).await);
+        };
+        let send = || {
+            self.step("complete", async |s| steps::complete_many(s, &self.sql, &batched.complete, completions).await)
+        };
+        self.resending(send).await
+    }
+
     async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
         let send = || self.step("release", async |s| steps::release(s, &self.sql, key, token).await);
         match send().await {

@@ -179,6 +179,16 @@ impl<D: Dialect> SqlTxStore<D> {
         result
     }
 
+    /// A failed completion: the transaction cannot commit this call's work any more.
+    fn aborted(&self, error: StoreError) -> StoreError {
+        self.failed.store(true, Ordering::Release);
+        let source: Box<dyn std::error::Error + Send + Sync> = match error {
+            StoreError::Backend { source, .. } | StoreError::Rejected { source, .. } => source,
+            other => Box::new(other),
+        };
+        StoreError::Aborted { backend: D::NAME, source }
+    }
+
     /// The claims made and not yet recorded or released.
     fn open(&self) -> std::sync::MutexGuard<'_, Vec<(Key, Token)>> {
         self.open.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -213,14 +223,52 @@ impl<D: Dialect> Store for SqlTxStore<D> {
         if result.is_ok() {
             self.closed(completion.key, completion.token);
         }
-        result.map_err(|error| {
+        result.map_err(|error| self.aborted(error))
+    }
+
+    /// One statement in the transaction where the dialect has one (PostgreSQL), else one claim
+    /// after another on its connection.
+    async fn claim_many(&self, requests: &[ClaimRequest<'_>]) -> Result<Vec<Result<Claim, StoreError>>, StoreError> {
+        let Some(batched) = self.sql.batched.as_ref().filter(|_| !requests.is_empty()) else {
+            return Ok(crate::store::claim_each(self, requests).await);
+        };
+        let mut tx = self.tx.lock().await;
+        let session = &mut Session { conn: &mut **tx, autocommit: false };
+        let claims = self.note(steps::claim_many::<D>(session, &self.sql, &batched.claim, requests).await)?;
+        let mut open = self.open();
+        for (request, claim) in requests.iter().zip(&claims) {
+            if matches!(claim, Ok(Claim::Claimed)) && !open.iter().any(|(k, t)| k == request.key && t == request.token)
+            {
+                open.push((request.key.clone(), request.token.clone()));
+            }
+        }
+        if claims.iter().any(Result::is_err) {
             self.failed.store(true, Ordering::Release);
-            let source: Box<dyn std::error::Error + Send + Sync> = match error {
-                StoreError::Backend { source, .. } | StoreError::Rejected { source, .. } => source,
-                other => Box::new(other),
-            };
-            StoreError::Aborted { backend: D::NAME, source }
-        })
+        }
+        Ok(claims)
+    }
+
+    /// One statement in the transaction where the dialect has one (PostgreSQL), else the
+    /// default. Every failure is [`StoreError::Aborted`], as for [`complete`](Store::complete).
+    async fn complete_many(&self, completions: &[Completion<'_>]) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let Some(batched) = self.sql.batched.as_ref().filter(|_| !completions.is_empty()) else {
+            return Ok(crate::store::complete_each(self, completions).await);
+        };
+        let mut tx = self.tx.lock().await;
+        let session = &mut Session { conn: &mut **tx, autocommit: false };
+        let recorded = steps::complete_many::<D>(session, &self.sql, &batched.complete, completions).await;
+        let recorded = recorded.map_err(|error| self.aborted(error))?;
+        let mut answers = Vec::with_capacity(recorded.len());
+        for (completion, result) in completions.iter().zip(recorded) {
+            answers.push(match result {
+                Ok(()) => {
+                    self.closed(completion.key, completion.token);
+                    Ok(())
+                }
+                Err(error) => Err(self.aborted(error)),
+            });
+        }
+        Ok(answers)
     }
 
     async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {

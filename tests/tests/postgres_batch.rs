@@ -1,0 +1,92 @@
+//! The PostgreSQL store's batched steps are one statement per batch: counted from sqlx's own
+//! statement log, in a test binary of their own so that the counting subscriber is the process's
+//! only one (tracing caches whether a log site is wanted, across the threads of one process).
+//! The conformance cases (`batched_*`) check what the answers are.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use idempotent_runtime::stores::sql::{PostgresStore, sqlx};
+use idempotent_runtime::{Claim, ClaimRequest, Completion, Key, Store, Token};
+use tracing_subscriber::layer::SubscriberExt as _;
+
+/// The statements sqlx has logged (target `sqlx::query`) in this process.
+static STATEMENTS: AtomicUsize = AtomicUsize::new(0);
+
+struct Statements;
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Statements {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        if event.metadata().target() == "sqlx::query" {
+            STATEMENTS.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// `step`'s value, and how many statements sqlx sent while it ran.
+async fn statements_of<T>(step: impl Future<Output = T>) -> (T, usize) {
+    let before = STATEMENTS.load(Ordering::Relaxed);
+    let value = step.await;
+    (value, STATEMENTS.load(Ordering::Relaxed) - before)
+}
+
+/// 64 new keys claimed in one statement, recorded in one, replayed in one; a key asked for twice
+/// in one batch costs its own single claim after the batch's statement.
+#[tokio::test(flavor = "current_thread")]
+async fn postgres_batched_steps_are_one_statement_each() {
+    let Some(url) = idempotent_tests::services::postgres_url("postgres_batched_steps_are_one_statement_each") else {
+        return;
+    };
+    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Statements)).unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&url).await.unwrap();
+    let table = format!("idem_batch_{}", uuid::Uuid::new_v4().simple());
+    let store = PostgresStore::with_table(pool.clone(), &table).unwrap();
+    store.create_table().await.unwrap();
+
+    let keys: Vec<Key> = (0..64).map(|i| Key::new("batch", &i).unwrap()).collect();
+    let tokens: Vec<Token> = keys.iter().map(|_| Token::new()).collect();
+    let lease = Duration::from_secs(30);
+    let mut requests: Vec<ClaimRequest<'_>> =
+        keys.iter().zip(&tokens).map(|(key, token)| ClaimRequest::new(key, token, None, lease)).collect();
+    let (claims, statements) = statements_of(store.claim_many(&requests)).await;
+    assert!(claims.unwrap().iter().all(|c| matches!(c, Ok(Claim::Claimed))));
+    assert_eq!(statements, 1, "64 new keys");
+
+    let outcomes: Vec<String> = (0..64).map(|i| format!(r#"{{"Ok":{i}}}"#)).collect();
+    let completions: Vec<Completion<'_>> = keys
+        .iter()
+        .zip(&tokens)
+        .zip(&outcomes)
+        .map(|((key, token), outcome)| Completion::new(key, token, None, outcome.as_bytes(), lease))
+        .collect();
+    let (recorded, statements) = statements_of(store.complete_many(&completions)).await;
+    assert!(recorded.unwrap().iter().all(Result::is_ok));
+    assert_eq!(statements, 1, "64 completions");
+
+    let other = Token::new();
+    requests.push(ClaimRequest::new(&keys[5], &other, None, lease));
+    let (replays, statements) = statements_of(store.claim_many(&requests)).await;
+    let replays = replays.unwrap();
+    assert!(replays.iter().all(|c| matches!(c, Ok(Claim::Completed(_)))), "{replays:?}");
+    assert_eq!(statements, 2, "64 replays in one statement, and the repeated key's own claim");
+
+    // In a transaction too.
+    let keys: Vec<Key> = (0..16).map(|i| Key::new("batch-tx", &i).unwrap()).collect();
+    let requests: Vec<ClaimRequest<'_>> =
+        keys.iter().zip(&tokens).map(|(key, token)| ClaimRequest::new(key, token, None, lease)).collect();
+    let tx = store.begin().await.unwrap();
+    let (claims, statements) = statements_of(tx.claim_many(&requests)).await;
+    assert!(claims.unwrap().iter().all(|c| matches!(c, Ok(Claim::Claimed))));
+    assert_eq!(statements, 1, "16 new keys in a transaction");
+    let completions: Vec<Completion<'_>> = requests
+        .iter()
+        .zip(&outcomes)
+        .map(|(request, outcome)| Completion::new(request.key, request.token, None, outcome.as_bytes(), lease))
+        .collect();
+    let (recorded, statements) = statements_of(tx.complete_many(&completions)).await;
+    assert!(recorded.unwrap().iter().all(Result::is_ok));
+    assert_eq!(statements, 1, "16 completions in a transaction");
+    tx.commit().await.unwrap();
+
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {table}"))).execute(&pool).await.unwrap();
+}

@@ -211,30 +211,30 @@ pub struct Statements {
 }
 
 /// A dialect's statements over arrays ([`Backend::run_batch`]): one row per request they
-/// answer, led by the request's position in the arrays (from 1).
+/// answer, led by the request's key.
 #[derive(Debug)]
 pub struct Batched {
-    /// Claims: keys, tokens, fingerprints, leases. A row for each key claimed or found live,
-    /// with the columns of [`Found`] after the position.
+    /// Claims. A row for each key claimed or found live, with the columns of [`Found`] after the
+    /// key.
     pub claim: Statement,
-    /// Completions fenced as [`Fenced::complete`]: keys, tokens, outcomes, retentions. A row for
+    /// Completions, in autocommit mode only (they adopt a key that is gone or expired). A row for
     /// each key recorded (or recorded before by its token).
     pub complete: Statement,
 }
 
-/// The arrays a batched statement binds: the requests' columns, one element per request (the
-/// outcomes for completions only, the fingerprints for claims only).
+/// The arrays a batched statement binds: the requests' columns, one element per request, their
+/// keys distinct (the outcomes for completions only: empty for claims).
 #[derive(Debug, Default)]
 pub struct Arrays<'a> {
     pub keys: Vec<&'a str>,
     pub tokens: Vec<&'a str>,
     pub fingerprints: Vec<Option<&'a str>>,
-    pub outcomes: Vec<&'a str>,
     pub micros: Vec<i64>,
+    pub outcomes: Vec<&'a str>,
 }
 
-/// The rows of a batched statement: each request's position (from 1) and, for a claim, its row.
-pub type BatchRows = Vec<(i64, Option<Result<Found, String>>)>;
+/// The rows of a batched statement: each request's key and, for a claim, its row.
+pub type BatchRows = Vec<(String, Option<Result<Found, String>>)>;
 
 /// A batched statement under way.
 pub type RunningBatch<'c> = Pin<Box<dyn Future<Output = Result<BatchRows, sqlx::Error>> + Send + 'c>>;

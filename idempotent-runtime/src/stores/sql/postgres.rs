@@ -194,17 +194,14 @@ impl Backend for PostgresDialect {
 
     fn run_batch<'c>(conn: &'c mut PgConnection, statement: &'c Statement, arrays: &'c Arrays<'c>) -> RunningBatch<'c> {
         Box::pin(async move {
-            let query = sqlx::query::<Postgres>(sqlx::AssertSqlSafe(Arc::clone(&statement.sql))).bind(&arrays.keys);
-            let query = query.bind(&arrays.tokens);
-            let query =
-                if statement.returns_row { query.bind(&arrays.fingerprints) } else { query.bind(&arrays.outcomes) };
-            let rows = query.bind(&arrays.micros).fetch_all(&mut *conn).await?;
-            rows.iter()
-                .map(|row| {
-                    let position: i64 = row.try_get(0)?;
-                    Ok((position, statement.returns_row.then(|| found(row, 1))))
-                })
-                .collect()
+            let query = sqlx::query::<Postgres>(sqlx::AssertSqlSafe(Arc::clone(&statement.sql)))
+                .bind(&arrays.keys)
+                .bind(&arrays.tokens)
+                .bind(&arrays.fingerprints)
+                .bind(&arrays.micros)
+                .bind(&arrays.outcomes);
+            let rows = query.fetch_all(&mut *conn).await?;
+            rows.iter().map(|row| Ok((row.try_get(0)?, statement.returns_row.then(|| found(row, 1))))).collect()
         })
     }
 
@@ -213,8 +210,15 @@ impl Backend for PostgresDialect {
     }
 }
 
-/// The claim and the completion of many keys, each one statement over arrays (`unnest ... WITH
-/// ORDINALITY` numbers the requests, and every row returned names its request's number).
+/// The claim and the completion of many keys, each one statement over arrays (`unnest`); every
+/// row returned leads with its key.
+///
+/// Both are prepared once per connection, like every other statement, so their plans must not
+/// depend on how large the table was when they were planned: a plan made while the table was
+/// empty (a hash join over a sequential scan of the table) would be kept as it grew and scan it
+/// whole for every batch. So each key's row is found through the primary key alone: by a
+/// `LATERAL` lookup with `LIMIT 1`, which the planner cannot turn into a join, and by `ON
+/// CONFLICT`, whose arbiter is the primary key's index.
 ///
 /// The claim is the single claim's statement over the arrays: the live rows, then one `INSERT ...
 /// ON CONFLICT DO UPDATE` for the keys without one, which takes a free or expired row, in key
@@ -223,46 +227,50 @@ impl Backend for PostgresDialect {
 /// gets no row (its live row committed after the statement's snapshot) is left to a single claim,
 /// as the single claim's statement is run again.
 ///
-/// The completion is the single completion's fenced `UPDATE` over the arrays: a row for each key
-/// still carrying its request's token. A key without one is left to a single completion, which
-/// adopts a gone or expired key or refuses another owner's.
+/// The completion is the single completion's two statements in one `INSERT ... ON CONFLICT DO
+/// UPDATE`: a row still carrying the request's token is completed (left as it is if that token
+/// completed it already), a key that is gone is written, an expired row of another token is
+/// adopted. A key without a row back (another token holds it) is left to a single completion,
+/// which refuses it. Only for the pooled store: in a transaction a completion never adopts.
 fn batched(t: &str) -> Batched {
-    // $1 keys, $2 tokens, $3 fingerprints (claims) or outcomes (completions), $4 leases or
-    // retentions in microseconds.
-    let input = |columns: &str| {
-        format!(
-            "input AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[]) WITH ORDINALITY AS i({columns}, n))"
-        )
-    };
+    // $1 keys, $2 tokens, $3 fingerprints, $4 leases or retentions in microseconds, $5 outcomes
+    // (completions only: a claim binds an empty array, and unnest pads it with NULL).
+    let input = "input AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[]) \
+                 AS i(k, tok, fp, micros, outcome))";
+    let until = format!("{NOW} + i.micros * INTERVAL '1 microsecond'");
     let claim = format!(
         "WITH {input}, \
          live AS (\
-         SELECT i.n, r.state, r.token, r.fingerprint, r.outcome, {REMAINING} AS remaining \
-         FROM input i JOIN {t} r ON r.idempotency_key = i.k WHERE r.expires_at > {NOW}), \
+         SELECT i.k, r.state, r.token, r.fingerprint, r.outcome, r.remaining FROM input i CROSS JOIN LATERAL (\
+         SELECT state, token, fingerprint, outcome, {REMAINING} AS remaining FROM {t} \
+         WHERE idempotency_key = i.k AND expires_at > {NOW} LIMIT 1) r), \
          claimed AS (\
          INSERT INTO {t} AS r (idempotency_key, state, token, fingerprint, outcome, expires_at) \
-         SELECT i.k, 'in_progress', i.tok, i.fp, NULL, {NOW} + i.micros * INTERVAL '1 microsecond' FROM input i \
-         WHERE NOT EXISTS (SELECT 1 FROM live WHERE live.n = i.n) ORDER BY i.k \
+         SELECT i.k, 'in_progress', i.tok, i.fp, NULL, {until} FROM input i \
+         WHERE NOT EXISTS (SELECT 1 FROM live WHERE live.k = i.k) ORDER BY i.k \
          ON CONFLICT (idempotency_key) DO UPDATE SET state = 'in_progress', token = EXCLUDED.token, \
          fingerprint = EXCLUDED.fingerprint, outcome = NULL, expires_at = EXCLUDED.expires_at \
          WHERE r.expires_at <= {NOW} \
          RETURNING r.idempotency_key, r.state, r.token, r.fingerprint, r.outcome) \
-         SELECT i.n, c.state, c.token, c.fingerprint, c.outcome, CAST(0 AS BIGINT) \
-         FROM claimed c JOIN input i ON i.k = c.idempotency_key \
+         SELECT idempotency_key, state, token, fingerprint, outcome, CAST(0 AS BIGINT) FROM claimed \
          UNION ALL \
-         SELECT n, state, token, fingerprint, outcome, remaining FROM live",
-        input = input("k, tok, fp, micros")
+         SELECT k, state, token, fingerprint, outcome, remaining FROM live"
     );
+    // Completed by this token already: everything stays. Still this token's claim: the outcome
+    // and the retention, the claim's fingerprint kept. Gone, or another token's expired row: the
+    // whole record.
+    let kept = "r.token = EXCLUDED.token AND r.state <> 'in_progress'";
     let complete = format!(
         "WITH {input} \
-         UPDATE {t} AS r SET \
-         outcome = CASE WHEN r.state = 'in_progress' THEN i.outcome ELSE r.outcome END, \
-         expires_at = CASE WHEN r.state = 'in_progress' THEN {NOW} + i.micros * INTERVAL '1 microsecond' \
-         ELSE r.expires_at END, \
-         state = 'completed' \
-         FROM input i WHERE r.idempotency_key = i.k AND r.token = i.tok \
-         RETURNING i.n",
-        input = input("k, tok, outcome, micros")
+         INSERT INTO {t} AS r (idempotency_key, state, token, fingerprint, outcome, expires_at) \
+         SELECT i.k, 'completed', i.tok, i.fp, i.outcome, {until} FROM input i ORDER BY i.k \
+         ON CONFLICT (idempotency_key) DO UPDATE SET \
+         outcome = CASE WHEN {kept} THEN r.outcome ELSE EXCLUDED.outcome END, \
+         expires_at = CASE WHEN {kept} THEN r.expires_at ELSE EXCLUDED.expires_at END, \
+         fingerprint = CASE WHEN r.token = EXCLUDED.token THEN r.fingerprint ELSE EXCLUDED.fingerprint END, \
+         state = 'completed', token = EXCLUDED.token \
+         WHERE r.token = EXCLUDED.token OR r.expires_at <= {NOW} \
+         RETURNING r.idempotency_key"
     );
     Batched { claim: Statement::row(claim, &[]), complete: Statement::exec(complete, &[]) }
 }

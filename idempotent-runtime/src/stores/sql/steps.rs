@@ -151,17 +151,17 @@ pub async fn claim_many<D: Backend>(
     batched: &Statement,
     requests: &[ClaimRequest<'_>],
 ) -> Result<Vec<Result<Claim, StoreError>>, StoreError> {
-    let firsts = first_of_each_key(requests.iter().map(|request| Some(request.key.as_str())));
+    let firsts = Firsts::of(requests.iter().map(|request| Some(request.key.as_str())));
     let arrays = Arrays {
-        keys: firsts.iter().map(|&i| requests[i].key.as_str()).collect(),
-        tokens: firsts.iter().map(|&i| requests[i].token.as_str()).collect(),
-        fingerprints: firsts.iter().map(|&i| requests[i].fingerprint.map(Fingerprint::as_str)).collect(),
-        micros: firsts.iter().map(|&i| super::micros(requests[i].lease)).collect(),
-        ..Arrays::default()
+        keys: firsts.keys(),
+        tokens: firsts.each(|i| requests[i].token.as_str()),
+        fingerprints: firsts.each(|i| requests[i].fingerprint.map(Fingerprint::as_str)),
+        micros: firsts.each(|i| super::micros(requests[i].lease)),
+        outcomes: Vec::new(),
     };
     let mut answers: Vec<Option<Result<Claim, StoreError>>> = requests.iter().map(|_| None).collect();
-    for (position, row) in run_batch::<D>(session, batched, &arrays).await? {
-        let i = request_at(&firsts, position)?;
+    for (key, row) in run_batch::<D>(session, batched, &arrays).await? {
+        let i = firsts.request(&key)?;
         let Some(row) = row else { continue };
         answers[i] = match row.map_err(StoreError::Corrupt).and_then(|found| found.verdict(requests[i].token)) {
             Ok(Verdict::Mine) => Some(Ok(Claim::Claimed)),
@@ -180,10 +180,10 @@ pub async fn claim_many<D: Backend>(
     Ok(claims)
 }
 
-/// Records `completions` with the dialect's batched statement (`batched`): the first completion
-/// of each key in the statement, every other one after it by a single [`complete`], in order: a
-/// key completed again, a key no longer carrying its token (gone or expired: adopted; another
-/// owner's: refused). An outcome that is not text is refused at once.
+/// Records `completions` with the dialect's batched statement (`batched`, autocommit mode only):
+/// the first completion of each key in the statement, every other one after it by a single
+/// [`complete`], in order: a key completed again, a key another token holds (refused). An outcome
+/// that is not text is refused at once.
 pub async fn complete_many<D: Backend>(
     session: &mut Session<'_, D>,
     sql: &Statements,
@@ -198,17 +198,17 @@ pub async fn complete_many<D: Backend>(
             Err(error) => (answers.push(Some(Err(error))), outcomes.push("")),
         };
     }
-    let firsts = first_of_each_key(completions.iter().zip(&answers).map(|(c, a)| a.is_none().then(|| c.key.as_str())));
-    let arrays = Arrays {
-        keys: firsts.iter().map(|&i| completions[i].key.as_str()).collect(),
-        tokens: firsts.iter().map(|&i| completions[i].token.as_str()).collect(),
-        outcomes: firsts.iter().map(|&i| outcomes[i]).collect(),
-        micros: firsts.iter().map(|&i| super::micros(completions[i].retention)).collect(),
-        ..Arrays::default()
-    };
+    let firsts = Firsts::of(completions.iter().zip(&answers).map(|(c, a)| a.is_none().then(|| c.key.as_str())));
     if !firsts.is_empty() {
-        for (position, _) in run_batch::<D>(session, batched, &arrays).await? {
-            answers[request_at(&firsts, position)?] = Some(Ok(()));
+        let arrays = Arrays {
+            keys: firsts.keys(),
+            tokens: firsts.each(|i| completions[i].token.as_str()),
+            fingerprints: firsts.each(|i| completions[i].fingerprint.map(Fingerprint::as_str)),
+            micros: firsts.each(|i| super::micros(completions[i].retention)),
+            outcomes: firsts.each(|i| outcomes[i]),
+        };
+        for (key, _) in run_batch::<D>(session, batched, &arrays).await? {
+            answers[firsts.request(&key)?] = Some(Ok(()));
         }
     }
     let mut recorded = Vec::with_capacity(completions.len());
@@ -221,18 +221,52 @@ pub async fn complete_many<D: Backend>(
     Ok(recorded)
 }
 
-/// The positions of the first request for each key (`None`: a request left out).
-fn first_of_each_key<'a>(keys: impl Iterator<Item = Option<&'a str>>) -> Vec<usize> {
-    let mut seen = std::collections::HashSet::new();
-    keys.enumerate().filter_map(|(i, key)| key.filter(|key| seen.insert(*key)).map(|_| i)).collect()
+/// The first request for each key of a batch: what its statement is sent.
+struct Firsts<'a> {
+    /// The requests' positions, in order.
+    positions: Vec<usize>,
+    /// Their keys, in the same order.
+    keys: Vec<&'a str>,
+    /// Each key's request.
+    by_key: std::collections::HashMap<&'a str, usize>,
 }
 
-/// The request a batched statement's row answers: its position (from 1) among `firsts`.
-fn request_at(firsts: &[usize], position: i64) -> Result<usize, StoreError> {
-    let index = usize::try_from(position).ok().and_then(|p| p.checked_sub(1));
-    index.and_then(|p| firsts.get(p).copied()).ok_or_else(|| {
-        StoreError::Corrupt(format!("a batched statement answered request {position} of {}", firsts.len()))
-    })
+impl<'a> Firsts<'a> {
+    /// The first request of each key (`None`: a request left out).
+    fn of(keys: impl Iterator<Item = Option<&'a str>>) -> Self {
+        let mut firsts = Firsts { positions: Vec::new(), keys: Vec::new(), by_key: std::collections::HashMap::new() };
+        for (i, key) in keys.enumerate() {
+            if let Some(key) = key
+                && let std::collections::hash_map::Entry::Vacant(entry) = firsts.by_key.entry(key)
+            {
+                entry.insert(i);
+                firsts.positions.push(i);
+                firsts.keys.push(key);
+            }
+        }
+        firsts
+    }
+
+    fn is_empty(&self) -> bool {
+        self.positions.is_empty()
+    }
+
+    /// The first requests' keys, in order.
+    fn keys(&self) -> Vec<&'a str> {
+        self.keys.clone()
+    }
+
+    /// `column` of each first request, in order.
+    fn each<T>(&self, column: impl Fn(usize) -> T) -> Vec<T> {
+        self.positions.iter().map(|&i| column(i)).collect()
+    }
+
+    /// The request a statement's row for `key` answers.
+    fn request(&self, key: &str) -> Result<usize, StoreError> {
+        self.by_key.get(key).copied().ok_or_else(|| {
+            StoreError::Corrupt(format!("a batched statement answered for the key {key:?}, which it was not asked"))
+        })
+    }
 }
 
 async fn run_batch<D: Backend>(

@@ -248,29 +248,6 @@ impl<D: Dialect> Store for SqlTxStore<D> {
         Ok(claims)
     }
 
-    /// One statement in the transaction where the dialect has one (PostgreSQL), else the
-    /// default. Every failure is [`StoreError::Aborted`], as for [`complete`](Store::complete).
-    async fn complete_many(&self, completions: &[Completion<'_>]) -> Result<Vec<Result<(), StoreError>>, StoreError> {
-        let Some(batched) = self.sql.batched.as_ref().filter(|_| !completions.is_empty()) else {
-            return Ok(crate::store::complete_each(self, completions).await);
-        };
-        let mut tx = self.tx.lock().await;
-        let session = &mut Session { conn: &mut **tx, autocommit: false };
-        let recorded = steps::complete_many::<D>(session, &self.sql, &batched.complete, completions).await;
-        let recorded = recorded.map_err(|error| self.aborted(error))?;
-        let mut answers = Vec::with_capacity(recorded.len());
-        for (completion, result) in completions.iter().zip(recorded) {
-            answers.push(match result {
-                Ok(()) => {
-                    self.closed(completion.key, completion.token);
-                    Ok(())
-                }
-                Err(error) => Err(self.aborted(error)),
-            });
-        }
-        Ok(answers)
-    }
-
     async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
         let mut tx = self.tx.lock().await;
         let result =

@@ -12,7 +12,7 @@ use std::time::Duration;
 use idempotent_runtime::stores::redis::redis::{self, AsyncCommands};
 use idempotent_runtime::stores::redis::{DEFAULT_PREFIX, RedisStore};
 use idempotent_runtime::{
-    Claim, ClaimRequest, Detached, Error, Fingerprint, Key, Record, Store, StoreError, Token, idempotent,
+    Claim, ClaimRequest, Completion, Detached, Error, Fingerprint, Key, Record, Store, StoreError, Token, idempotent,
 };
 use tokio::sync::Barrier;
 
@@ -692,6 +692,29 @@ async fn redis_steps_whose_reply_was_lost_are_sent_again() {
     assert!(error.to_string().contains("inspect the key again"), "{error}");
     assert_eq!(value(&mut raw, &third).await, None, "the first send deleted the claim");
 
+    // A batch's pipeline, whose replies were lost, is sent again whole: every claim finds its own
+    // (or the batch's first claim of a repeated key), every completion its own record.
+    let batch: Vec<Key> = (0..8).map(|i| Key::new("lost-batch", &i).unwrap()).collect();
+    let tokens: Vec<Token> = batch.iter().map(|_| Token::new()).collect();
+    let mut requests: Vec<ClaimRequest<'_>> =
+        batch.iter().zip(&tokens).map(|(key, token)| ClaimRequest::new(key, token, None, LEASE)).collect();
+    requests.push(ClaimRequest::new(&batch[0], &stranger, None, LEASE));
+    let expected = lose_the_next_reply();
+    let claims = store.claim_many(&requests).await.expect("the batch is sent again");
+    assert_eq!(lost(), expected, "the batch's replies were lost");
+    assert!(claims[..8].iter().all(|c| matches!(c, Ok(Claim::Claimed))), "{claims:?}");
+    assert!(matches!(claims[8], Ok(Claim::InProgress { lease_remaining: Some(_), .. })), "{:?}", claims[8]);
+    let completions: Vec<Completion<'_>> =
+        batch.iter().zip(&tokens).map(|(key, token)| Completion::new(key, token, None, b"{\"Ok\":8}", LEASE)).collect();
+    let expected = lose_the_next_reply();
+    let recorded = store.complete_many(&completions).await.expect("the batch is sent again");
+    assert_eq!(lost(), expected, "the batch's replies were lost");
+    assert!(recorded.iter().all(Result::is_ok), "{recorded:?}");
+    for (key, token) in batch.iter().zip(&tokens) {
+        let done = value(&mut raw, key).await.expect("the record is in Redis");
+        assert_eq!(done, format!("idempotent/1 done {} -\n{{\"Ok\":8}}", token.as_str()));
+    }
+
     // Through the protocol: a lost claim reply and a lost completion reply; the body runs once.
     let runs = std::sync::atomic::AtomicU32::new(0);
     let call = || {
@@ -772,4 +795,26 @@ async fn redis_replica_acks_of_a_resent_completion_wait_for_the_replica() {
     let mut replica = client.get_multiplexed_async_connection().await.unwrap();
     let on_replica: Option<String> = replica.get(store.redis_key(&key)).await.unwrap();
     assert_eq!(on_replica, Some(format!("idempotent/1 done {} -\n{{\"Ok\":1}}", owner.as_str())));
+
+    // A batch of completions waits once, at the end of its pipeline, and each of its records is
+    // acknowledged only if the replica has them all.
+    let batch: Vec<Key> = (0..4).map(|i| Key::new("acks-batch", &i).unwrap()).collect();
+    let requests: Vec<ClaimRequest<'_>> = batch.iter().map(|key| ClaimRequest::new(key, &owner, None, LEASE)).collect();
+    let claims = store.claim_many(&requests).await.unwrap();
+    assert!(claims.iter().all(|c| matches!(c, Ok(Claim::Claimed))), "{claims:?}");
+    let completions: Vec<Completion<'_>> =
+        batch.iter().map(|key| Completion::new(key, &owner, None, b"{\"Ok\":2}", LEASE)).collect();
+    pair.signal_replica("-STOP");
+    let recorded = store.complete_many(&completions).await.expect("the batch was answered");
+    assert!(recorded.iter().all(missing), "no replica can have acknowledged these records: {recorded:?}");
+    pair.signal_replica("-CONT");
+    acknowledged(|| async {
+        let recorded = store.complete_many(&completions).await?;
+        recorded.into_iter().collect::<Result<Vec<()>, _>>().map(drop)
+    })
+    .await;
+    for key in &batch {
+        let on_replica: Option<String> = replica.get(store.redis_key(key)).await.unwrap();
+        assert_eq!(on_replica, Some(format!("idempotent/1 done {} -\n{{\"Ok\":2}}", owner.as_str())));
+    }
 }

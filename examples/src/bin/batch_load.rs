@@ -1,28 +1,32 @@
-//! What a batched step saves on PostgreSQL: a window of fresh keys claimed and recorded with
-//! `Store::claim_many` and `Store::complete_many` (one statement each), beside the same window
-//! run as a consumer runs it today, each key its own `claim` then `complete`, all of the window's
-//! keys at once.
+//! What a batched step saves: a window of fresh keys claimed and recorded with
+//! `Store::claim_many` and `Store::complete_many` (on PostgreSQL one statement each, on Redis one
+//! pipeline each), beside the same window run as a consumer runs it today, each key its own
+//! `claim` then `complete`, all of the window's keys at once.
 //!
 //! For each run and window size, the two modes take turns (their order swaps every run), each for
 //! `--seconds`: windows of fresh keys, one after another, until the time is up. It prints the
 //! keys per second, the ratio of the two modes within each run, and the CPU time per key of this
-//! program and of PostgreSQL's processes (all of them, from `/proc`), as medians over the runs,
-//! with the load average at the start and the end.
+//! program and of the store's server (PostgreSQL's processes, all of them, from `/proc`; Redis's
+//! own `INFO cpu`), as medians over the runs, with the load average at the start and the end.
 //!
 //! ```text
 //! cargo run --release -p idempotent-examples --bin batch_load -- --runs 5 --seconds 5 --windows 16,64
+//! cargo run --release -p idempotent-examples --bin batch_load -- --store redis
 //! ```
 //!
-//! The server comes from `POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`). The
-//! table `idempotent_batch_load` is dropped and created before each run. The pool holds as many
+//! The servers come from `POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`) and
+//! `REDIS_URL` (default `redis://127.0.0.1:6379/15`). PostgreSQL: the table
+//! `idempotent_batch_load` is dropped and created before each run, and the pool holds as many
 //! connections as the window has keys, built with `test_before_acquire(false)`, as the consumer
-//! benchmarks build theirs.
+//! benchmarks build theirs. Redis: the database is emptied (`FLUSHDB`) before each run; the
+//! store multiplexes every call over one connection.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 use idempotent_examples::measure::{median, process_ticks, ticks_of_processes_named};
+use idempotent_runtime::stores::redis::{RedisStore, redis};
 use idempotent_runtime::stores::sql::{PostgresStore, sqlx};
 use idempotent_runtime::{Claim, ClaimRequest, Completion, Key, Store, Token};
 
@@ -40,12 +44,12 @@ enum Mode {
 }
 
 /// One phase's figures: keys per second, and CPU microseconds per key of this program and of
-/// PostgreSQL.
+/// the store's server.
 #[derive(Debug, Clone, Copy)]
 struct Phase {
     keys_per_second: f64,
     program_us: f64,
-    postgres_us: f64,
+    server_us: f64,
 }
 
 #[tokio::main]
@@ -53,6 +57,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut runs = 5;
     let mut seconds = 5.0;
     let mut windows = vec![16, 64];
+    let mut server = Server::Postgres;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut value = || args.next().ok_or(format!("{arg} needs a value"));
@@ -60,41 +65,60 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "--runs" => runs = value()?.parse()?,
             "--seconds" => seconds = value()?.parse()?,
             "--windows" => windows = value()?.split(',').map(str::parse).collect::<Result<_, _>>()?,
-            other => return Err(format!("unknown argument {other}; use --runs N --seconds S --windows 16,64").into()),
+            "--store" => {
+                server = match value()?.as_str() {
+                    "postgres" => Server::Postgres,
+                    "redis" => Server::Redis,
+                    other => return Err(format!("unknown store {other}; use postgres or redis").into()),
+                }
+            }
+            other => {
+                return Err(format!(
+                    "unknown argument {other}; use --runs N --seconds S --windows 16,64 --store postgres|redis"
+                )
+                .into());
+            }
         }
     }
-    let url = std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
     println!("load average at start: {}", loadavg());
 
     let mut phases: BTreeMap<(usize, Mode), Vec<Phase>> = BTreeMap::new();
     let mut ratios: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
     for run in 0..runs {
         for &window in &windows {
-            let pool = sqlx::postgres::PgPoolOptions::new()
-                .max_connections(u32::try_from(window)?)
-                .test_before_acquire(false)
-                .connect(&url)
-                .await?;
-            sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {TABLE}"))).execute(&pool).await?;
-            let store = PostgresStore::with_table(pool.clone(), TABLE)?;
-            store.create_table().await?;
             let order = if run % 2 == 0 { [Mode::Single, Mode::Batch] } else { [Mode::Batch, Mode::Single] };
             let mut rates = BTreeMap::new();
             for mode in order {
-                let phase = measure(&store, mode, window, &format!("r{run}-{mode:?}"), seconds).await?;
+                let scope = format!("r{run}-{mode:?}");
+                let phase = match server {
+                    Server::Postgres => {
+                        let (store, pool) = postgres(window, mode == order[0]).await?;
+                        let phase = measure(&store, server, mode, window, &scope, seconds).await?;
+                        pool.close().await;
+                        phase
+                    }
+                    Server::Redis => {
+                        measure(&redis(mode == order[0]).await?, server, mode, window, &scope, seconds).await?
+                    }
+                };
                 println!(
-                    "run {run} window {window:>3} {mode:?}: {:.0} keys/s, {:.1} µs this program, {:.1} µs PostgreSQL per key",
-                    phase.keys_per_second, phase.program_us, phase.postgres_us
+                    "run {run} window {window:>3} {mode:?}: {:.0} keys/s, {:.1} µs this program, {:.1} µs {} per key",
+                    phase.keys_per_second,
+                    phase.program_us,
+                    phase.server_us,
+                    server.name()
                 );
                 rates.insert(mode, phase.keys_per_second);
                 phases.entry((window, mode)).or_default().push(phase);
             }
             ratios.entry(window).or_default().push(rates[&Mode::Batch] / rates[&Mode::Single]);
-            pool.close().await;
         }
     }
 
-    println!("\n| window | mode | keys/s | batch ÷ single (per run) | CPU µs per key: this program, PostgreSQL |");
+    println!(
+        "\n| window | mode | keys/s | batch ÷ single (per run) | CPU µs per key: this program, {} |",
+        server.name()
+    );
     println!("|---:|---|---:|---|---|");
     for ((window, mode), phases) in &phases {
         let of = |f: fn(&Phase) -> f64| median(phases.iter().map(f).collect());
@@ -113,16 +137,67 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             },
             of(|p| p.keys_per_second),
             of(|p| p.program_us),
-            of(|p| p.postgres_us)
+            of(|p| p.server_us)
         );
     }
     println!("\nload average at end: {}", loadavg());
     Ok(())
 }
 
+/// The store under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Server {
+    Postgres,
+    Redis,
+}
+
+impl Server {
+    fn name(self) -> &'static str {
+        match self {
+            Server::Postgres => "PostgreSQL",
+            Server::Redis => "Redis",
+        }
+    }
+
+    /// The command name of the server's processes in `/proc`.
+    fn process(self) -> &'static str {
+        match self {
+            Server::Postgres => "postgres",
+            Server::Redis => "redis-server",
+        }
+    }
+}
+
+/// A PostgreSQL store on a pool of `window` connections, on the table made afresh when `fresh`.
+async fn postgres(window: usize, fresh: bool) -> Result<(PostgresStore, sqlx::PgPool), Box<dyn std::error::Error>> {
+    let url = std::env::var("POSTGRES_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(u32::try_from(window)?)
+        .test_before_acquire(false)
+        .connect(&url)
+        .await?;
+    if fresh {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {TABLE}"))).execute(&pool).await?;
+    }
+    let store = PostgresStore::with_table(pool.clone(), TABLE)?;
+    store.create_table().await?;
+    Ok((store, pool))
+}
+
+/// A Redis store, on its database emptied when `fresh`.
+async fn redis(fresh: bool) -> Result<RedisStore, Box<dyn std::error::Error>> {
+    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/15".to_owned());
+    let store = RedisStore::connect(&url).await?;
+    if fresh {
+        let () = redis::cmd("FLUSHDB").query_async(&mut store.connection()).await?;
+    }
+    Ok(store)
+}
+
 /// Runs windows of `window` fresh keys in `mode` for `seconds` (after one untimed window).
 async fn measure(
-    store: &PostgresStore,
+    store: &impl Store,
+    server: Server,
     mode: Mode,
     window: usize,
     scope: &str,
@@ -135,7 +210,7 @@ async fn measure(
         keys
     };
     run_window(store, mode, &keys()?).await?;
-    let (program, postgres) = ticks();
+    let (program, serving) = ticks(server);
     let started = Instant::now();
     let mut done = 0;
     while started.elapsed().as_secs_f64() < seconds {
@@ -143,18 +218,18 @@ async fn measure(
         done += window;
     }
     let elapsed = started.elapsed().as_secs_f64();
-    let (program_after, postgres_after) = ticks();
+    let (program_after, serving_after) = ticks(server);
     // Ticks are 1/100 s: microseconds per key.
     let per_key = |ticks: f64| ticks * 10_000.0 / done as f64;
     Ok(Phase {
         keys_per_second: done as f64 / elapsed,
         program_us: per_key(program_after - program),
-        postgres_us: per_key(postgres_after - postgres),
+        server_us: per_key(serving_after - serving),
     })
 }
 
 /// Claims and records `keys`, each once, with fresh tokens.
-async fn run_window(store: &PostgresStore, mode: Mode, keys: &[Key]) -> Result<(), Box<dyn std::error::Error>> {
+async fn run_window(store: &impl Store, mode: Mode, keys: &[Key]) -> Result<(), Box<dyn std::error::Error>> {
     let tokens: Vec<Token> = keys.iter().map(|_| Token::new()).collect();
     let requests: Vec<ClaimRequest<'_>> =
         keys.iter().zip(&tokens).map(|(key, token)| ClaimRequest::new(key, token, None, LEASE)).collect();
@@ -182,10 +257,10 @@ async fn run_window(store: &PostgresStore, mode: Mode, keys: &[Key]) -> Result<(
     Ok(())
 }
 
-/// CPU ticks so far of this program and of every PostgreSQL process.
-fn ticks() -> (f64, f64) {
+/// CPU ticks so far of this program and of every process of the server.
+fn ticks(server: Server) -> (f64, f64) {
     let program = process_ticks("/proc/self/stat").map_or(f64::NAN, |(_, ticks)| ticks);
-    (program, ticks_of_processes_named("postgres"))
+    (program, ticks_of_processes_named(server.process()))
 }
 
 fn loadavg() -> String {

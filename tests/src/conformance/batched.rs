@@ -86,6 +86,10 @@ pub async fn batched_claims_answer_as_single_claims<S: Store + 'static>(store: A
     let record = Claim::Completed(Record::new(Some(fp.clone()), br#"{"Ok":"done"}"#.to_vec()));
     assert_eq!(answers[1].as_ref().ok(), Some(&record), "a completed key is replayed");
     assert_running(&answers[2], Some(&running_fp), "a key another token holds");
+    // With the running call's remaining lease, when the store's single claim reports it.
+    let single = store.claim(&claim_request(running, t3, None, LEASE_MS)).await.unwrap();
+    let lease_of = |claim: &Claim| matches!(claim, Claim::InProgress { lease_remaining: Some(_), .. });
+    assert_eq!(lease_of(answers[2].as_ref().unwrap()), lease_of(&single), "{:?} against {single:?}", answers[2]);
     assert!(is_claimed(&answers[3]), "a key this token holds already: {:?}", answers[3]);
     assert!(is_claimed(&answers[5]), "a new key after the others: {:?}", answers[5]);
     assert!(is_claimed(&answers[7]) && is_claimed(&answers[8]), "one token twice: {:?}", &answers[7..]);

@@ -81,5 +81,7 @@ impl sealed::Sealed for ClusterConnection {
     const NAME: &'static str = "redis-cluster";
     // The cluster client retries a command whose connection was lost (`DEFAULT_CLUSTER_RETRIES`).
     const RESENDS_LOST: bool = false;
+    // Keys spread over slots: a batch is its single steps.
+    const PIPELINES_ANY_KEYS: bool = false;
 }
 impl RedisConnection for ClusterConnection {}

@@ -18,6 +18,9 @@ pub(super) mod sealed {
         /// Whether the store sends a step again when the connection was lost with the step in
         /// flight (`false` for a client that already does so itself).
         const RESENDS_LOST: bool;
+        /// Whether one pipeline may hold commands on any keys (one server), so that a batch is
+        /// one round trip; a cluster connection sends a pipeline to one node.
+        const PIPELINES_ANY_KEYS: bool;
     }
 }
 
@@ -25,6 +28,7 @@ impl sealed::Sealed for ConnectionManager {
     const NAME: &'static str = "redis";
     // The manager reconnects after a lost connection but fails the commands that were on it.
     const RESENDS_LOST: bool = true;
+    const PIPELINES_ANY_KEYS: bool = true;
 }
 impl RedisConnection for ConnectionManager {}
 

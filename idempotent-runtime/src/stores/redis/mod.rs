@@ -51,6 +51,12 @@
 //!   A claim whose `SET` finds the caller's *own* running record (the client resent it after
 //!   losing the first reply, as the cluster client does) is that caller's claim.
 //!
+//! - **batches** ([`Store::claim_many`], [`Store::complete_many`]): the same commands for every
+//!   key, in one pipeline: one round trip for the batch (a claim that finds another call running
+//!   then probes it, as a single claim does; with [`RedisStore::with_replica_acks`], one `WAIT`
+//!   at the pipeline's end). On a cluster, whose keys live on different nodes, a batch is its
+//!   single steps, sent concurrently.
+//!
 //! A first execution costs two round trips (claim, complete), a replay one. When a server does not
 //! know a script yet (after a restart, a failover or `SCRIPT FLUSH`), the step is sent once more
 //! as `EVAL` with the script's text, which also caches it.
@@ -136,6 +142,7 @@
 //! pass it to [`RedisStore::new`] to choose otherwise.
 
 mod admin;
+mod batch;
 #[cfg(feature = "redis-cluster")]
 mod cluster;
 mod connection;
@@ -596,6 +603,13 @@ fn resend<C: RedisConnection>(error: &RedisError) -> Option<bool> {
     }
 }
 
+/// The claim: `SET <key> <running record> NX PX <lease> GET`.
+fn claim_cmd(key: &KeyArg<'_>, running: &record::Header<'_>, lease: Duration) -> Cmd {
+    let mut cmd = Cmd::with_capacity(7, COMMAND_BYTES);
+    cmd.arg("SET").arg(key).arg(running).arg("NX").arg("PX").arg(expiry_millis(lease)).arg("GET");
+    cmd
+}
+
 /// `EVALSHA <sha> 1 <key> <args...>`, or `EVAL <script> 1 <key> <args...>`.
 fn script_cmd(script: &Lua, eval: bool, key: &KeyArg<'_>, args: &impl Fn(&mut Cmd)) -> Cmd {
     let mut cmd = Cmd::with_capacity(8, COMMAND_BYTES);
@@ -681,6 +695,30 @@ fn expiry_millis(duration: Duration) -> u64 {
     u64::try_from(millis).unwrap_or(u64::MAX).min(MAX_EXPIRY_MILLIS)
 }
 
+/// `ARGV` of the completion script ([`COMPLETE_LUA`]).
+struct CompleteArgs<'a> {
+    claimed: record::Header<'a>,
+    completed: record::Completed<'a>,
+    retention: u64,
+    waits: &'static str,
+}
+
+impl CompleteArgs<'_> {
+    fn write(&self, cmd: &mut Cmd) {
+        cmd.arg(&self.claimed).arg(&self.completed).arg(self.retention).arg(self.waits);
+    }
+}
+
+/// The completion script's reply: 1 recorded, 0 another token holds the key, -1 another type.
+fn completed(reply: Value, key: &KeyArg<'_>) -> Result<(), StoreError> {
+    match reply {
+        Value::Int(-1) => {
+            Err(record::corrupt(&key.bytes(), b"", "holds another type than a string (see `redis-cli TYPE`)"))
+        }
+        reply => owner_reply(&reply),
+    }
+}
+
 /// A fenced script's reply: 1 done, 0 not the owner.
 fn owner_reply(value: &Value) -> Result<(), StoreError> {
     match value {
@@ -741,6 +779,24 @@ impl<C: RedisConnection> Store for RedisStore<C> {
         self.bounded("complete", self.complete_now(completion)).await
     }
 
+    /// One pipeline (one round trip) on one server; a cluster's keys spread over its nodes, and
+    /// its batch is the default: the single claims, concurrently.
+    async fn claim_many(&self, requests: &[ClaimRequest<'_>]) -> Result<Vec<Result<Claim, StoreError>>, StoreError> {
+        if !<C as connection::sealed::Sealed>::PIPELINES_ANY_KEYS || requests.is_empty() {
+            return Ok(crate::store::claim_each(self, requests).await);
+        }
+        self.bounded("claim", self.claim_many_now(requests)).await
+    }
+
+    /// One pipeline (one round trip, with one `WAIT` at its end if replicas must acknowledge)
+    /// on one server; on a cluster, the default.
+    async fn complete_many(&self, completions: &[Completion<'_>]) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        if !<C as connection::sealed::Sealed>::PIPELINES_ANY_KEYS || completions.is_empty() {
+            return Ok(crate::store::complete_each(self, completions).await);
+        }
+        self.bounded("complete", self.complete_many_now(completions)).await
+    }
+
     async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {
         self.bounded("release", self.release_now(key, token)).await
     }
@@ -772,8 +828,7 @@ impl<C: RedisConnection> RedisStore<C> {
             token: request.token.as_bytes(),
             fingerprint: request.fingerprint.map(crate::Fingerprint::as_bytes),
         };
-        let mut cmd = Cmd::with_capacity(7, COMMAND_BYTES);
-        cmd.arg("SET").arg(&key).arg(&running).arg("NX").arg("PX").arg(expiry_millis(request.lease)).arg("GET");
+        let cmd = claim_cmd(&key, &running, request.lease);
         let mut claim = parse_claim(self.query(&cmd).await, &key, request.token)?;
         // Rare path: another call runs. Read its remaining lease (and the value again, in the same
         // instant, since it may have finished meanwhile); if the key is gone by now, claim again.
@@ -789,30 +844,29 @@ impl<C: RedisConnection> RedisStore<C> {
     }
 
     async fn complete_now(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
-        let token = completion.token.as_bytes();
-        record::check_token(completion.token)?;
+        let args = self.complete_args(completion)?;
         let key = self.key_arg(completion.key);
-        let fingerprint = completion.fingerprint.map(crate::Fingerprint::as_bytes);
-        let claimed = record::Header { state: record::RUNNING, token, fingerprint };
-        let completed = record::Completed {
-            header: record::Header { state: record::DONE, token, fingerprint },
-            outcome: completion.outcome,
-        };
-        let retention = expiry_millis(completion.retention);
-        let waits = if self.replica_acks.is_some() { "1" } else { "0" };
-        let args = |cmd: &mut Cmd| {
-            cmd.arg(&claimed).arg(&completed).arg(retention).arg(waits);
-        };
         let reply = match self.replica_acks {
-            None => self.eval(&COMPLETE, &key, args).await.map_err(backend)?,
-            Some(acks) => self.eval_and_wait(&COMPLETE, &key, acks, args).await?,
+            None => self.eval(&COMPLETE, &key, |cmd| args.write(cmd)).await.map_err(backend)?,
+            Some(acks) => self.eval_and_wait(&COMPLETE, &key, acks, |cmd| args.write(cmd)).await?,
         };
-        match reply {
-            Value::Int(-1) => {
-                Err(record::corrupt(&key.bytes(), b"", "holds another type than a string (see `redis-cli TYPE`)"))
-            }
-            reply => owner_reply(&reply),
-        }
+        completed(reply, &key)
+    }
+
+    /// The completion script's arguments for `completion`.
+    fn complete_args<'a>(&self, completion: &'a Completion<'_>) -> Result<CompleteArgs<'a>, StoreError> {
+        record::check_token(completion.token)?;
+        let token = completion.token.as_bytes();
+        let fingerprint = completion.fingerprint.map(crate::Fingerprint::as_bytes);
+        Ok(CompleteArgs {
+            claimed: record::Header { state: record::RUNNING, token, fingerprint },
+            completed: record::Completed {
+                header: record::Header { state: record::DONE, token, fingerprint },
+                outcome: completion.outcome,
+            },
+            retention: expiry_millis(completion.retention),
+            waits: if self.replica_acks.is_some() { "1" } else { "0" },
+        })
     }
 
     async fn release_now(&self, key: &Key, token: &Token) -> Result<(), StoreError> {

@@ -51,9 +51,9 @@
 //! the statement could not answer (the snapshot case above, another owner's key), gets its single
 //! statement after it. [`PostgresTxStore`] claims a batch in one statement too, and records it
 //! one completion at a time. On one 2-core machine, windows of 16 and 64 fresh keys claimed and
-//! recorded this way went through 2.8 × and 4.7 × as many keys per second as the same keys each
-//! claimed and recorded on their own, concurrently, at a fifth to a seventh of PostgreSQL's CPU
-//! per key (`examples/src/bin/batch_load.rs`; BENCHMARKS.md has the run).
+//! recorded this way went through 2.8 to 2.9 × and 4.7 to 5.3 × as many keys per second as the
+//! same keys each claimed and recorded on their own, concurrently, at a fifth to an eighth of
+//! PostgreSQL's CPU per key (two runs of `examples/src/bin/batch_load.rs`; BENCHMARKS.md).
 //!
 //! In [`PostgresTxStore`], run the transaction at READ COMMITTED (the default): at REPEATABLE READ
 //! a duplicate that waited for the first transaction fails with a serialization error instead of

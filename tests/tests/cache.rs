@@ -181,3 +181,69 @@ async fn memory_cache_is_bounded_by_entries_and_by_bytes() {
     let entries = by_bytes.stats().entries;
     assert!((1..=7).contains(&entries), "at most 8 KiB: {entries} entries");
 }
+
+/// A batch of claims through the cache: the records this process wrote are answered from the
+/// cache, and only the other keys reach the store, in one batch of its own; records the store
+/// answers are learned. The records a batch of completions wrote are cached.
+#[tokio::test]
+async fn memory_cache_answers_a_batch_from_its_records_and_sends_the_rest_as_one_batch() {
+    use idempotent_runtime::{Claim, ClaimRequest, Completion, StoreError, Token};
+
+    /// The memory store, counting the batches and single claims that reach it.
+    #[derive(Default)]
+    struct Counting {
+        inner: MemoryStore,
+        batches: AtomicUsize,
+        batched: AtomicUsize,
+        singles: AtomicUsize,
+    }
+    impl Counting {
+        fn inner(&self) -> &MemoryStore {
+            &self.inner
+        }
+    }
+    impl Store for Counting {
+        async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+            self.singles.fetch_add(1, Ordering::SeqCst);
+            self.inner.claim(request).await
+        }
+        async fn claim_many(
+            &self,
+            requests: &[ClaimRequest<'_>],
+        ) -> Result<Vec<Result<Claim, StoreError>>, StoreError> {
+            self.batches.fetch_add(1, Ordering::SeqCst);
+            self.batched.fetch_add(requests.len(), Ordering::SeqCst);
+            self.inner.claim_many(requests).await
+        }
+        idempotent_runtime::forward_store!(direct Counting::inner;
+            complete complete_many release extend detach process_local);
+    }
+
+    let store = CachedStore::new(Counting::default());
+    let keys: Vec<Key> = (0..6).map(|i| Key::new("cache-batch", &i).unwrap()).collect();
+    let tokens: Vec<Token> = keys.iter().map(|_| Token::new()).collect();
+    let lease = Duration::from_secs(30);
+    let requests: Vec<ClaimRequest<'_>> =
+        keys.iter().zip(&tokens).map(|(key, token)| ClaimRequest::new(key, token, None, lease)).collect();
+    let claims = store.claim_many(&requests).await.unwrap();
+    assert!(claims.iter().all(|c| matches!(c, Ok(Claim::Claimed))), "{claims:?}");
+    // Four recorded through the cache (kept), two straight in the store behind it (learned later).
+    let completions: Vec<Completion<'_>> =
+        keys.iter().zip(&tokens).map(|(key, token)| Completion::new(key, token, None, b"{\"Ok\":1}", lease)).collect();
+    assert!(store.complete_many(&completions[..4]).await.unwrap().iter().all(Result::is_ok));
+    assert!(store.inner().complete_many(&completions[4..]).await.unwrap().iter().all(Result::is_ok));
+
+    let readers: Vec<Token> = keys.iter().map(|_| Token::new()).collect();
+    let reads: Vec<ClaimRequest<'_>> =
+        keys.iter().zip(&readers).map(|(key, token)| ClaimRequest::new(key, token, None, lease)).collect();
+    let before = (store.stats().hits, store.inner().batches.load(Ordering::SeqCst));
+    let replays = store.claim_many(&reads).await.unwrap();
+    assert!(replays.iter().all(|c| matches!(c, Ok(Claim::Completed(_)))), "{replays:?}");
+    assert_eq!(store.stats().hits - before.0, 4, "the four records the cache kept");
+    assert_eq!(store.inner().batches.load(Ordering::SeqCst) - before.1, 1, "one batch for the rest");
+    assert_eq!(store.inner().batched.load(Ordering::SeqCst), 6 + 2, "the first batch's six keys, then two");
+    assert_eq!(store.inner().singles.load(Ordering::SeqCst), 0, "no single claim");
+    // The two the store answered are learned: now all six come from the cache.
+    store.claim_many(&reads).await.unwrap();
+    assert_eq!(store.stats().hits - before.0, 4 + 6);
+}

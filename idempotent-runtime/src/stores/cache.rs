@@ -266,32 +266,31 @@ impl<S: std::fmt::Debug> std::fmt::Debug for CachedStore<S> {
     }
 }
 
-impl<S: Store> Store for CachedStore<S> {
-    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
-        // The caller's reading, taken just before it called (`sent_at`): a copy is replayed if it
-        // was live then, and a learned one expires counted from then, never later.
-        let now = request.sent.unwrap_or_else(Instant::now);
-        if let Some(cached) = self.cached(request.key, now) {
-            self.shared.hits.fetch_add(1, Ordering::Relaxed);
-            crate::observe::cache_lookup(true);
-            return Ok(Claim::Completed(Record::new(cached.fingerprint.clone(), cached.outcome.clone())));
-        }
-        self.shared.misses.fetch_add(1, Ordering::Relaxed);
-        crate::observe::cache_lookup(false);
-        let claim = self.inner.claim(request).await?;
-        if let Claim::Completed(record) = &claim
+impl<S: Store> CachedStore<S> {
+    /// The cached record of `request`'s key, as a claim's answer, if it was live at `now`.
+    fn hit(&self, request: &ClaimRequest<'_>, now: Instant) -> Option<Claim> {
+        let Some(cached) = self.cached(request.key, now) else {
+            self.shared.misses.fetch_add(1, Ordering::Relaxed);
+            crate::observe::cache_lookup(false);
+            return None;
+        };
+        self.shared.hits.fetch_add(1, Ordering::Relaxed);
+        crate::observe::cache_lookup(true);
+        Some(Claim::Completed(Record::new(cached.fingerprint.clone(), cached.outcome.clone())))
+    }
+
+    /// Keeps a record the store answered `request` with, counted from `now`.
+    fn learn(&self, request: &ClaimRequest<'_>, now: Instant, claim: &Claim) {
+        if let Claim::Completed(record) = claim
             && let Some(expires) = now.checked_add(self.shared.limits.learned_ttl)
         {
             let cached = Cached { fingerprint: record.fingerprint.clone(), outcome: record.outcome.clone(), expires };
             self.cache(request.key, cached);
         }
-        Ok(claim)
     }
 
-    async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
-        // Counted from before the request: the cached copy never outlives the store's record.
-        let sent = Instant::now();
-        self.inner.complete(completion).await?;
+    /// Keeps the record `completion` wrote, counted from `sent`, before the store was asked.
+    fn recorded(&self, completion: &Completion<'_>, sent: Instant) {
         if let Some(expires) = sent.checked_add(completion.retention) {
             let cached = Cached {
                 fingerprint: completion.fingerprint.cloned(),
@@ -300,7 +299,66 @@ impl<S: Store> Store for CachedStore<S> {
             };
             self.cache(completion.key, cached);
         }
+    }
+}
+
+impl<S: Store> Store for CachedStore<S> {
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        // The caller's reading, taken just before it called (`sent_at`): a copy is replayed if it
+        // was live then, and a learned one expires counted from then, never later.
+        let now = request.sent.unwrap_or_else(Instant::now);
+        if let Some(hit) = self.hit(request, now) {
+            return Ok(hit);
+        }
+        let claim = self.inner.claim(request).await?;
+        self.learn(request, now, &claim);
+        Ok(claim)
+    }
+
+    async fn complete(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
+        // Counted from before the request: the cached copy never outlives the store's record.
+        let sent = Instant::now();
+        self.inner.complete(completion).await?;
+        self.recorded(completion, sent);
         Ok(())
+    }
+
+    /// The cached records answered here, the other requests in one batch of the store's.
+    async fn claim_many(&self, requests: &[ClaimRequest<'_>]) -> Result<Vec<Result<Claim, StoreError>>, StoreError> {
+        let now = Instant::now();
+        let mut answers = Vec::with_capacity(requests.len());
+        let mut misses = Vec::new();
+        for (i, request) in requests.iter().enumerate() {
+            let hit = self.hit(request, request.sent.unwrap_or(now));
+            if hit.is_none() {
+                misses.push(i);
+            }
+            answers.push(hit.map(Ok));
+        }
+        if !misses.is_empty() {
+            let asked: Vec<ClaimRequest<'_>> = misses.iter().map(|&i| requests[i]).collect();
+            let replies = self.inner.claim_many(&asked).await?;
+            for (&i, reply) in misses.iter().zip(replies) {
+                if let Ok(claim) = &reply {
+                    self.learn(&requests[i], requests[i].sent.unwrap_or(now), claim);
+                }
+                answers[i] = Some(reply);
+            }
+        }
+        let missing = || StoreError::Corrupt("the store answered fewer claims than it was asked".into());
+        answers.into_iter().map(|answer| answer.ok_or_else(missing)).collect()
+    }
+
+    /// The store's batch; each record it wrote is kept.
+    async fn complete_many(&self, completions: &[Completion<'_>]) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let sent = Instant::now();
+        let recorded = self.inner.complete_many(completions).await?;
+        for (completion, result) in completions.iter().zip(&recorded) {
+            if result.is_ok() {
+                self.recorded(completion, sent);
+            }
+        }
+        Ok(recorded)
     }
 
     forward_store!(direct CachedStore::inner; release extend detach max_record_bytes process_local);

@@ -34,6 +34,10 @@ pub const DEFAULT_MAX_RECORD_BYTES: usize = 1024 * 1024;
 /// 4. [`release`](Store::release): if the key is still claimed by this token and its lease has not
 ///    ended, delete it, so a retry may run.
 ///
+/// [`claim_many`](Store::claim_many) and [`complete_many`](Store::complete_many) are the first
+/// and third steps for several keys at once, each key answered as its single step would answer
+/// it; a store that can batch them in one round trip overrides their defaults.
+///
 /// Refused steps fail with [`StoreError::NotOwner`] and change nothing. Renewal and release are
 /// fenced by the lease: once it has ended, even if nobody has claimed the key since, its owner can
 /// no longer renew or release it. Completion is fenced only by other owners, because refusing a
@@ -62,8 +66,10 @@ pub trait Store: Send + Sync {
     /// requests' claims been sent concurrently.
     ///
     /// For callers that hold many keys at once (a consumer with a window of deliveries): a store
-    /// that can claim them in one round trip (the PostgreSQL store: one statement) overrides it.
-    /// The default sends each request's `claim`, concurrently, and never fails as a whole.
+    /// that can claim them in one round trip overrides it (the PostgreSQL store: one statement;
+    /// the Redis store on one server: one pipeline; `CachedStore`: the keys it has no record of,
+    /// as one batch of its store's). The default sends each request's `claim`, concurrently, and
+    /// never fails as a whole.
     ///
     /// Of several requests for one key, one at most is [`Claim::Claimed`] (which one is not
     /// specified), unless they share their token: a token's second request for a key it holds is

@@ -1,3 +1,4 @@
+#![cfg(all(feature = "postgres", feature = "cache"))]
 //! The PostgreSQL store's batched steps are one statement per batch: counted from sqlx's own
 //! statement log, in a test binary of their own so that the counting subscriber is the process's
 //! only one (tracing caches whether a log site is wanted, across the threads of one process).
@@ -73,6 +74,23 @@ async fn postgres_batched_steps_are_one_statement_each() {
     let replays = replays.unwrap();
     assert!(replays.iter().all(|c| matches!(c, Ok(Claim::Completed(_)))), "{replays:?}");
     assert_eq!(statements, 2, "64 replays in one statement, and the repeated key's own claim");
+
+    // Through `AnyStore` and `CachedStore` too: the batch reaches the store's statement.
+    let any = idempotent_runtime::AnyStore::new(idempotent_runtime::stores::cache::CachedStore::new(store.clone()));
+    let keys: Vec<Key> = (0..16).map(|i| Key::new("batch-any", &i).unwrap()).collect();
+    let requests: Vec<ClaimRequest<'_>> =
+        keys.iter().zip(&tokens).map(|(key, token)| ClaimRequest::new(key, token, None, lease)).collect();
+    let (claims, statements) = statements_of(any.claim_many(&requests)).await;
+    assert!(claims.unwrap().iter().all(|c| matches!(c, Ok(Claim::Claimed))));
+    assert_eq!(statements, 1, "16 new keys through AnyStore and CachedStore");
+    let completions: Vec<Completion<'_>> = requests
+        .iter()
+        .zip(&outcomes)
+        .map(|(request, outcome)| Completion::new(request.key, request.token, None, outcome.as_bytes(), lease))
+        .collect();
+    let (recorded, statements) = statements_of(any.complete_many(&completions)).await;
+    assert!(recorded.unwrap().iter().all(Result::is_ok));
+    assert_eq!(statements, 1, "16 completions through AnyStore and CachedStore");
 
     // In a transaction, the claims too (its completions are one statement each: a batch
     // adopts keys that are gone, which a transaction's completion never does).

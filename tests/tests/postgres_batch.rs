@@ -34,6 +34,20 @@ async fn statements_of<T>(step: impl Future<Output = T>) -> (T, usize) {
     (value, STATEMENTS.load(Ordering::Relaxed) - before)
 }
 
+/// Claims of `keys`, each with its token.
+fn claims_of<'a>(keys: &'a [Key], tokens: &'a [Token], lease: Duration) -> Vec<ClaimRequest<'a>> {
+    keys.iter().zip(tokens).map(|(key, token)| ClaimRequest::new(key, token, None, lease)).collect()
+}
+
+/// Completions of `requests`, each with its outcome.
+fn completions_of<'a>(requests: &[ClaimRequest<'a>], outcomes: &'a [String], lease: Duration) -> Vec<Completion<'a>> {
+    requests
+        .iter()
+        .zip(outcomes)
+        .map(|(request, outcome)| Completion::new(request.key, request.token, None, outcome.as_bytes(), lease))
+        .collect()
+}
+
 /// 64 new keys claimed in one statement, recorded in one, replayed in one; a key asked for twice
 /// in one batch costs its own single claim after the batch's statement.
 #[tokio::test(flavor = "current_thread")]
@@ -51,20 +65,13 @@ async fn postgres_batched_steps_are_one_statement_each() {
     let keys: Vec<Key> = (0..64).map(|i| Key::new("batch", &i).unwrap()).collect();
     let tokens: Vec<Token> = keys.iter().map(|_| Token::new()).collect();
     let lease = Duration::from_secs(30);
-    let mut requests: Vec<ClaimRequest<'_>> =
-        keys.iter().zip(&tokens).map(|(key, token)| ClaimRequest::new(key, token, None, lease)).collect();
+    let mut requests = claims_of(&keys, &tokens, lease);
     let (claims, statements) = statements_of(store.claim_many(&requests)).await;
     assert!(claims.unwrap().iter().all(|c| matches!(c, Ok(Claim::Claimed))));
     assert_eq!(statements, 1, "64 new keys");
 
     let outcomes: Vec<String> = (0..64).map(|i| format!(r#"{{"Ok":{i}}}"#)).collect();
-    let completions: Vec<Completion<'_>> = keys
-        .iter()
-        .zip(&tokens)
-        .zip(&outcomes)
-        .map(|((key, token), outcome)| Completion::new(key, token, None, outcome.as_bytes(), lease))
-        .collect();
-    let (recorded, statements) = statements_of(store.complete_many(&completions)).await;
+    let (recorded, statements) = statements_of(store.complete_many(&completions_of(&requests, &outcomes, lease))).await;
     assert!(recorded.unwrap().iter().all(Result::is_ok));
     assert_eq!(statements, 1, "64 completions");
 
@@ -78,35 +85,23 @@ async fn postgres_batched_steps_are_one_statement_each() {
     // Through `AnyStore` and `CachedStore` too: the batch reaches the store's statement.
     let any = idempotent_runtime::AnyStore::new(idempotent_runtime::stores::cache::CachedStore::new(store.clone()));
     let keys: Vec<Key> = (0..16).map(|i| Key::new("batch-any", &i).unwrap()).collect();
-    let requests: Vec<ClaimRequest<'_>> =
-        keys.iter().zip(&tokens).map(|(key, token)| ClaimRequest::new(key, token, None, lease)).collect();
+    let requests = claims_of(&keys, &tokens, lease);
     let (claims, statements) = statements_of(any.claim_many(&requests)).await;
     assert!(claims.unwrap().iter().all(|c| matches!(c, Ok(Claim::Claimed))));
     assert_eq!(statements, 1, "16 new keys through AnyStore and CachedStore");
-    let completions: Vec<Completion<'_>> = requests
-        .iter()
-        .zip(&outcomes)
-        .map(|(request, outcome)| Completion::new(request.key, request.token, None, outcome.as_bytes(), lease))
-        .collect();
-    let (recorded, statements) = statements_of(any.complete_many(&completions)).await;
+    let (recorded, statements) = statements_of(any.complete_many(&completions_of(&requests, &outcomes, lease))).await;
     assert!(recorded.unwrap().iter().all(Result::is_ok));
     assert_eq!(statements, 1, "16 completions through AnyStore and CachedStore");
 
     // In a transaction, the claims too (its completions are one statement each: a batch
     // adopts keys that are gone, which a transaction's completion never does).
     let keys: Vec<Key> = (0..16).map(|i| Key::new("batch-tx", &i).unwrap()).collect();
-    let requests: Vec<ClaimRequest<'_>> =
-        keys.iter().zip(&tokens).map(|(key, token)| ClaimRequest::new(key, token, None, lease)).collect();
+    let requests = claims_of(&keys, &tokens, lease);
     let tx = store.begin().await.unwrap();
     let (claims, statements) = statements_of(tx.claim_many(&requests)).await;
     assert!(claims.unwrap().iter().all(|c| matches!(c, Ok(Claim::Claimed))));
     assert_eq!(statements, 1, "16 new keys in a transaction");
-    let completions: Vec<Completion<'_>> = requests
-        .iter()
-        .zip(&outcomes)
-        .map(|(request, outcome)| Completion::new(request.key, request.token, None, outcome.as_bytes(), lease))
-        .collect();
-    assert!(tx.complete_many(&completions).await.unwrap().iter().all(Result::is_ok));
+    assert!(tx.complete_many(&completions_of(&requests, &outcomes, lease)).await.unwrap().iter().all(Result::is_ok));
     tx.commit().await.unwrap();
 
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {table}"))).execute(&pool).await.unwrap();

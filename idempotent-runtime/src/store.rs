@@ -36,7 +36,7 @@ pub const DEFAULT_MAX_RECORD_BYTES: usize = 1024 * 1024;
 ///
 /// [`claim_many`](Store::claim_many) and [`complete_many`](Store::complete_many) are the first
 /// and third steps for several keys at once, each key answered as its single step would answer
-/// it; a store that can batch them in one round trip overrides their defaults.
+/// it; a store that can batch them overrides their defaults.
 ///
 /// Refused steps fail with [`StoreError::NotOwner`] and change nothing. Renewal and release are
 /// fenced by the lease: once it has ended, even if nobody has claimed the key since, its owner can
@@ -66,7 +66,7 @@ pub trait Store: Send + Sync {
     /// requests' claims been sent concurrently.
     ///
     /// For callers that hold many keys at once (a consumer with a window of deliveries): a store
-    /// that can claim them in one round trip overrides it (the PostgreSQL store: one statement;
+    /// that can claim them together overrides it (the PostgreSQL store: one statement;
     /// the Redis store on one server: one pipeline; `CachedStore`: the keys it has no record of,
     /// as one batch of its store's). The default sends each request's `claim`, concurrently, and
     /// never fails as a whole.
@@ -89,7 +89,7 @@ pub trait Store: Send + Sync {
     /// concurrently.
     ///
     /// The default sends each completion's `complete`, concurrently, and never fails as a whole;
-    /// a store that can record them in one round trip overrides it. The outer error says the batch
+    /// a store that can record them together overrides it. The outer error says the batch
     /// failed as a whole; like a failed `complete`, it may have recorded some of them, and
     /// sending them again (the same tokens) records the rest and changes nothing of those.
     fn complete_many(

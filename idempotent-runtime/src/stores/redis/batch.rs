@@ -21,35 +21,26 @@ impl<C: RedisConnection> RedisStore<C> {
         &self,
         requests: &[ClaimRequest<'_>],
     ) -> Result<Vec<Result<Claim, StoreError>>, StoreError> {
+        let checked: Vec<Result<(), StoreError>> = requests.iter().map(|r| record::check_token(r.token)).collect();
         let mut pipeline = redis::pipe();
         pipeline.ignore_errors();
-        let mut answers: Vec<Option<Result<Claim, StoreError>>> = Vec::with_capacity(requests.len());
-        for request in requests {
-            match record::check_token(request.token) {
-                Ok(()) => {
-                    let running = record::Header {
-                        state: record::RUNNING,
-                        token: request.token.as_bytes(),
-                        fingerprint: request.fingerprint.map(crate::Fingerprint::as_bytes),
-                    };
-                    pipeline.add_command(claim_cmd(&self.key_arg(request.key), &running, request.lease));
-                    answers.push(None);
-                }
-                Err(error) => answers.push(Some(Err(error))),
-            }
+        for (request, _) in requests.iter().zip(&checked).filter(|(_, checked)| checked.is_ok()) {
+            pipeline.add_command(claim_cmd(&self.key_arg(request.key), request));
         }
         let mut replies = self.send(&pipeline).await.map_err(backend)?.into_iter();
-        let answers = requests.iter().zip(answers).map(|(request, answer)| match answer {
-            Some(answer) => Ok(answer),
-            None => match replies.next() {
-                Some(reply) => Ok(parse_claim(reply, &self.key_arg(request.key), request.token)),
-                None => Err(StoreError::Corrupt("a pipeline of claims got fewer replies than claims".into())),
-            },
-        });
-        let answers = answers.collect::<Result<Vec<_>, _>>()?;
+        let mut answers = Vec::with_capacity(requests.len());
+        for (request, checked) in requests.iter().zip(checked) {
+            answers.push(match checked {
+                Ok(()) => {
+                    let reply = replies.next().ok_or_else(|| fewer("claims"))?;
+                    parse_claim(reply, &self.key_arg(request.key), request.token)
+                }
+                Err(error) => Err(error),
+            });
+        }
         // Another call is running: its remaining lease, as a single claim reports it.
         let claims = requests.iter().zip(answers).map(async |(request, answer)| match answer {
-            Ok(Claim::InProgress { .. }) => self.claim_now(request).await,
+            Ok(claim @ Claim::InProgress { .. }) => self.lease_of_running(request, claim).await,
             answer => answer,
         });
         Ok(join_all(claims).await)
@@ -59,19 +50,12 @@ impl<C: RedisConnection> RedisStore<C> {
         &self,
         completions: &[Completion<'_>],
     ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
-        let mut args = Vec::with_capacity(completions.len());
-        let mut answers: Vec<Option<Result<(), StoreError>>> = Vec::with_capacity(completions.len());
-        for completion in completions {
-            match self.complete_args(completion) {
-                Ok(arg) => (args.push(Some(arg)), answers.push(None)),
-                Err(error) => (args.push(None), answers.push(Some(Err(error)))),
-            };
-        }
+        let args: Vec<_> = completions.iter().map(|completion| self.complete_args(completion)).collect();
         let pipeline = |eval: bool| {
             let mut pipeline = redis::pipe();
             pipeline.ignore_errors();
             for (completion, args) in completions.iter().zip(&args) {
-                if let Some(args) = args {
+                if let Ok(args) = args {
                     let key = self.key_arg(completion.key);
                     pipeline.add_command(script_cmd(&COMPLETE, eval, &key, &|cmd| args.write(cmd)));
                 }
@@ -89,20 +73,19 @@ impl<C: RedisConnection> RedisStore<C> {
         let waited = self.replica_acks.map(|acks| (acks, replies.pop()));
         let mut replies = replies.into_iter();
         let mut recorded = Vec::with_capacity(completions.len());
-        for (completion, answer) in completions.iter().zip(answers) {
-            if let Some(answer) = answer {
-                recorded.push(answer);
-                continue;
-            }
-            let reply = replies.next().ok_or_else(|| {
-                StoreError::Corrupt("a pipeline of completions got fewer replies than completions".into())
-            })?;
-            let key = self.key_arg(completion.key);
-            let answer = reply.map_err(backend).and_then(|reply| completed(reply, &key));
-            recorded.push(answer.and_then(|()| match &waited {
-                Some((acks, reply)) => replicas_have_it(*acks, reply.as_ref()),
-                None => Ok(()),
-            }));
+        for (completion, args) in completions.iter().zip(args) {
+            recorded.push(match args {
+                Ok(_) => {
+                    let reply = replies.next().ok_or_else(|| fewer("completions"))?;
+                    let answer =
+                        reply.map_err(backend).and_then(|reply| completed(reply, &self.key_arg(completion.key)));
+                    answer.and_then(|()| match &waited {
+                        Some((acks, reply)) => replicas_have_it(*acks, reply.as_ref()),
+                        None => Ok(()),
+                    })
+                }
+                Err(error) => Err(error),
+            });
         }
         Ok(recorded)
     }
@@ -115,6 +98,11 @@ impl<C: RedisConnection> RedisStore<C> {
             result => result,
         }
     }
+}
+
+/// A pipeline that got fewer replies than the `steps` it held.
+fn fewer(steps: &str) -> StoreError {
+    StoreError::Corrupt(format!("a pipeline of {steps} got fewer replies than {steps}"))
 }
 
 /// Whether `WAIT`'s reply says enough replicas acknowledged the batch's records.

@@ -52,10 +52,12 @@
 //!   losing the first reply, as the cluster client does) is that caller's claim.
 //!
 //! - **batches** ([`Store::claim_many`], [`Store::complete_many`]): the same commands for every
-//!   key, in one pipeline: one round trip for the batch (a claim that finds another call running
-//!   then probes it, as a single claim does; with [`RedisStore::with_replica_acks`], one `WAIT`
-//!   at the pipeline's end). On a cluster, whose keys live on different nodes, a batch is its
-//!   single steps, sent concurrently.
+//!   key, in one pipeline sent and answered as one (a claim that finds another call running then
+//!   probes it, as a single claim does; with [`RedisStore::with_replica_acks`], one `WAIT` at the
+//!   pipeline's end). What it saves is mostly the client's work per call: the single steps, sent
+//!   concurrently, share the multiplexed connection's round trips too, but cost this process
+//!   twice to two and a half times the CPU per key (`batch_load`, BENCHMARKS.md). On a cluster,
+//!   whose keys live on different nodes, a batch is its single steps, sent concurrently.
 //!
 //! A first execution costs two round trips (claim, complete), a replay one. When a server does not
 //! know a script yet (after a restart, a failover or `SCRIPT FLUSH`), the step is sent once more
@@ -603,10 +605,15 @@ fn resend<C: RedisConnection>(error: &RedisError) -> Option<bool> {
     }
 }
 
-/// The claim: `SET <key> <running record> NX PX <lease> GET`.
-fn claim_cmd(key: &KeyArg<'_>, running: &record::Header<'_>, lease: Duration) -> Cmd {
+/// `request`'s claim of `key`: `SET <key> <running record> NX PX <lease> GET`.
+fn claim_cmd(key: &KeyArg<'_>, request: &ClaimRequest<'_>) -> Cmd {
+    let running = record::Header {
+        state: record::RUNNING,
+        token: request.token.as_bytes(),
+        fingerprint: request.fingerprint.map(crate::Fingerprint::as_bytes),
+    };
     let mut cmd = Cmd::with_capacity(7, COMMAND_BYTES);
-    cmd.arg("SET").arg(key).arg(running).arg("NX").arg("PX").arg(expiry_millis(lease)).arg("GET");
+    cmd.arg("SET").arg(key).arg(&running).arg("NX").arg("PX").arg(expiry_millis(request.lease)).arg("GET");
     cmd
 }
 
@@ -779,8 +786,8 @@ impl<C: RedisConnection> Store for RedisStore<C> {
         self.bounded("complete", self.complete_now(completion)).await
     }
 
-    /// One pipeline (one round trip) on one server; a cluster's keys spread over its nodes, and
-    /// its batch is the default: the single claims, concurrently.
+    /// One pipeline on one server; a cluster's keys spread over its nodes, and its batch is the
+    /// default: the single claims, concurrently.
     async fn claim_many(&self, requests: &[ClaimRequest<'_>]) -> Result<Vec<Result<Claim, StoreError>>, StoreError> {
         if !<C as connection::sealed::Sealed>::PIPELINES_ANY_KEYS || requests.is_empty() {
             return Ok(crate::store::claim_each(self, requests).await);
@@ -788,8 +795,8 @@ impl<C: RedisConnection> Store for RedisStore<C> {
         self.bounded("claim", self.claim_many_now(requests)).await
     }
 
-    /// One pipeline (one round trip, with one `WAIT` at its end if replicas must acknowledge)
-    /// on one server; on a cluster, the default.
+    /// One pipeline (with one `WAIT` at its end if replicas must acknowledge) on one server; on a
+    /// cluster, the default.
     async fn complete_many(&self, completions: &[Completion<'_>]) -> Result<Vec<Result<(), StoreError>>, StoreError> {
         if !<C as connection::sealed::Sealed>::PIPELINES_ANY_KEYS || completions.is_empty() {
             return Ok(crate::store::complete_each(self, completions).await);
@@ -823,21 +830,21 @@ impl<C: RedisConnection> RedisStore<C> {
     async fn claim_now(&self, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
         record::check_token(request.token)?;
         let key = self.key_arg(request.key);
-        let running = record::Header {
-            state: record::RUNNING,
-            token: request.token.as_bytes(),
-            fingerprint: request.fingerprint.map(crate::Fingerprint::as_bytes),
-        };
-        let cmd = claim_cmd(&key, &running, request.lease);
-        let mut claim = parse_claim(self.query(&cmd).await, &key, request.token)?;
-        // Rare path: another call runs. Read its remaining lease (and the value again, in the same
-        // instant, since it may have finished meanwhile); if the key is gone by now, claim again.
+        let claim = parse_claim(self.query(&claim_cmd(&key, request)).await, &key, request.token)?;
+        self.lease_of_running(request, claim).await
+    }
+
+    /// What a claim whose `SET` answered `claim` reports: `claim` itself, unless another call
+    /// runs. Rare path: read that call's remaining lease (and the value again, in the same
+    /// instant, since it may have finished meanwhile); if the key is gone by now, claim again.
+    async fn lease_of_running(&self, request: &ClaimRequest<'_>, mut claim: Claim) -> Result<Claim, StoreError> {
+        let key = self.key_arg(request.key);
         for _ in 0..3 {
             let Claim::InProgress { .. } = claim else { return Ok(claim) };
             let probe = self.eval(&PROBE, &key, |_| {}).await.map_err(backend)?;
             match parse_probe(probe, &key, request.token)? {
                 Some(found) => return Ok(found),
-                None => claim = parse_claim(self.query(&cmd).await, &key, request.token)?,
+                None => claim = parse_claim(self.query(&claim_cmd(&key, request)).await, &key, request.token)?,
             }
         }
         Ok(claim)

@@ -153,7 +153,7 @@ pub async fn claim_many<D: Backend>(
 ) -> Result<Vec<Result<Claim, StoreError>>, StoreError> {
     let firsts = Firsts::of(requests.iter().map(|request| Some(request.key.as_str())));
     let arrays = Arrays {
-        keys: firsts.keys(),
+        keys: firsts.each(|i| requests[i].key.as_str()),
         tokens: firsts.each(|i| requests[i].token.as_str()),
         fingerprints: firsts.each(|i| requests[i].fingerprint.map(Fingerprint::as_str)),
         micros: firsts.each(|i| super::micros(requests[i].lease)),
@@ -190,32 +190,27 @@ pub async fn complete_many<D: Backend>(
     batched: &Statement,
     completions: &[Completion<'_>],
 ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
-    let mut answers: Vec<Option<Result<(), StoreError>>> = Vec::with_capacity(completions.len());
-    let mut outcomes = Vec::with_capacity(completions.len());
-    for completion in completions {
-        match super::outcome_text(completion.outcome) {
-            Ok(text) => (answers.push(None), outcomes.push(text)),
-            Err(error) => (answers.push(Some(Err(error))), outcomes.push("")),
-        };
-    }
-    let firsts = Firsts::of(completions.iter().zip(&answers).map(|(c, a)| a.is_none().then(|| c.key.as_str())));
+    let texts: Vec<_> = completions.iter().map(|completion| super::outcome_text(completion.outcome)).collect();
+    let firsts = Firsts::of(completions.iter().zip(&texts).map(|(c, text)| text.is_ok().then(|| c.key.as_str())));
+    let mut done = vec![false; completions.len()];
     if !firsts.is_empty() {
         let arrays = Arrays {
-            keys: firsts.keys(),
+            keys: firsts.each(|i| completions[i].key.as_str()),
             tokens: firsts.each(|i| completions[i].token.as_str()),
             fingerprints: firsts.each(|i| completions[i].fingerprint.map(Fingerprint::as_str)),
             micros: firsts.each(|i| super::micros(completions[i].retention)),
-            outcomes: firsts.each(|i| outcomes[i]),
+            outcomes: firsts.each(|i| texts[i].as_ref().map_or("", |text| *text)),
         };
         for (key, _) in run_batch::<D>(session, batched, &arrays).await? {
-            answers[firsts.request(&key)?] = Some(Ok(()));
+            done[firsts.request(&key)?] = true;
         }
     }
     let mut recorded = Vec::with_capacity(completions.len());
-    for (completion, answer) in completions.iter().zip(answers) {
-        recorded.push(match answer {
-            Some(answer) => answer,
-            None => complete::<D>(session, sql, completion).await,
+    for ((completion, text), done) in completions.iter().zip(texts).zip(done) {
+        recorded.push(match text {
+            Err(error) => Err(error),
+            Ok(_) if done => Ok(()),
+            Ok(_) => complete::<D>(session, sql, completion).await,
         });
     }
     Ok(recorded)
@@ -225,8 +220,6 @@ pub async fn complete_many<D: Backend>(
 struct Firsts<'a> {
     /// The requests' positions, in order.
     positions: Vec<usize>,
-    /// Their keys, in the same order.
-    keys: Vec<&'a str>,
     /// Each key's request.
     by_key: std::collections::HashMap<&'a str, usize>,
 }
@@ -234,14 +227,13 @@ struct Firsts<'a> {
 impl<'a> Firsts<'a> {
     /// The first request of each key (`None`: a request left out).
     fn of(keys: impl Iterator<Item = Option<&'a str>>) -> Self {
-        let mut firsts = Firsts { positions: Vec::new(), keys: Vec::new(), by_key: std::collections::HashMap::new() };
+        let mut firsts = Firsts { positions: Vec::new(), by_key: std::collections::HashMap::new() };
         for (i, key) in keys.enumerate() {
             if let Some(key) = key
                 && let std::collections::hash_map::Entry::Vacant(entry) = firsts.by_key.entry(key)
             {
                 entry.insert(i);
                 firsts.positions.push(i);
-                firsts.keys.push(key);
             }
         }
         firsts
@@ -249,11 +241,6 @@ impl<'a> Firsts<'a> {
 
     fn is_empty(&self) -> bool {
         self.positions.is_empty()
-    }
-
-    /// The first requests' keys, in order.
-    fn keys(&self) -> Vec<&'a str> {
-        self.keys.clone()
     }
 
     /// `column` of each first request, in order.

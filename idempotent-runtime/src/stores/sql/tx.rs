@@ -194,6 +194,15 @@ impl<D: Dialect> SqlTxStore<D> {
         self.open.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// `request`'s token now holds its key. A token may claim a key again (after a late reply):
+    /// one entry.
+    fn opened(&self, request: &ClaimRequest<'_>) {
+        let mut open = self.open();
+        if !open.iter().any(|(key, token)| key == request.key && token == request.token) {
+            open.push((request.key.clone(), request.token.clone()));
+        }
+    }
+
     /// `token` has recorded or released its claim on `key`.
     fn closed(&self, key: &Key, token: &Token) {
         self.open().retain(|(k, t)| !(k == key && t == token));
@@ -205,11 +214,7 @@ impl<D: Dialect> Store for SqlTxStore<D> {
         let mut tx = self.tx.lock().await;
         let result = steps::claim::<D>(&mut Session { conn: &mut tx, autocommit: false }, &self.sql, request).await;
         if let Ok(Claim::Claimed) = result {
-            // A token may claim a key again (after a late reply): one entry.
-            let mut open = self.open();
-            if !open.iter().any(|(key, token)| key == request.key && token == request.token) {
-                open.push((request.key.clone(), request.token.clone()));
-            }
+            self.opened(request);
         }
         self.note(result)
     }
@@ -235,11 +240,9 @@ impl<D: Dialect> Store for SqlTxStore<D> {
         let mut tx = self.tx.lock().await;
         let session = &mut Session { conn: &mut **tx, autocommit: false };
         let claims = self.note(steps::claim_many::<D>(session, &self.sql, &batched.claim, requests).await)?;
-        let mut open = self.open();
         for (request, claim) in requests.iter().zip(&claims) {
-            if matches!(claim, Ok(Claim::Claimed)) && !open.iter().any(|(k, t)| k == request.key && t == request.token)
-            {
-                open.push((request.key.clone(), request.token.clone()));
+            if let Ok(Claim::Claimed) = claim {
+                self.opened(request);
             }
         }
         if claims.iter().any(Result::is_err) {

@@ -104,6 +104,17 @@ async fn postgres_batched_steps_are_one_statement_each() {
     assert!(tx.complete_many(&completions_of(&requests, &outcomes, lease)).await.unwrap().iter().all(Result::is_ok));
     tx.commit().await.unwrap();
 
+    // Calls that know nothing of each other, through `BatchingStore`: 64 at once, their claims
+    // and completions in a few statements (each alone: 128).
+    let batching = idempotent_runtime::stores::batching::BatchingStore::new(store.clone());
+    let calls = (0..64).map(|k| {
+        idempotent_runtime::Call::new("batching", &k)
+            .run(&batching, async move { Ok::<_, idempotent_runtime::Error>(k) })
+    });
+    let (results, statements) = statements_of(futures_util::future::join_all(calls)).await;
+    assert!(results.into_iter().enumerate().all(|(k, result)| result.unwrap() == k), "each call its own result");
+    assert!(statements <= 6, "64 concurrent calls through BatchingStore: {statements} statements");
+
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {table}"))).execute(&pool).await.unwrap();
 }
 

@@ -113,6 +113,9 @@ macro_rules! sql_tests {
         type Pool = sqlx::Pool<Db>;
 
         idempotent_tests::conformance_suite!(conformance, async { fresh("conf").await.map(|f| f.keep()) });
+        idempotent_tests::conformance_suite!(conformance_batching, async {
+            fresh("confb").await.map(|f| idempotent_runtime::stores::batching::BatchingStore::new(f.keep()))
+        });
         idempotent_tests::conformance_suite!(
             conformance_tx,
             async {

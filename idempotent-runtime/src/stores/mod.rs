@@ -1,6 +1,7 @@
 //! The stores: one file each, and [`AnyStore`], any of them chosen at run time.
 
 pub mod any;
+pub mod batching;
 #[cfg(feature = "cache")]
 pub mod cache;
 pub mod memory;

@@ -111,9 +111,24 @@ async fn produce(channel: &Channel, queue: &str) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn amqp_workers_sigkilled_before_the_ack_apply_each_message_once() {
-    const TEST: &str = "amqp_workers_sigkilled_before_the_ack_apply_each_message_once";
-    let Some(amqp) = services::amqp_url(TEST) else { return };
-    let Some(pg) = services::postgres_url(TEST) else { return };
+    workers_sigkilled_before_the_ack("amqp_workers_sigkilled_before_the_ack_apply_each_message_once", "").await;
+}
+
+/// The same fleet with the store behind a `BatchingStore` in each worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_workers_sigkilled_before_the_ack_apply_each_message_once_through_batching() {
+    workers_sigkilled_before_the_ack(
+        "amqp_workers_sigkilled_before_the_ack_apply_each_message_once_through_batching",
+        "batching-",
+    )
+    .await;
+}
+
+/// The kill-and-redeliver scenario; `wrapper` prefixes the workers' store argument
+/// (`batching-`: the store behind a `BatchingStore`).
+async fn workers_sigkilled_before_the_ack(test: &str, wrapper: &str) {
+    let Some(amqp) = services::amqp_url(test) else { return };
+    let Some(pg) = services::postgres_url(test) else { return };
     let (store, cleanup) = fresh::postgres_at(&pg, 2).await.expect("a fresh store");
     let ledger = Ledger::create(&pg).await;
     let queue = format!("idempotent-consume-{}", fresh::suffix());
@@ -128,7 +143,7 @@ async fn amqp_workers_sigkilled_before_the_ack_apply_each_message_once() {
         "amqp".to_owned(),
         amqp.clone(),
         queue.clone(),
-        format!("postgres:{pg}|{}", store.table()),
+        format!("{wrapper}postgres:{pg}|{}", store.table()),
         format!("{pg}|{}", ledger.table),
         kill_ids.join(","),
         panic_ids.join(","),
@@ -177,7 +192,7 @@ async fn amqp_workers_sigkilled_before_the_ack_apply_each_message_once() {
     letters.sort();
     assert_eq!(dead_bodies, letters, "the dead-letter queue holds exactly the malformed and the poison messages");
     println!(
-        "AMQP kill-and-redeliver: {MESSAGES} messages with ids + {duplicates} duplicate publishes + {MALFORMED} \
+        "AMQP kill-and-redeliver ({wrapper}postgres): {MESSAGES} messages with ids + {duplicates} duplicate publishes + {MALFORMED} \
          without an id + {POISON} poison, {WORKERS} competing workers ({} processes started), {} SIGKILLs after \
          the record and before the ack, {} panics before the side effect (each retried once), {} deliveries \
          settled as redelivered, {} retried ({} after a poison failure); double effects {doubles}, ledger rows {}, \

@@ -136,10 +136,25 @@ impl Streams {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jetstream_workers_sigkilled_before_the_ack_apply_each_message_once() {
-    const TEST: &str = "jetstream_workers_sigkilled_before_the_ack_apply_each_message_once";
-    let Some(nats) = services::nats_url(TEST) else { return };
-    let Some(redis) = services::redis_url(TEST) else { return };
-    let Some(pg) = services::postgres_url(TEST) else { return };
+    workers_sigkilled_before_the_ack("jetstream_workers_sigkilled_before_the_ack_apply_each_message_once", "").await;
+}
+
+/// The same fleet with the store behind a `BatchingStore` in each worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_workers_sigkilled_before_the_ack_apply_each_message_once_through_batching() {
+    workers_sigkilled_before_the_ack(
+        "jetstream_workers_sigkilled_before_the_ack_apply_each_message_once_through_batching",
+        "batching-",
+    )
+    .await;
+}
+
+/// The kill-and-redeliver scenario; `wrapper` prefixes the workers' store argument
+/// (`batching-`: the store behind a `BatchingStore`).
+async fn workers_sigkilled_before_the_ack(test: &str, wrapper: &str) {
+    let Some(nats) = services::nats_url(test) else { return };
+    let Some(redis) = services::redis_url(test) else { return };
+    let Some(pg) = services::postgres_url(test) else { return };
     let (store, cleanup) = fresh::redis_at(&redis).await;
     let ledger = Ledger::create(&pg).await;
     let streams = Streams::create(&nats).await;
@@ -152,7 +167,7 @@ async fn jetstream_workers_sigkilled_before_the_ack_apply_each_message_once() {
         "jetstream".to_owned(),
         nats.clone(),
         format!("{}|workers|{}", streams.work, streams.dead_subject),
-        format!("redis:{redis}|{}", store.prefix()),
+        format!("{wrapper}redis:{redis}|{}", store.prefix()),
         format!("{pg}|{}", ledger.table),
         kill_ids.join(","),
         panic_ids.join(","),
@@ -215,7 +230,7 @@ async fn jetstream_workers_sigkilled_before_the_ack_apply_each_message_once() {
     let letters = streams.dead_letters().await;
     assert_malformed_and_poison(&letters, &poison_ids);
     println!(
-        "JetStream kill-and-redeliver: {MESSAGES} messages with ids ({dropped} duplicate publishes dropped by \
+        "JetStream kill-and-redeliver ({wrapper}redis): {MESSAGES} messages with ids ({dropped} duplicate publishes dropped by \
          JetStream) + {MALFORMED} without an id + {POISON} poison, {WORKERS} competing workers ({} processes \
          started), {} SIGKILLs after the record and before the ack, {} panics before the side effect (each retried \
          once), {} deliveries settled as redelivered, {} retried ({} after a poison failure: {:?}); double effects \

@@ -15,7 +15,10 @@
 //!   the handler on the `PostgresTxStore`, then `commit`), as a consumer whose effect is a write
 //!   to the same database records it: the claim and the record commit with the transaction, one
 //!   commit (one WAL flush) per message instead of two. The handler writes nothing else, so the
-//!   whole transaction, `BEGIN` and `COMMIT` included, is charged to the idempotency step.
+//!   whole transaction, `BEGIN` and `COMMIT` included, is charged to the idempotency step;
+//! - `redis batching`, `postgres batching`: the `redis` and `postgres untested` modes with the
+//!   store behind a `BatchingStore`, which sends the claims (and the completions) of the
+//!   deliveries in flight to the store together: one pipeline, one statement.
 //!
 //! The modes alternate within each run, so the ratios compare measurements taken a few seconds
 //! apart. It prints a Markdown table of medians over the runs, with the CPU time per message that
@@ -50,11 +53,13 @@ use idempotent_runtime::consume::amqp::lapin;
 use idempotent_runtime::consume::amqp::lapin::options::QueueDeleteOptions;
 use idempotent_runtime::consume::jetstream::async_nats::{self, jetstream};
 use idempotent_runtime::consume::{Disposition, amqp, jetstream as js_consume};
+use idempotent_runtime::stores::batching::BatchingStore;
 use idempotent_runtime::stores::sql::{PostgresStore, sqlx};
 use idempotent_runtime::{Error, RedisStore, StoreError};
 
 const USAGE: &str = "usage: consume_load [--runs 5] [--messages 20000] [--concurrency 16]
-                    [--brokers amqp,jetstream] [--modes plain,redis,postgres,postgres-untested,postgres-tx]";
+                    [--brokers amqp,jetstream] [--modes plain,redis,postgres,postgres-untested,postgres-tx,
+                     redis-batching,postgres-batching]";
 
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
 enum Broker {
@@ -80,6 +85,8 @@ enum Mode {
     Postgres,
     PostgresUntested,
     PostgresTx,
+    RedisBatching,
+    PostgresBatching,
 }
 
 impl Mode {
@@ -91,6 +98,8 @@ impl Mode {
             "postgres" => Mode::Postgres,
             "postgres-untested" => Mode::PostgresUntested,
             "postgres-tx" => Mode::PostgresTx,
+            "redis-batching" => Mode::RedisBatching,
+            "postgres-batching" => Mode::PostgresBatching,
             _ => return None,
         })
     }
@@ -110,6 +119,10 @@ struct Setup {
     /// The PostgreSQL store on a pool that pings each connection before handing it out (sqlx's
     /// default), and on one that does not (`test_before_acquire(false)`).
     postgres: Arc<[PostgresStore; 2]>,
+    /// The Redis store, and the PostgreSQL store on the pool without pings, each behind a
+    /// `BatchingStore`.
+    redis_batching: BatchingStore<RedisStore>,
+    postgres_batching: BatchingStore<PostgresStore>,
     messages: usize,
     concurrency: usize,
 }
@@ -122,7 +135,15 @@ fn env(var: &str, default: &str) -> String {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (mut runs, mut messages, mut concurrency) = (5usize, 20_000usize, 16usize);
     let mut brokers = vec![Broker::Amqp, Broker::JetStream];
-    let mut modes = vec![Mode::Plain, Mode::Redis, Mode::Postgres, Mode::PostgresUntested, Mode::PostgresTx];
+    let mut modes = vec![
+        Mode::Plain,
+        Mode::Redis,
+        Mode::Postgres,
+        Mode::PostgresUntested,
+        Mode::PostgresTx,
+        Mode::RedisBatching,
+        Mode::PostgresBatching,
+    ];
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let value = args.next().ok_or(USAGE)?;
@@ -155,6 +176,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let setup = Setup {
         amqp: env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f"),
         nats: env("NATS_URL", "nats://127.0.0.1:4222"),
+        redis_batching: BatchingStore::new(redis.clone()),
+        postgres_batching: BatchingStore::new(postgres[1].clone()),
         redis,
         postgres: Arc::new(postgres),
         messages,
@@ -210,6 +233,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             Mode::Postgres => "idempotent, PostgreSQL store",
             Mode::PostgresUntested => "idempotent, PostgreSQL store, pool `test_before_acquire(false)`",
             Mode::PostgresTx => "idempotent, PostgreSQL, one transaction per message (that pool)",
+            Mode::RedisBatching => "idempotent, Redis store behind `BatchingStore`",
+            Mode::PostgresBatching => "idempotent, PostgreSQL store (that pool) behind `BatchingStore`",
         };
         println!("| {broker} | {mode} | {:.0} | {ratio} | {cpu} |", median(values.clone()));
     }
@@ -289,6 +314,7 @@ impl Setup {
         };
         let handler: Handler<M> = {
             let (handled, redis, postgres) = (Arc::clone(&handled), self.redis.clone(), Arc::clone(&self.postgres));
+            let (redis_batching, postgres_batching) = (self.redis_batching.clone(), self.postgres_batching.clone());
             Box::new(move |message: M| {
                 let (handled, id) = (Arc::clone(&handled), message.id_of());
                 match mode {
@@ -301,6 +327,14 @@ impl Setup {
                         let store = Arc::clone(&postgres);
                         let which = usize::from(mode == Mode::PostgresUntested);
                         Box::pin(async move { count_once(&store[which], &id, &handled).await })
+                    }
+                    Mode::RedisBatching => {
+                        let store = redis_batching.clone();
+                        Box::pin(async move { count_once(&store, &id, &handled).await })
+                    }
+                    Mode::PostgresBatching => {
+                        let store = postgres_batching.clone();
+                        Box::pin(async move { count_once(&store, &id, &handled).await })
                     }
                     Mode::PostgresTx => {
                         let store = Arc::clone(&postgres);

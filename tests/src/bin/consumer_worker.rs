@@ -9,7 +9,7 @@
 //! ```text
 //! consumer_worker amqp <amqp-url> <queue> <store> <ledger> <kill-ids> <panic-ids>
 //! consumer_worker jetstream <nats-url> <stream>|<consumer>|<dead-letter-subject> <store> <ledger> <kill-ids> <panic-ids>
-//!   <store>:     postgres:<url>|<table> | redis:<url>|<prefix>
+//!   <store>:     [batching-]postgres:<url>|<table> | [batching-]redis:<url>|<prefix>
 //!   <ledger>:    <postgres-url>|<table>  (columns msg_id text, pid int; and <table>_panics (msg_id))
 //!   <kill-ids>:  comma-separated message ids, or `none`
 //!   <panic-ids>: comma-separated message ids, or `none`
@@ -182,17 +182,19 @@ fn main() {
         let ledger = Ledger { pool, insert, note_panic, panic_ids: ids(panic_ids) };
         let worker = Worker { ledger, kill_ids: ids(kill_ids) };
         let (kind, rest) = store.split_once(':').unwrap_or_else(|| usage());
+        // `batching-<kind>`: the store behind a `BatchingStore`.
+        let (batching, kind) = kind.strip_prefix("batching-").map_or((false, kind), |kind| (true, kind));
         match kind {
             "postgres" => {
                 let (url_, table) = rest.rsplit_once('|').unwrap_or_else(|| usage());
                 let pool = PgPool::connect(url_).await.expect("connect to the store");
                 let store = idempotent_runtime::stores::sql::PostgresStore::with_table(pool, table).expect("table");
-                worker.consume(broker, url, source, &store).await;
+                worker.consume_on(broker, url, source, store, batching).await;
             }
             "redis" => {
                 let (url_, prefix) = rest.rsplit_once('|').unwrap_or_else(|| usage());
                 let store = idempotent_runtime::RedisStore::connect(url_).await.expect("connect").with_prefix(prefix);
-                worker.consume(broker, url, source, &store.expect("prefix")).await;
+                worker.consume_on(broker, url, source, store.expect("prefix"), batching).await;
             }
             _ => usage(),
         }
@@ -201,6 +203,16 @@ fn main() {
 }
 
 impl Worker {
+    /// Consumes with `store`, behind a `BatchingStore` if `batching`.
+    async fn consume_on<S: Store + 'static>(&self, broker: &str, url: &str, source: &str, store: S, batching: bool) {
+        if batching {
+            let store = idempotent_runtime::stores::batching::BatchingStore::new(store);
+            self.consume(broker, url, source, &store).await;
+        } else {
+            self.consume(broker, url, source, &store).await;
+        }
+    }
+
     async fn consume<S: Store>(&self, broker: &str, url: &str, source: &str, store: &S) {
         match broker {
             "amqp" => self.amqp(url, source, store).await,

@@ -29,13 +29,14 @@
 //! # How steps are grouped
 //!
 //! Claims and completions each have their own queue. A step that finds no batch of its kind on
-//! the way to the store is sent at once, as a batch of one: nothing waits for company, so a
-//! lone call costs what it did (plus the hand-over to the task that sends it). Steps that come
-//! while a batch is on its way wait for it to return, and then go together as the next batch
-//! (at most [`max_batch`](BatchingStore::max_batch) of them, in the order they came). So the
-//! batches grow with the load, and one batch of each kind is in flight at a time (more with
-//! [`in_flight`](BatchingStore::in_flight)). Renewals and releases, rare next to claims and
-//! completions, go to the store one by one, as do the batches callers send themselves.
+//! the way to the store starts a task that sends it, with the steps that came while the task was
+//! starting: nothing waits for company, so a lone call costs what it did plus the hand-over to
+//! that task. Steps that come while a batch is on its way wait for it to return, and then go
+//! together as the next batch (at most [`max_batch`](BatchingStore::max_batch) of them, in the
+//! order they came). So the batches grow with the load, and one batch of each kind is in flight
+//! at a time (more with [`in_flight`](BatchingStore::in_flight)). Renewals and releases, rare
+//! next to claims and completions, go to the store one by one, as do the batches callers send
+//! themselves.
 //!
 //! Each step is answered as the store's single step would answer it (that is what
 //! `claim_many` and `complete_many` promise; the conformance suite checks it on every store),
@@ -166,8 +167,8 @@ impl<S: Store + 'static> Store for BatchingStore<S> {
             lease: request.lease,
             reply,
         };
-        if let Some(batch) = self.shared.claims.push(step) {
-            tokio::spawn(Arc::clone(&self.shared).send_claims(batch));
+        if self.shared.claims.push(step) {
+            tokio::spawn(Arc::clone(&self.shared).send_claims());
         }
         let mut waiting = Unanswered { answer, shared: &self.shared, claimant: Some((request.key, request.token)) };
         let answer = (&mut waiting.answer).await;
@@ -185,8 +186,8 @@ impl<S: Store + 'static> Store for BatchingStore<S> {
             retention: completion.retention,
             reply,
         };
-        if let Some(batch) = self.shared.completions.push(step) {
-            tokio::spawn(Arc::clone(&self.shared).send_completions(batch));
+        if self.shared.completions.push(step) {
+            tokio::spawn(Arc::clone(&self.shared).send_completions());
         }
         answer.await.unwrap_or_else(|_| Err(dropped(self.name())))
     }
@@ -236,9 +237,9 @@ impl<S> Drop for Unanswered<'_, S> {
 }
 
 impl<S: Store + 'static> Shared<S> {
-    /// Sends `batch`, then the claims that came meanwhile, until none waits.
-    async fn send_claims(self: Arc<Self>, mut batch: Vec<Claimed>) {
-        loop {
+    /// Sends the claims waiting, a batch at a time, until none waits.
+    async fn send_claims(self: Arc<Self>) {
+        while let Some(batch) = self.claims.next() {
             let requests: Vec<ClaimRequest<'_>> = batch
                 .iter()
                 .map(|step| ClaimRequest::new(&step.key, &step.token, step.fingerprint.as_ref(), step.lease))
@@ -248,10 +249,6 @@ impl<S: Store + 'static> Shared<S> {
             let unheard = reply_each(batch, answers, self.store.name(), |step| (step.reply, (step.key, step.token)));
             for ((key, token), answer) in unheard {
                 self.abandoned_answer(key, token, &answer);
-            }
-            match self.claims.next() {
-                Some(next) => batch = next,
-                None => return,
             }
         }
     }
@@ -267,9 +264,9 @@ impl<S: Store + 'static> Shared<S> {
         }
     }
 
-    /// Sends `batch`, then the completions that came meanwhile, until none waits.
-    async fn send_completions(self: Arc<Self>, mut batch: Vec<Completed>) {
-        loop {
+    /// Sends the completions waiting, a batch at a time, until none waits.
+    async fn send_completions(self: Arc<Self>) {
+        while let Some(batch) = self.completions.next() {
             let completions: Vec<Completion<'_>> = batch
                 .iter()
                 .map(|step| {
@@ -279,10 +276,6 @@ impl<S: Store + 'static> Shared<S> {
             let answers = self.answered("complete_many", self.store.complete_many(&completions)).await;
             drop(completions);
             reply_each(batch, answers, self.store.name(), |step| (step.reply, ()));
-            match self.completions.next() {
-                Some(next) => batch = next,
-                None => return,
-            }
         }
     }
 
@@ -420,20 +413,20 @@ impl<J> Queue<J> {
         }
     }
 
-    /// Queues `step`; returns the batch the caller is to send, when fewer than `in_flight`
-    /// batches are on their way.
-    fn push(&self, step: J) -> Option<Vec<J>> {
+    /// Queues `step`; `true` when the caller is to start a sender (fewer than `in_flight` are
+    /// sending). The sender takes its first batch when it starts, not now: the steps that come
+    /// while it is being started go with this one.
+    fn push(&self, step: J) -> bool {
         let mut waiting = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         waiting.steps.push(step);
         if waiting.sending >= self.in_flight {
-            return None;
+            return false;
         }
         waiting.sending += 1;
-        Some(self.take(&mut waiting))
+        true
     }
 
-    /// The next batch for a sender whose batch was answered, or `None` (one sender fewer) when no
-    /// step waits.
+    /// The next batch for a sender, or `None` (one sender fewer) when no step waits.
     fn next(&self) -> Option<Vec<J>> {
         let mut waiting = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         if waiting.steps.is_empty() {

@@ -65,8 +65,9 @@ pub trait Store: Send + Sync {
     /// requests' order: what its own [`claim`](Store::claim) would have answered, had the
     /// requests' claims been sent concurrently.
     ///
-    /// For callers that hold many keys at once (a consumer with a window of deliveries): a store
-    /// that can claim them together overrides it (the PostgreSQL store: one statement;
+    /// For callers that hold many keys at once ([`BatchingStore`](crate::stores::batching::BatchingStore),
+    /// which gathers the claims of concurrent calls): a store that can claim them together
+    /// overrides it (the PostgreSQL store: one statement;
     /// the Redis store on one server: one pipeline; `CachedStore`: the keys it has no record of,
     /// as one batch of its store's). The default sends each request's `claim`, concurrently, and
     /// never fails as a whole.

@@ -241,3 +241,39 @@ async fn memory_batching_a_call_dropped_while_its_claim_waits_does_not_strand_th
     assert_eq!(again.expect("the key is free"), 2);
     assert_eq!(runs.load(Ordering::SeqCst), 2, "the dropped call's body never ran");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_batching_in_flight_lets_that_many_batches_go_side_by_side() {
+    let gate = Arc::new(Semaphore::new(0));
+    let watched = Watched { gate: Some(Arc::clone(&gate)), ..Watched::default() };
+    let store = Arc::new(BatchingStore::new(watched).in_flight(2));
+    let claim = |k: u32| {
+        let store = Arc::clone(&store);
+        tokio::spawn(async move {
+            let (key, token) = (Key::new("side-by-side", &k).unwrap(), Token::new());
+            store.claim(&ClaimRequest::new(&key, &token, None, Duration::from_secs(60))).await
+        })
+    };
+    let sent = || store.inner().claim_batches.lock().unwrap().len();
+    let first = claim(1);
+    while sent() < 1 {
+        tokio::task::yield_now().await;
+    }
+    // The first batch is held at the store; a second may go beside it, a third waits.
+    let second = claim(2);
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while sent() < 2 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("a second batch sent while the first is on its way");
+    let third = claim(3);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(sent(), 2, "no third batch while two are on their way");
+    gate.add_permits(3);
+    for answer in [first, second, third] {
+        assert_eq!(answer.await.unwrap().unwrap(), Claim::Claimed);
+    }
+    assert_eq!(*store.inner().claim_batches.lock().unwrap(), [1, 1, 1]);
+}

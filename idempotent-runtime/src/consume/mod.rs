@@ -40,6 +40,15 @@
 //! counts deliveries itself (module `jetstream`); RabbitMQ has no count on classic queues, so the
 //! AMQP consumer carries its own in a header (module `amqp`).
 //!
+//! # Throughput
+//!
+//! Each delivery's call claims and records its key on its own: two statements per message on
+//! the PostgreSQL store. Put the store behind a
+//! [`BatchingStore`](crate::stores::batching::BatchingStore) and the claims (and records) of the
+//! deliveries in flight reach it together, one statement for many; the more deliveries in flight
+//! ([`concurrency`](Consumer::concurrency)), the larger the batches. Nothing else changes: each
+//! delivery is still settled by its own call's outcome. BENCHMARKS.md has what it measured.
+//!
 //! Brokers: `amqp` (RabbitMQ through `lapin`, feature `amqp`) and `jetstream` (NATS JetStream
 //! through `async-nats`, feature `jetstream`). Both build the one [`Consumer`] type, whose
 //! settings are shared; the broker's own half (connection, queue, id reader) is its first type

@@ -277,3 +277,22 @@ async fn memory_batching_in_flight_lets_that_many_batches_go_side_by_side() {
     }
     assert_eq!(*store.inner().claim_batches.lock().unwrap(), [1, 1, 1]);
 }
+
+#[test]
+fn memory_batching_outside_a_tokio_runtime_fails_the_step_and_leaves_the_queue_working() {
+    use std::future::Future as _;
+    use std::task::{Context, Poll, Waker};
+
+    let store = BatchingStore::new(MemoryStore::new());
+    let (key, token) = (Key::new("no-runtime", "a").unwrap(), Token::new());
+    let request = ClaimRequest::new(&key, &token, None, Duration::from_secs(60));
+    let mut claim = std::pin::pin!(store.claim(&request));
+    match claim.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(Err(e)) => assert!(e.to_string().contains("within a Tokio runtime"), "{e}"),
+        other => panic!("expected a typed error at once, got {other:?}"),
+    }
+    // The step was never queued, so it holds up no step after it.
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let claimed = runtime.block_on(async { tokio::time::timeout(Duration::from_secs(5), store.claim(&request)).await });
+    assert_eq!(claimed.expect("answered").unwrap(), Claim::Claimed);
+}

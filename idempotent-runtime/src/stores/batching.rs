@@ -140,6 +140,18 @@ impl<S: Store + 'static> BatchingStore<S> {
         })
     }
 
+    /// The Tokio runtime to start a batch's task on: without one, the step fails before it is
+    /// queued (queued, it would wait for a task that never starts, and so would every step after
+    /// it).
+    fn runtime(&self) -> Result<tokio::runtime::Handle, StoreError> {
+        tokio::runtime::Handle::try_current().map_err(|_| {
+            StoreError::backend(
+                self.name(),
+                "BatchingStore sends its batches from Tokio tasks: call it within a Tokio runtime",
+            )
+        })
+    }
+
     fn configured(mut self, set: impl FnOnce(&mut Shared<S>)) -> Self {
         let shared = Arc::get_mut(&mut self.shared).expect("configure a BatchingStore before cloning it");
         set(shared);
@@ -167,8 +179,9 @@ impl<S: Store + 'static> Store for BatchingStore<S> {
             lease: request.lease,
             reply,
         };
+        let runtime = self.runtime()?;
         if self.shared.claims.push(step) {
-            tokio::spawn(Arc::clone(&self.shared).send_claims());
+            runtime.spawn(Arc::clone(&self.shared).send_claims());
         }
         let mut waiting = Unanswered { answer, shared: &self.shared, claimant: Some((request.key, request.token)) };
         let answer = (&mut waiting.answer).await;
@@ -186,8 +199,9 @@ impl<S: Store + 'static> Store for BatchingStore<S> {
             retention: completion.retention,
             reply,
         };
+        let runtime = self.runtime()?;
         if self.shared.completions.push(step) {
-            tokio::spawn(Arc::clone(&self.shared).send_completions());
+            runtime.spawn(Arc::clone(&self.shared).send_completions());
         }
         answer.await.unwrap_or_else(|_| Err(dropped(self.name())))
     }

@@ -865,3 +865,78 @@ async fn amqp_an_id_reader_that_panics_dead_letters_the_message_not_the_consumer
 
     delete_and_close(connection, &channel, [&queue, &dead]).await;
 }
+
+/// 64 deliveries in flight, the store behind a `BatchingStore`: the claims and records of many
+/// deliveries share a statement, and copies of one id land in one batch or in batches side by
+/// side. Each id's body runs once, every copy is acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_many_deliveries_in_flight_through_batching_run_each_id_once() {
+    const TEST: &str = "amqp_many_deliveries_in_flight_through_batching_run_each_id_once";
+    const IDS: usize = 300;
+    const COPIES: usize = 3;
+    let Some(amqp) = services::amqp_url(TEST) else { return };
+    let Some(pg) = services::postgres_url(TEST) else { return };
+    let (store, cleanup) = fresh::postgres_at(&pg, 8).await.expect("a fresh store");
+    let store = Arc::new(idempotent_runtime::stores::batching::BatchingStore::new(store));
+    let (connection, channel) = connect(&amqp).await;
+    let queue = format!("idempotent-batching-{}", fresh::suffix());
+    let dead = declare_with_dead_letter(&channel, &queue).await.expect("declare the queues");
+    // An id's copies one after the other: they are in flight together, often in one batch.
+    for i in 0..IDS {
+        for copy in 0..COPIES {
+            publish(&channel, &queue, Some(&message_id(i)), format!("{i}-{copy}").as_bytes()).await;
+        }
+    }
+
+    let runs: Arc<Mutex<BTreeMap<String, usize>>> = Arc::default();
+    let seen: Seen = Arc::default();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = tokio::spawn({
+        let (channel, queue, seen, runs, store) =
+            (channel.clone(), queue.clone(), Arc::clone(&seen), Arc::clone(&runs), Arc::clone(&store));
+        async move {
+            Consumer::new(channel, queue)
+                .concurrency(64)
+                .retry_delay(Duration::from_millis(50))
+                .on_settled(move |s| seen.lock().unwrap().push((Instant::now(), s.clone())))
+                .run_until(
+                    |message| {
+                        let (runs, store) = (Arc::clone(&runs), Arc::clone(&store));
+                        async move {
+                            let id = message.id().to_owned();
+                            Call::new("batching-consumer", &id)
+                                .run(&*store, async {
+                                    *runs.lock().unwrap().entry(id.clone()).or_default() += 1;
+                                    Ok::<_, Error>(())
+                                })
+                                .await
+                        }
+                    },
+                    async move {
+                        let _ = stopped.await;
+                    },
+                )
+                .await
+        }
+    });
+    wait_for(&seen, |s| s.iter().filter(|(_, s)| s.disposition == Disposition::Ack).count() == IDS * COPIES).await;
+    stop.send(()).expect("the consumer runs");
+    consumer.await.expect("the consumer task did not panic").expect("the consumer");
+
+    let runs = runs.lock().unwrap().clone();
+    assert_eq!(runs.len(), IDS, "every id ran");
+    assert!(runs.values().all(|&n| n == 1), "each id's body once: {runs:?}");
+    let settled = seen.lock().unwrap().clone();
+    assert!(settled.iter().all(|(_, s)| s.disposition != Disposition::DeadLetter), "nothing dead-lettered");
+    let retried = settled.iter().filter(|(_, s)| s.disposition == Disposition::Retry).count();
+    assert_eq!(message_count(&channel, &queue).await, 0);
+    assert_eq!(message_count(&channel, &dead).await, 0);
+    println!(
+        "AMQP through BatchingStore: {IDS} ids × {COPIES} copies, 64 in flight: {} acks, {retried} retried while a \
+         copy ran, each body once",
+        IDS * COPIES
+    );
+
+    delete_and_close(connection, &channel, [&queue, &dead]).await;
+    cleanup.run().await;
+}

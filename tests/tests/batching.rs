@@ -86,6 +86,27 @@ impl Store for Watched {
     idempotent_runtime::forward_store!(direct Watched::inner; release extend detach process_local);
 }
 
+/// Spawns `step` and returns its task once the task's first poll has run: a claim is then queued
+/// (or sent), whatever the machine's load.
+async fn spawn_polled<F>(step: F) -> tokio::task::JoinHandle<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let (polled, first_poll) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(async move {
+        let mut step = std::pin::pin!(step);
+        let first = std::future::poll_fn(|cx| std::task::Poll::Ready(step.as_mut().poll(cx))).await;
+        let _ = polled.send(());
+        match first {
+            std::task::Poll::Ready(output) => output,
+            std::task::Poll::Pending => step.await,
+        }
+    });
+    first_poll.await.expect("the task's first poll ran");
+    task
+}
+
 /// Runs `calls` calls on distinct keys at once, in this task, and counts the bodies run.
 async fn run_concurrently<S: Store>(store: &S, calls: u32) -> usize {
     let runs = AtomicUsize::new(0);
@@ -179,15 +200,14 @@ async fn memory_batching_a_caller_dropped_on_the_way_leaves_the_other_steps_answ
         (0..3).map(|k| (Key::new("dropped", &k).unwrap(), Token::new())).unzip();
     let claim = |i: usize| {
         let (store, key, token) = (Arc::clone(&store), keys[i].clone(), tokens[i].clone());
-        tokio::spawn(async move { store.claim(&ClaimRequest::new(&key, &token, None, Duration::from_secs(60))).await })
+        spawn_polled(async move { store.claim(&ClaimRequest::new(&key, &token, None, Duration::from_secs(60))).await })
     };
     // The first claim goes alone and is held at the gate; the other two wait for it.
-    let first = claim(0);
+    let first = claim(0).await;
     while store.inner().claim_batches.lock().unwrap().is_empty() {
         tokio::task::yield_now().await;
     }
-    let (second, third) = (claim(1), claim(2));
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    let (second, third) = (claim(1).await, claim(2).await);
     first.abort();
     second.abort();
     gate.add_permits(2);
@@ -215,7 +235,7 @@ async fn memory_batching_a_call_dropped_while_its_claim_waits_does_not_strand_th
     let runs = Arc::new(AtomicUsize::new(0));
     let call = |k: u32| {
         let (store, runs) = (Arc::clone(&store), Arc::clone(&runs));
-        tokio::spawn(async move {
+        spawn_polled(async move {
             Call::new("stranded", &k)
                 .lease(Duration::from_secs(60))
                 .run(&*store, async move {
@@ -225,19 +245,18 @@ async fn memory_batching_a_call_dropped_while_its_claim_waits_does_not_strand_th
                 .await
         })
     };
-    let ahead = call(1);
+    let ahead = call(1).await;
     while store.inner().claim_batches.lock().unwrap().is_empty() {
         tokio::task::yield_now().await;
     }
-    let dropped = call(2);
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    let dropped = call(2).await;
     dropped.abort();
     assert!(dropped.await.unwrap_err().is_cancelled());
     gate.add_permits(1_000);
     assert_eq!(ahead.await.unwrap().unwrap(), 1);
     assert_eq!(*store.inner().claim_batches.lock().unwrap(), [1, 1], "the dropped call's claim was still sent");
     // Its claim was made, and released after it: the key is free now, not in 60 s.
-    let again = tokio::time::timeout(Duration::from_secs(5), call(2)).await.expect("answered at once").unwrap();
+    let again = tokio::time::timeout(Duration::from_secs(5), call(2).await).await.expect("answered at once").unwrap();
     assert_eq!(again.expect("the key is free"), 2);
     assert_eq!(runs.load(Ordering::SeqCst), 2, "the dropped call's body never ran");
 }

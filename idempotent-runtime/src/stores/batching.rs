@@ -261,19 +261,20 @@ impl<S: Store + 'static> Shared<S> {
             let answers = self.answered("claim_many", self.store.claim_many(&requests)).await;
             drop(requests);
             let unheard = reply_each(batch, answers, self.store.name(), |step| (step.reply, (step.key, step.token)));
-            for ((key, token), answer) in unheard {
-                self.abandoned_answer(key, token, &answer);
+            for (claimant, answer) in unheard {
+                self.abandoned_answer(claimant, &answer);
             }
         }
     }
 
     /// A claim's answer whose caller was dropped: the release asked for meanwhile is made now
     /// that the store holds the claim.
-    fn abandoned_answer(&self, key: Key, token: Token, answer: &Result<Claim, StoreError>) {
+    fn abandoned_answer(&self, claimant: (Key, Token), answer: &Result<Claim, StoreError>) {
         let mut abandoned = self.abandoned.lock().unwrap_or_else(PoisonError::into_inner);
-        let release = abandoned.remove(&(key.clone(), token.clone())).unwrap_or(false);
+        let release = abandoned.remove(&claimant).unwrap_or(false);
         drop(abandoned);
         if release && matches!(answer, Ok(Claim::Claimed)) {
+            let (key, token) = claimant;
             self.store.detach(Detached::Release { key, token });
         }
     }

@@ -233,6 +233,47 @@ pub enum StoreError {
     Corrupt(String),
 }
 
+/// The error of a batch that failed as a whole, to be copied into each of its steps' answers: a
+/// [`StoreError`]'s source is not `Clone`, so the copies share it.
+pub(crate) enum BatchFailure {
+    NotOwner,
+    Backend(&'static str, Source),
+    Rejected(&'static str, Source),
+    Aborted(&'static str, Source),
+    Full(String),
+    Corrupt(String),
+}
+
+type Source = std::sync::Arc<dyn std::error::Error + Send + Sync>;
+
+impl From<StoreError> for BatchFailure {
+    fn from(error: StoreError) -> Self {
+        match error {
+            StoreError::NotOwner => BatchFailure::NotOwner,
+            StoreError::Backend { backend, source } => BatchFailure::Backend(backend, Source::from(source)),
+            StoreError::Rejected { backend, source } => BatchFailure::Rejected(backend, Source::from(source)),
+            StoreError::Aborted { backend, source } => BatchFailure::Aborted(backend, Source::from(source)),
+            StoreError::Full(text) => BatchFailure::Full(text),
+            StoreError::Corrupt(text) => BatchFailure::Corrupt(text),
+        }
+    }
+}
+
+impl BatchFailure {
+    /// One copy of the error.
+    pub(crate) fn error(&self) -> StoreError {
+        let shared = |source: &Source| Box::new(std::sync::Arc::clone(source));
+        match self {
+            BatchFailure::NotOwner => StoreError::NotOwner,
+            BatchFailure::Backend(backend, source) => StoreError::Backend { backend, source: shared(source) },
+            BatchFailure::Rejected(backend, source) => StoreError::Rejected { backend, source: shared(source) },
+            BatchFailure::Aborted(backend, source) => StoreError::Aborted { backend, source: shared(source) },
+            BatchFailure::Full(text) => StoreError::Full(text.clone()),
+            BatchFailure::Corrupt(text) => StoreError::Corrupt(text.clone()),
+        }
+    }
+}
+
 impl StoreError {
     /// Wraps a backend's error that trying again may cure ([`StoreError::Backend`]).
     pub fn backend(backend: &'static str, source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {

@@ -135,7 +135,9 @@ pub use key::{IdempotencyKey, Key, KeyError, MAX_KEY_BYTES, Scope};
 pub use outcome::{ErrorPolicy, RecordErrors, RecordErrorsIf, ReleaseErrors};
 pub use replayable::Replayable;
 pub use step::step;
-pub use store::{Claim, ClaimRequest, Claimant, Completion, DEFAULT_MAX_RECORD_BYTES, Record, Store, Token};
+pub use store::{
+    BatchAnswers, Claim, ClaimRequest, Claimant, Completion, DEFAULT_MAX_RECORD_BYTES, Record, Store, Token,
+};
 pub use stores::AnyStore;
 pub use stores::memory::MemoryStore;
 #[cfg(feature = "redis-cluster")]

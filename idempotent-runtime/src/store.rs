@@ -36,7 +36,8 @@ pub const DEFAULT_MAX_RECORD_BYTES: usize = 1024 * 1024;
 ///
 /// [`claim_many`](Store::claim_many) and [`complete_many`](Store::complete_many) are the first
 /// and third steps for several keys at once, each key answered as its single step would answer
-/// it; a store that can batch them overrides their defaults.
+/// it, and [`claim_and_complete_many`](Store::claim_and_complete_many) is both batches at once; a
+/// store that can batch them overrides their defaults.
 ///
 /// Refused steps fail with [`StoreError::NotOwner`] and change nothing. Renewal and release are
 /// fenced by the lease: once it has ended, even if nobody has claimed the key since, its owner can
@@ -98,6 +99,25 @@ pub trait Store: Send + Sync {
         completions: &[Completion<'_>],
     ) -> impl Future<Output = Result<Vec<Result<(), StoreError>>, StoreError>> + Send {
         async move { Ok(complete_each(self, completions).await) }
+    }
+
+    /// Claims the keys of `requests` and records `completions` as one batch, and returns the
+    /// claims' answers and the completions' answers: each half what
+    /// [`claim_many`](Store::claim_many) and [`complete_many`](Store::complete_many) would have
+    /// answered, had the two been sent concurrently.
+    ///
+    /// For [`BatchingStore`](crate::stores::batching::BatchingStore), which sends the claims and
+    /// the completions of concurrent calls together. The default sends the two halves
+    /// concurrently (an empty half is not sent); the PostgreSQL store sends them as one statement
+    /// (one commit), unless a key is in both halves. Each half's outer error is its failure as a
+    /// whole, with the meaning it has for `claim_many` and `complete_many`; a store that sends
+    /// both in one statement fails both halves when that statement fails.
+    fn claim_and_complete_many(
+        &self,
+        requests: &[ClaimRequest<'_>],
+        completions: &[Completion<'_>],
+    ) -> impl Future<Output = (BatchAnswers<Claim>, BatchAnswers<()>)> + Send {
+        claim_and_complete_each(self, requests, completions)
     }
 
     /// Deletes the claim this token holds, so that a retry may run the body.
@@ -173,6 +193,22 @@ pub(crate) async fn complete_each<S: Store + ?Sized>(
 ) -> Vec<Result<(), StoreError>> {
     futures_util::future::join_all(completions.iter().map(|completion| store.complete(completion))).await
 }
+
+/// The default of [`Store::claim_and_complete_many`]: the two halves' batches, concurrently.
+pub(crate) async fn claim_and_complete_each<S: Store + ?Sized>(
+    store: &S,
+    requests: &[ClaimRequest<'_>],
+    completions: &[Completion<'_>],
+) -> (BatchAnswers<Claim>, BatchAnswers<()>) {
+    let claims = async { if requests.is_empty() { Ok(Vec::new()) } else { store.claim_many(requests).await } };
+    let records =
+        async { if completions.is_empty() { Ok(Vec::new()) } else { store.complete_many(completions).await } };
+    futures_util::future::join(claims, records).await
+}
+
+/// The answers of a batch of one step ([`Store::claim_many`], [`Store::complete_many`]): each
+/// request's answer, in the requests' order, or the batch's failure as a whole.
+pub type BatchAnswers<T> = Result<Vec<Result<T, StoreError>>, StoreError>;
 
 /// Whose claim on which key, for which request: what [`ClaimRequest`] and [`Completion`] both
 /// carry. Each of them dereferences to its claimant, so `request.key`, `completion.token` and
@@ -496,6 +532,11 @@ macro_rules! forward_store {
             $crate::forward_store!(@future $mode $target(self).complete_many(completions))
         }
     };
+    (@claim_and_complete_many $mode:ident $target:path) => {
+        fn claim_and_complete_many(&self, requests: &[$crate::ClaimRequest<'_>], completions: &[$crate::Completion<'_>]) -> impl ::core::future::Future<Output = ($crate::BatchAnswers<$crate::Claim>, $crate::BatchAnswers<()>)> + Send {
+            $crate::forward_store!(@future $mode $target(self).claim_and_complete_many(requests, completions))
+        }
+    };
     (@release $mode:ident $target:path) => {
         fn release(&self, key: &$crate::Key, token: &$crate::Token) -> impl ::core::future::Future<Output = Result<(), $crate::StoreError>> + Send {
             $crate::forward_store!(@future $mode $target(self).release(key, token))
@@ -541,8 +582,8 @@ macro_rules! forward_through_pointers {
     ($([$($generics:tt)*] $pointer:ty;)*) => {$(
         impl<$($generics)*> Store for $pointer {
             forward_store!(direct std::ops::Deref::deref;
-                claim complete claim_many complete_many release extend detach purge_expired max_record_bytes name
-                process_local);
+                claim complete claim_many complete_many claim_and_complete_many release extend detach purge_expired
+                max_record_bytes name process_local);
         }
     )*};
 }

@@ -31,6 +31,7 @@ use tokio::sync::Barrier;
 
 mod batched;
 pub use batched::{
+    a_key_in_both_halves_of_a_batch_answers_in_one_order, batched_claims_and_completions_answer_as_single_steps,
     batched_claims_answer_as_single_claims, batched_completions_answer_as_single_completions,
     batched_steps_follow_leases_and_retentions, batched_steps_keep_each_answer_on_its_request,
 };
@@ -69,7 +70,9 @@ macro_rules! conformance_suite {
                 a_resent_claim_finds_its_own_claim,
                 batched_claims_answer_as_single_claims,
                 batched_completions_answer_as_single_completions,
-                batched_steps_keep_each_answer_on_its_request
+                batched_steps_keep_each_answer_on_its_request,
+                batched_claims_and_completions_answer_as_single_steps,
+                a_key_in_both_halves_of_a_batch_answers_in_one_order
             );
         }
     };
@@ -114,6 +117,8 @@ macro_rules! conformance_suite {
                 batched_claims_answer_as_single_claims,
                 batched_completions_answer_as_single_completions,
                 batched_steps_keep_each_answer_on_its_request,
+                batched_claims_and_completions_answer_as_single_steps,
+                a_key_in_both_halves_of_a_batch_answers_in_one_order,
                 batched_steps_follow_leases_and_retentions
             );
         }
@@ -164,6 +169,8 @@ macro_rules! conformance_suite {
                 batched_claims_answer_as_single_claims,
                 batched_completions_answer_as_single_completions,
                 batched_steps_keep_each_answer_on_its_request,
+                batched_claims_and_completions_answer_as_single_steps,
+                a_key_in_both_halves_of_a_batch_answers_in_one_order,
                 batched_steps_follow_leases_and_retentions
             );
         }

@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idempotent_runtime::stores::batching::BatchingStore;
-use idempotent_runtime::{Call, Claim, ClaimRequest, Completion, Error, Key, MemoryStore, Store, StoreError, Token};
+use idempotent_runtime::{
+    BatchAnswers, Call, Claim, ClaimRequest, Completion, Error, Key, MemoryStore, Store, StoreError, Token,
+};
 use tokio::sync::Semaphore;
 
 idempotent_tests::conformance_suite!(conformance_batching_memory, async {
@@ -42,6 +44,8 @@ struct Watched {
     single_completions: AtomicUsize,
     claim_batches: Mutex<Vec<usize>>,
     completion_batches: Mutex<Vec<usize>>,
+    /// Each batch of both steps: its claims and its completions.
+    both_batches: Mutex<Vec<(usize, usize)>>,
     gate: Option<Arc<Semaphore>>,
     panic_next: AtomicBool,
 }
@@ -81,6 +85,19 @@ impl Store for Watched {
         self.completion_batches.lock().unwrap().push(completions.len());
         self.pass().await;
         self.inner.complete_many(completions).await
+    }
+
+    /// Counted, then sent as the trait's default does: each non-empty half as its batch.
+    async fn claim_and_complete_many(
+        &self,
+        requests: &[ClaimRequest<'_>],
+        completions: &[Completion<'_>],
+    ) -> (BatchAnswers<Claim>, BatchAnswers<()>) {
+        self.both_batches.lock().unwrap().push((requests.len(), completions.len()));
+        let claims = async { if requests.is_empty() { Ok(Vec::new()) } else { self.claim_many(requests).await } };
+        let records =
+            async { if completions.is_empty() { Ok(Vec::new()) } else { self.complete_many(completions).await } };
+        futures_util::future::join(claims, records).await
     }
 
     idempotent_runtime::forward_store!(direct Watched::inner; release extend detach process_local);
@@ -143,6 +160,35 @@ async fn memory_batching_sends_concurrent_steps_to_the_store_as_batches() {
     assert_eq!(run_concurrently(&store, 64).await, 0, "no body runs again");
     let claims = watched.claim_batches.lock().unwrap().clone();
     assert_eq!(claims.iter().sum::<usize>(), 128);
+}
+
+/// Claims and completions that wait while a batch is on its way go to the store together, as one
+/// `claim_and_complete_many` (on PostgreSQL one statement).
+#[tokio::test(flavor = "current_thread")]
+async fn memory_batching_sends_waiting_claims_and_completions_in_one_batch() {
+    let gate = Arc::new(Semaphore::new(1));
+    let store = Arc::new(BatchingStore::new(Watched { gate: Some(Arc::clone(&gate)), ..Watched::default() }));
+    let keys: Vec<Key> = (0..3).map(|i| Key::new("both", &i).unwrap()).collect();
+    let tokens: Vec<Token> = keys.iter().map(|_| Token::new()).collect();
+    let lease = Duration::from_secs(30);
+    let claim = |i: usize| {
+        let (store, key, token) = (Arc::clone(&store), keys[i].clone(), tokens[i].clone());
+        async move { store.claim(&ClaimRequest::new(&key, &token, None, lease)).await }
+    };
+    assert_eq!(claim(0).await.unwrap(), Claim::Claimed);
+    // The gate is shut: this claim's batch waits on its way; the next two steps wait behind it.
+    let held = spawn_polled(claim(1)).await;
+    let completion = {
+        let (store, key, token) = (Arc::clone(&store), keys[0].clone(), tokens[0].clone());
+        spawn_polled(async move { store.complete(&Completion::new(&key, &token, None, b"{}", lease)).await }).await
+    };
+    let third = spawn_polled(claim(2)).await;
+    gate.add_permits(8);
+    assert_eq!(held.await.unwrap().unwrap(), Claim::Claimed);
+    completion.await.unwrap().unwrap();
+    assert_eq!(third.await.unwrap().unwrap(), Claim::Claimed);
+    let batches = store.inner().both_batches.lock().unwrap().clone();
+    assert_eq!(batches, [(1, 0), (1, 0), (1, 1)], "the completion and the claim that waited went as one batch");
 }
 
 #[tokio::test(flavor = "current_thread")]

@@ -4,8 +4,8 @@
 //! A consumer with sixteen deliveries in hand, or a server with many requests in flight, makes
 //! one claim and one completion per call, each its own command or statement. The PostgreSQL and
 //! Redis stores can answer many keys in one statement or one pipeline
-//! ([`Store::claim_many`], [`Store::complete_many`]), which costs their server and the client far
-//! less per key. `BatchingStore` wraps a store and does that for calls that know nothing of
+//! ([`Store::claim_and_complete_many`]), which costs their server and the client far less per
+//! key. `BatchingStore` wraps a store and does that for calls that know nothing of
 //! each other:
 //!
 //! ```
@@ -28,18 +28,19 @@
 //!
 //! # How steps are grouped
 //!
-//! Claims and completions each have their own queue. A step that finds no batch of its kind on
-//! the way to the store starts a task that sends it, with the steps that came while the task was
-//! starting: nothing waits for company, so a lone call costs what it did plus the hand-over to
-//! that task. Steps that come while a batch is on its way wait for it to return, and then go
-//! together as the next batch (at most [`max_batch`](BatchingStore::max_batch) of them, in the
-//! order they came). So the batches grow with the load, and one batch of each kind is in flight
-//! at a time (more with [`in_flight`](BatchingStore::in_flight)). Renewals and releases, rare
-//! next to claims and completions, go to the store one by one, as do the batches callers send
+//! Claims and completions share one queue. A step that finds no batch on the way to the store
+//! starts a task that sends it, with the steps that came while the task was starting: nothing
+//! waits for company, so a lone call costs what it did plus the hand-over to that task. Steps
+//! that come while a batch is on its way wait for it to return, and then go together as the next
+//! batch (at most [`max_batch`](BatchingStore::max_batch) of them, in the order they came), its
+//! claims and completions sent as one [`Store::claim_and_complete_many`]: on PostgreSQL one
+//! statement and one commit. So the batches grow with the load, and one batch is in flight at a
+//! time (more with [`in_flight`](BatchingStore::in_flight)). Renewals and releases, rare next to
+//! claims and completions, go to the store one by one, as do the batches callers send
 //! themselves.
 //!
 //! Each step is answered as the store's single step would answer it (that is what
-//! `claim_many` and `complete_many` promise; the conformance suite checks it on every store),
+//! `claim_and_complete_many` promises; the conformance suite checks it on every store),
 //! so a call through a `BatchingStore` keeps every guarantee it has on the store. A batch is
 //! sent by a task of its own: a caller dropped while its step waits or is on its way does not
 //! take the other callers' steps with it. Its own step is still sent; a call dropped while
@@ -64,10 +65,11 @@ use std::time::Duration;
 use futures_util::FutureExt as _;
 use tokio::sync::oneshot;
 
+use crate::error::BatchFailure;
 use crate::store::forward_store;
-use crate::{Claim, ClaimRequest, Completion, Detached, Fingerprint, Key, Store, StoreError, Token};
+use crate::{BatchAnswers, Claim, ClaimRequest, Completion, Detached, Fingerprint, Key, Store, StoreError, Token};
 
-/// How many steps of one kind a batch holds at most by default: 64.
+/// How many steps (claims and completions together) a batch holds at most by default: 64.
 pub const DEFAULT_MAX_BATCH: usize = 64;
 
 /// A store whose concurrent claims and completions are sent to `S` in batches (see [the module
@@ -86,8 +88,8 @@ impl<S: std::fmt::Debug> std::fmt::Debug for BatchingStore<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BatchingStore")
             .field("store", &self.shared.store)
-            .field("max_batch", &self.shared.claims.max_batch)
-            .field("in_flight", &self.shared.claims.in_flight)
+            .field("max_batch", &self.shared.steps.max_batch)
+            .field("in_flight", &self.shared.steps.in_flight)
             .finish_non_exhaustive()
     }
 }
@@ -95,49 +97,42 @@ impl<S: std::fmt::Debug> std::fmt::Debug for BatchingStore<S> {
 /// What the store's handles and the tasks that send its batches share.
 struct Shared<S> {
     store: S,
-    claims: Queue<Claimed>,
-    completions: Queue<Completed>,
+    steps: Queue<Step>,
     /// The claims whose callers were dropped before their answer came, each with whether a
     /// release of it was asked for meanwhile (see [`BatchingStore::detach`]).
     abandoned: Mutex<HashMap<(Key, Token), bool>>,
 }
 
 impl<S: Store + 'static> BatchingStore<S> {
-    /// Batches the claims and completions sent to `store`, up to [`DEFAULT_MAX_BATCH`] at a time,
-    /// one batch of each kind in flight.
+    /// Batches the claims and completions sent to `store`, up to [`DEFAULT_MAX_BATCH`] steps at a
+    /// time, one batch in flight.
     ///
     /// Steps are sent by tasks spawned on the Tokio runtime of the caller.
     pub fn new(store: S) -> Self {
-        let shared = Shared { store, claims: Queue::new(), completions: Queue::new(), abandoned: Mutex::default() };
+        let shared = Shared { store, steps: Queue::new(), abandoned: Mutex::default() };
         BatchingStore { shared: Arc::new(shared) }
     }
 
-    /// At most `steps` claims (and as many completions) in one batch (at least 1).
+    /// At most `steps` steps, claims and completions together, in one batch (at least 1).
     ///
     /// # Panics
     ///
     /// If this store has been cloned: set it before sharing the store.
     #[must_use]
     pub fn max_batch(self, steps: usize) -> Self {
-        self.configured(|shared| {
-            shared.claims.max_batch = steps.max(1);
-            shared.completions.max_batch = steps.max(1);
-        })
+        self.configured(|shared| shared.steps.max_batch = steps.max(1))
     }
 
-    /// At most `batches` batches of claims (and as many of completions) on their way to the store at
-    /// once (default 1, at least 1). More lets a store with several connections (a PostgreSQL pool)
-    /// answer batches side by side; each batch is then smaller.
+    /// At most `batches` batches on their way to the store at once (default 1, at least 1). More
+    /// lets a store with several connections (a PostgreSQL pool) answer batches side by side; each
+    /// batch is then smaller.
     ///
     /// # Panics
     ///
     /// If this store has been cloned: set it before sharing the store.
     #[must_use]
     pub fn in_flight(self, batches: usize) -> Self {
-        self.configured(|shared| {
-            shared.claims.in_flight = batches.max(1);
-            shared.completions.in_flight = batches.max(1);
-        })
+        self.configured(|shared| shared.steps.in_flight = batches.max(1))
     }
 
     /// The Tokio runtime to start a batch's task on: without one, the step fails before it is
@@ -150,6 +145,15 @@ impl<S: Store + 'static> BatchingStore<S> {
                 "BatchingStore sends its batches from Tokio tasks: call it within a Tokio runtime",
             )
         })
+    }
+
+    /// Queues `step`, and starts a task to send it if fewer than `in_flight` are sending.
+    fn queue(&self, step: Step) -> Result<(), StoreError> {
+        let runtime = self.runtime()?;
+        if self.shared.steps.push(step) {
+            runtime.spawn(Arc::clone(&self.shared).send());
+        }
+        Ok(())
     }
 
     fn configured(mut self, set: impl FnOnce(&mut Shared<S>)) -> Self {
@@ -179,10 +183,7 @@ impl<S: Store + 'static> Store for BatchingStore<S> {
             lease: request.lease,
             reply,
         };
-        let runtime = self.runtime()?;
-        if self.shared.claims.push(step) {
-            runtime.spawn(Arc::clone(&self.shared).send_claims());
-        }
+        self.queue(Step::Claim(step))?;
         let mut waiting = Unanswered { answer, shared: &self.shared, claimant: Some((request.key, request.token)) };
         let answer = (&mut waiting.answer).await;
         waiting.claimant = None;
@@ -199,10 +200,7 @@ impl<S: Store + 'static> Store for BatchingStore<S> {
             retention: completion.retention,
             reply,
         };
-        let runtime = self.runtime()?;
-        if self.shared.completions.push(step) {
-            runtime.spawn(Arc::clone(&self.shared).send_completions());
-        }
+        self.queue(Step::Complete(step))?;
         answer.await.unwrap_or_else(|_| Err(dropped(self.name())))
     }
 
@@ -222,7 +220,8 @@ impl<S: Store + 'static> Store for BatchingStore<S> {
     }
 
     forward_store!(direct BatchingStore::inner;
-        claim_many complete_many release extend purge_expired max_record_bytes name process_local);
+        claim_many complete_many claim_and_complete_many release extend purge_expired max_record_bytes name
+        process_local);
 }
 
 /// The answer a claim waits for; dropped before it came, it leaves its claimant in
@@ -251,19 +250,33 @@ impl<S> Drop for Unanswered<'_, S> {
 }
 
 impl<S: Store + 'static> Shared<S> {
-    /// Sends the claims waiting, a batch at a time, until none waits.
-    async fn send_claims(self: Arc<Self>) {
-        while let Some(batch) = self.claims.next() {
-            let requests: Vec<ClaimRequest<'_>> = batch
+    /// Sends the steps waiting, a batch at a time, until none waits.
+    async fn send(self: Arc<Self>) {
+        while let Some(batch) = self.steps.next() {
+            let (mut claims, mut completions) = (Vec::new(), Vec::new());
+            for step in batch {
+                match step {
+                    Step::Claim(step) => claims.push(step),
+                    Step::Complete(step) => completions.push(step),
+                }
+            }
+            let requests: Vec<ClaimRequest<'_>> = claims
                 .iter()
                 .map(|step| ClaimRequest::new(&step.key, &step.token, step.fingerprint.as_ref(), step.lease))
                 .collect();
-            let answers = self.answered("claim_many", self.store.claim_many(&requests)).await;
-            drop(requests);
-            let unheard = reply_each(batch, answers, self.store.name(), |step| (step.reply, (step.key, step.token)));
+            let records: Vec<Completion<'_>> = completions
+                .iter()
+                .map(|step| {
+                    Completion::new(&step.key, &step.token, step.fingerprint.as_ref(), &step.outcome, step.retention)
+                })
+                .collect();
+            let (claimed, recorded) = self.answered(self.store.claim_and_complete_many(&requests, &records)).await;
+            drop((requests, records));
+            let unheard = reply_each(claims, claimed, self.store.name(), |step| (step.reply, (step.key, step.token)));
             for (claimant, answer) in unheard {
                 self.abandoned_answer(claimant, &answer);
             }
+            reply_each(completions, recorded, self.store.name(), |step| (step.reply, ()));
         }
     }
 
@@ -279,34 +292,25 @@ impl<S: Store + 'static> Shared<S> {
         }
     }
 
-    /// Sends the completions waiting, a batch at a time, until none waits.
-    async fn send_completions(self: Arc<Self>) {
-        while let Some(batch) = self.completions.next() {
-            let completions: Vec<Completion<'_>> = batch
-                .iter()
-                .map(|step| {
-                    Completion::new(&step.key, &step.token, step.fingerprint.as_ref(), &step.outcome, step.retention)
-                })
-                .collect();
-            let answers = self.answered("complete_many", self.store.complete_many(&completions)).await;
-            drop(completions);
-            reply_each(batch, answers, self.store.name(), |step| (step.reply, ()));
-        }
-    }
-
-    /// The answers of a batch step, a panic of the store's code taken as the batch's failure: the
+    /// The answers of a batch, a panic of the store's code taken as the batch's failure: the
     /// queue must go on (its next batch is sent by the task that sent this one).
-    async fn answered<T>(
+    async fn answered(
         &self,
-        step: &str,
-        batch: impl Future<Output = Result<Vec<Result<T, StoreError>>, StoreError>>,
-    ) -> Result<Vec<Result<T, StoreError>>, StoreError> {
+        batch: impl Future<Output = (BatchAnswers<Claim>, BatchAnswers<()>)>,
+    ) -> (BatchAnswers<Claim>, BatchAnswers<()>) {
         let Ok(answers) = AssertUnwindSafe(batch).catch_unwind().await else {
-            tracing::error!(target: "idempotent", store = self.store.name(), step, "the store panicked in a batch");
-            return Err(StoreError::backend(self.store.name(), format!("the store's {step} panicked")));
+            tracing::error!(target: "idempotent", store = self.store.name(), "the store panicked in a batch");
+            let panicked = || StoreError::backend(self.store.name(), "the store's claim_and_complete_many panicked");
+            return (Err(panicked()), Err(panicked()));
         };
         answers
     }
+}
+
+/// A step on its way to the store.
+enum Step {
+    Claim(Claimed),
+    Complete(Completed),
 }
 
 /// A claim on its way to the store, with where its answer goes.
@@ -333,14 +337,14 @@ struct Completed {
 /// unanswered (a store whose batch answered fewer steps than it was given) fails.
 fn reply_each<J, T, K>(
     batch: Vec<J>,
-    answers: Result<Vec<Result<T, StoreError>>, StoreError>,
+    answers: BatchAnswers<T>,
     store: &'static str,
     parts: impl Fn(J) -> (oneshot::Sender<Result<T, StoreError>>, K),
 ) -> Vec<(K, Result<T, StoreError>)> {
     let given = batch.len();
     let (mut answers, failure) = match answers {
         Ok(answers) => (answers.into_iter(), None),
-        Err(error) => (Vec::new().into_iter(), Some(Failure::from(error))),
+        Err(error) => (Vec::new().into_iter(), Some(BatchFailure::from(error))),
     };
     let answered = answers.len();
     let mut unheard = Vec::new();
@@ -360,54 +364,13 @@ fn reply_each<J, T, K>(
     unheard
 }
 
-/// The error of a batch that failed as a whole, to be copied into each of its steps' answers: a
-/// [`StoreError`]'s source is not `Clone`, so the copies share it.
-enum Failure {
-    NotOwner,
-    Backend(&'static str, Source),
-    Rejected(&'static str, Source),
-    Aborted(&'static str, Source),
-    Full(String),
-    Corrupt(String),
-}
-
-type Source = Arc<dyn std::error::Error + Send + Sync>;
-
-impl From<StoreError> for Failure {
-    fn from(error: StoreError) -> Self {
-        match error {
-            StoreError::NotOwner => Failure::NotOwner,
-            StoreError::Backend { backend, source } => Failure::Backend(backend, Source::from(source)),
-            StoreError::Rejected { backend, source } => Failure::Rejected(backend, Source::from(source)),
-            StoreError::Aborted { backend, source } => Failure::Aborted(backend, Source::from(source)),
-            StoreError::Full(text) => Failure::Full(text),
-            StoreError::Corrupt(text) => Failure::Corrupt(text),
-        }
-    }
-}
-
-impl Failure {
-    /// One copy of the error.
-    fn error(&self) -> StoreError {
-        let shared = |source: &Source| Box::new(Arc::clone(source));
-        match self {
-            Failure::NotOwner => StoreError::NotOwner,
-            Failure::Backend(backend, source) => StoreError::Backend { backend, source: shared(source) },
-            Failure::Rejected(backend, source) => StoreError::Rejected { backend, source: shared(source) },
-            Failure::Aborted(backend, source) => StoreError::Aborted { backend, source: shared(source) },
-            Failure::Full(text) => StoreError::Full(text.clone()),
-            Failure::Corrupt(text) => StoreError::Corrupt(text.clone()),
-        }
-    }
-}
-
 /// The answer of a step whose batch was dropped before the store answered (its task ended with
 /// the runtime).
 fn dropped(store: &'static str) -> StoreError {
     StoreError::backend(store, "the batch was dropped before the store answered (is the runtime shutting down?)")
 }
 
-/// The steps of one kind waiting to be sent, and how many batches of them are on their way.
+/// The steps waiting to be sent, and how many batches of them are on their way.
 struct Queue<J> {
     state: Mutex<Waiting<J>>,
     max_batch: usize,

@@ -214,3 +214,118 @@ pub async fn batched_steps_follow_leases_and_retentions<S: Store + 'static>(stor
     let record = Claim::Completed(Record::new(None, br#"{"Ok":"late"}"#.to_vec()));
     assert_eq!(store.claim(&claim_request(&k[2], &reader, None, LEASE_MS)).await.unwrap(), record);
 }
+
+/// The answers of a batch of both steps, each half checked for one answer per step.
+async fn claimed_and_completed<S: Store>(
+    store: &S,
+    requests: &[ClaimRequest<'_>],
+    completions: &[Completion<'_>],
+) -> (Vec<Result<Claim, StoreError>>, Vec<Result<(), StoreError>>) {
+    let (claims, records) = store.claim_and_complete_many(requests, completions).await;
+    let claims = claims.expect("the claims of a batch of both failed as a whole");
+    let records = records.expect("the completions of a batch of both failed as a whole");
+    assert_eq!((claims.len(), records.len()), (requests.len(), completions.len()), "one answer per step");
+    (claims, records)
+}
+
+/// Claims and completions in one batch (`claim_and_complete_many`): each answered as its single
+/// step, the claims' answers on the claims and the completions' on the completions, over many keys
+/// (a store that answers both halves from one statement must route each row to its half).
+pub async fn batched_claims_and_completions_answer_as_single_steps<S: Store + 'static>(store: Arc<S>, _: Expiry) {
+    const COUNT: usize = 120;
+    let k = keys("batched-both", COUNT + 3);
+    let (done, running, taken) = (&k[COUNT], &k[COUNT + 1], &k[COUNT + 2]);
+    let tokens: Vec<Token> = (0..COUNT).map(|_| Token::new()).collect();
+    let (owner, other, intruder) = (Token::new(), Token::new(), Token::new());
+    let fp = Fingerprint::of(&"both").unwrap();
+    // The even keys are claimed beforehand, to be completed by the batch; the odd ones are new.
+    for i in (0..COUNT).step_by(2) {
+        assert_eq!(store.claim(&claim_request(&k[i], &tokens[i], Some(&fp), LEASE_MS)).await.unwrap(), Claim::Claimed);
+    }
+    assert_eq!(store.claim(&claim_request(done, &owner, None, LEASE_MS)).await.unwrap(), Claim::Claimed);
+    store.complete_as(done, &owner, br#"{"Ok":"done"}"#, RETENTION).await.unwrap();
+    assert_eq!(store.claim(&claim_request(running, &owner, None, LEASE_MS)).await.unwrap(), Claim::Claimed);
+    assert_eq!(store.claim(&claim_request(taken, &owner, None, LEASE_MS)).await.unwrap(), Claim::Claimed);
+
+    let outcomes: Vec<String> = (0..COUNT).map(|i| format!(r#"{{"Ok":"both {i}"}}"#)).collect();
+    let mut requests: Vec<ClaimRequest<'_>> =
+        (1..COUNT).step_by(2).map(|i| claim_request(&k[i], &tokens[i], Some(&fp), LEASE_MS)).collect();
+    requests.push(claim_request(done, &other, None, LEASE_MS));
+    requests.push(claim_request(running, &other, None, LEASE_MS));
+    let mut completions: Vec<Completion<'_>> = (0..COUNT)
+        .step_by(2)
+        .map(|i| Completion::new(&k[i], &tokens[i], Some(&fp), outcomes[i].as_bytes(), RETENTION))
+        .collect();
+    completions.push(Completion::new(taken, &intruder, None, br#"{"Ok":"intruder"}"#, RETENTION));
+    let (claims, records) = claimed_and_completed(&*store, &requests, &completions).await;
+
+    let new = COUNT / 2;
+    assert!(claims[..new].iter().all(is_claimed), "new keys: {:?}", &claims[..new]);
+    let record = Claim::Completed(Record::new(None, br#"{"Ok":"done"}"#.to_vec()));
+    assert_eq!(claims[new].as_ref().ok(), Some(&record), "a completed key is replayed");
+    assert_running(&claims[new + 1], None, "a key another token holds");
+    assert!(records[..new].iter().all(Result::is_ok), "the owners' completions: {:?}", &records[..new]);
+    assert!(is_refused(&records[new]), "another token's key: {:?}", records[new]);
+
+    // The claims hold, the completions are on their own keys, the refused one changed nothing.
+    let reader = Token::new();
+    for i in 0..COUNT {
+        let answer = store.claim(&claim_request(&k[i], &reader, None, LEASE_MS)).await.unwrap();
+        if i % 2 == 0 {
+            let record = Claim::Completed(Record::new(Some(fp.clone()), outcomes[i].clone().into_bytes()));
+            assert_eq!(answer, record, "k{i}");
+        } else {
+            assert!(matches!(answer, Claim::InProgress { .. }), "k{i} was claimed by the batch: {answer:?}");
+            store.complete_as(&k[i], &tokens[i], br#"{"Ok":"later"}"#, RETENTION).await.unwrap();
+        }
+    }
+    assert_running(&store.claim(&claim_request(taken, &reader, None, LEASE_MS)).await, None, "untouched");
+    store.complete_as(taken, &owner, b"{}", RETENTION).await.unwrap();
+}
+
+/// A key in both halves of one batch: the claim is answered as if sent just before the
+/// completion or just after it, never both ways at once. A key its owner completes while another
+/// token claims it: the claim finds the claim running or the record, never wins the key, and the
+/// owner's outcome is what later callers are replayed. A key nobody holds (its owner completes it
+/// late, after the row is gone) while another token claims it: the claim wins and the completion
+/// is refused, or the completion is recorded and the claim finds it.
+pub async fn a_key_in_both_halves_of_a_batch_answers_in_one_order<S: Store + 'static>(store: Arc<S>, _: Expiry) {
+    let k = keys("batched-both-one-key", 3);
+    let (owner, other, fresh, late) = (Token::new(), Token::new(), Token::new(), Token::new());
+    assert_eq!(store.claim(&claim_request(&k[0], &owner, None, LEASE_MS)).await.unwrap(), Claim::Claimed);
+    let requests = [
+        claim_request(&k[0], &other, None, LEASE_MS),
+        claim_request(&k[1], &fresh, None, LEASE_MS),
+        claim_request(&k[2], &other, None, LEASE_MS),
+    ];
+    let completions = [
+        Completion::new(&k[0], &owner, None, br#"{"Ok":"owner"}"#, RETENTION),
+        Completion::new(&k[2], &late, None, br#"{"Ok":"late"}"#, RETENTION),
+    ];
+    let (claims, records) = claimed_and_completed(&*store, &requests, &completions).await;
+    let record = Claim::Completed(Record::new(None, br#"{"Ok":"owner"}"#.to_vec()));
+    match &claims[0] {
+        Ok(Claim::InProgress { .. }) => {}
+        Ok(found) => assert_eq!(found, &record, "the claim found the record"),
+        Err(error) => panic!("the claim failed: {error}"),
+    }
+    assert!(records[0].is_ok(), "the owner's completion: {:?}", records[0]);
+    assert!(is_claimed(&claims[1]), "the other key: {:?}", claims[1]);
+    let reader = Token::new();
+    assert_eq!(store.claim(&claim_request(&k[0], &reader, None, LEASE_MS)).await.unwrap(), record);
+    store.complete_as(&k[1], &fresh, b"{}", RETENTION).await.unwrap();
+
+    let late_record = Claim::Completed(Record::new(None, br#"{"Ok":"late"}"#.to_vec()));
+    let now = store.claim(&claim_request(&k[2], &reader, None, LEASE_MS)).await.unwrap();
+    match (&claims[2], &records[1]) {
+        (Ok(Claim::Claimed), refused) if is_refused(refused) => {
+            assert!(matches!(now, Claim::InProgress { .. }), "the claim holds the key: {now:?}");
+            store.complete_as(&k[2], &other, b"{}", RETENTION).await.unwrap();
+        }
+        (Ok(found), Ok(())) => {
+            assert_eq!(found, &late_record, "the claim after the completion finds its record");
+            assert_eq!(now, late_record, "the late completion is recorded");
+        }
+        both => panic!("the claim and the completion of a free key answered in no one order: {both:?}"),
+    }
+}

@@ -36,7 +36,7 @@ pub use url::StoreUrlError;
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// The answer of a batched step: one result per request, or the batch's failure.
-type Many<T> = Result<Vec<Result<T, StoreError>>, StoreError>;
+type Many<T> = crate::BatchAnswers<T>;
 
 /// [`Store`] in object-safe form, implemented for every `Store`; private to [`AnyStore`].
 trait Erased: Send + Sync {
@@ -44,6 +44,11 @@ trait Erased: Send + Sync {
     fn complete<'a>(&'a self, completion: &'a Completion<'_>) -> BoxFuture<'a, Result<(), StoreError>>;
     fn claim_many<'a>(&'a self, requests: &'a [ClaimRequest<'_>]) -> BoxFuture<'a, Many<Claim>>;
     fn complete_many<'a>(&'a self, completions: &'a [Completion<'_>]) -> BoxFuture<'a, Many<()>>;
+    fn claim_and_complete_many<'a>(
+        &'a self,
+        requests: &'a [ClaimRequest<'_>],
+        completions: &'a [Completion<'_>],
+    ) -> BoxFuture<'a, (Many<Claim>, Many<()>)>;
     fn release<'a>(&'a self, key: &'a Key, token: &'a Token) -> BoxFuture<'a, Result<(), StoreError>>;
     fn extend<'a>(&'a self, key: &'a Key, token: &'a Token, lease: Duration) -> BoxFuture<'a, Result<(), StoreError>>;
     fn detach(&self, step: Detached);
@@ -69,6 +74,14 @@ impl<S: Store> Erased for S {
 
     fn complete_many<'a>(&'a self, completions: &'a [Completion<'_>]) -> BoxFuture<'a, Many<()>> {
         Box::pin(Store::complete_many(self, completions))
+    }
+
+    fn claim_and_complete_many<'a>(
+        &'a self,
+        requests: &'a [ClaimRequest<'_>],
+        completions: &'a [Completion<'_>],
+    ) -> BoxFuture<'a, (Many<Claim>, Many<()>)> {
+        Box::pin(Store::claim_and_complete_many(self, requests, completions))
     }
 
     fn release<'a>(&'a self, key: &'a Key, token: &'a Token) -> BoxFuture<'a, Result<(), StoreError>> {
@@ -183,6 +196,7 @@ impl AnyStore {
 // `Store`'s signatures cannot name.
 impl Store for AnyStore {
     forward_store!(awaited AnyStore::erased;
-        claim complete claim_many complete_many release extend detach purge_expired max_record_bytes name
+        claim complete claim_many complete_many claim_and_complete_many release extend detach purge_expired
+        max_record_bytes name
         process_local);
 }

@@ -93,6 +93,23 @@ async fn postgres_batched_steps_are_one_statement_each() {
     assert!(recorded.unwrap().iter().all(Result::is_ok));
     assert_eq!(statements, 1, "16 completions through AnyStore and CachedStore");
 
+    // Claims and completions of other keys together: one statement (a commit) for both.
+    let keys: Vec<Key> = (0..64).map(|i| Key::new("batch-both", &i).unwrap()).collect();
+    let (held, new) = keys.split_at(32);
+    let held_claims = claims_of(held, &tokens, lease);
+    assert!(store.claim_many(&held_claims).await.unwrap().iter().all(|c| matches!(c, Ok(Claim::Claimed))));
+    let new_claims = claims_of(new, &tokens[32..], lease);
+    let completions = completions_of(&held_claims, &outcomes, lease);
+    let ((claims, recorded), statements) =
+        statements_of(store.claim_and_complete_many(&new_claims, &completions)).await;
+    assert!(claims.unwrap().iter().all(|c| matches!(c, Ok(Claim::Claimed))));
+    assert!(recorded.unwrap().iter().all(Result::is_ok));
+    assert_eq!(statements, 1, "32 new keys and 32 completions");
+    // A key in both halves: the two halves' statements, concurrently (on this one connection, in turn).
+    let (again, statements) = statements_of(store.claim_and_complete_many(&held_claims[..1], &completions[..1])).await;
+    assert!(again.0.unwrap()[0].is_ok() && again.1.unwrap()[0].is_ok());
+    assert_eq!(statements, 2, "a key in both halves");
+
     // In a transaction, the claims too (its completions are one statement each: a batch
     // adopts keys that are gone, which a transaction's completion never does).
     let keys: Vec<Key> = (0..16).map(|i| Key::new("batch-tx", &i).unwrap()).collect();
@@ -105,7 +122,8 @@ async fn postgres_batched_steps_are_one_statement_each() {
     tx.commit().await.unwrap();
 
     // Calls that know nothing of each other, through `BatchingStore`: 64 at once, their claims
-    // and completions in a few statements (each alone: 128).
+    // and completions in a few statements (each alone: 128; a claim and a completion of one call
+    // are never in one batch, so at least 2).
     let batching = idempotent_runtime::stores::batching::BatchingStore::new(store.clone());
     let calls = (0..64).map(|k| {
         idempotent_runtime::Call::new("batching", &k)
@@ -113,7 +131,7 @@ async fn postgres_batched_steps_are_one_statement_each() {
     });
     let (results, statements) = statements_of(futures_util::future::join_all(calls)).await;
     assert!(results.into_iter().enumerate().all(|(k, result)| result.unwrap() == k), "each call its own result");
-    assert!(statements <= 6, "64 concurrent calls through BatchingStore: {statements} statements");
+    assert!(statements <= 3, "64 concurrent calls through BatchingStore: {statements} statements");
 
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {table}"))).execute(&pool).await.unwrap();
 }
@@ -137,6 +155,14 @@ async fn postgres_batched_statements_never_scan_the_table_whatever_its_size_when
     let lease = Duration::from_secs(30);
     store.claim_many(&[ClaimRequest::new(&key, &token, None, lease)]).await.unwrap();
     store.complete_many(&[Completion::new(&key, &token, None, b"{}", lease)]).await.unwrap();
+    let (other, other_token) = (Key::new("plan", &2).unwrap(), Token::new());
+    let (claims, records) = store
+        .claim_and_complete_many(
+            &[ClaimRequest::new(&other, &other_token, None, lease)],
+            &[Completion::new(&key, &token, None, b"{}", lease)],
+        )
+        .await;
+    assert!(claims.unwrap()[0].is_ok() && records.unwrap()[0].is_ok());
 
     // The statements as the store prepared them, prepared again here and planned generically on
     // the (nearly empty) table.
@@ -148,14 +174,15 @@ async fn postgres_batched_statements_never_scan_the_table_whatever_its_size_when
     .fetch_all(&mut *conn)
     .await
     .unwrap();
-    assert_eq!(texts.len(), 2, "the claim and the completion: {texts:?}");
+    assert_eq!(texts.len(), 3, "the claim, the completion and both: {texts:?}");
     sqlx::raw_sql("SET plan_cache_mode = force_generic_plan").execute(&mut *conn).await.unwrap();
     for (i, text) in texts.iter().enumerate() {
         let prepare = format!("PREPARE batch_plan_{i} AS {text}");
         sqlx::raw_sql(sqlx::AssertSqlSafe(prepare)).execute(&mut *conn).await.unwrap();
-        let explain = format!(
-            "EXPLAIN EXECUTE batch_plan_{i}('{{k}}'::text[], '{{t}}'::text[], '{{NULL}}'::text[], '{{1}}'::bigint[], '{{}}'::text[])"
-        );
+        let arrays = "'{k}'::text[], '{t}'::text[], '{NULL}'::text[], '{1}'::bigint[], '{}'::text[]";
+        // The statement of both binds the claims' arrays, then the completions'.
+        let args = if text.contains("$10") { format!("{arrays}, {arrays}") } else { arrays.to_owned() };
+        let explain = format!("EXPLAIN EXECUTE batch_plan_{i}({args})");
         let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(explain)).fetch_all(&mut *conn).await.unwrap();
         let plan = plan.join("\n");
         assert!(!plan.contains("Seq Scan"), "statement {text}\nplanned as\n{plan}");

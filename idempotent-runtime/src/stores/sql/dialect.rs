@@ -55,6 +55,18 @@ pub trait Backend: Debug + Send + Sync + Sized + 'static {
         Box::pin(async { Err(sqlx::Error::InvalidArgument(format!("{} has no batched statements", Self::NAME))) })
     }
 
+    /// Runs the dialect's [`Batched::both`] with the claims' `claims` and the completions'
+    /// `completions`. Only dialects that have it are asked; the default says it has none.
+    fn run_both<'c>(
+        conn: &'c mut <Self::Db as Database>::Connection,
+        statement: &'c Statement,
+        claims: &'c Arrays<'c>,
+        completions: &'c Arrays<'c>,
+    ) -> RunningBatch<'c> {
+        let _ = (conn, statement, claims, completions);
+        Box::pin(async { Err(sqlx::Error::InvalidArgument(format!("{} has no batched statements", Self::NAME))) })
+    }
+
     /// `true` for an error after which the same autocommit statement may simply run again
     /// (InnoDB's deadlock victim).
     fn retryable(error: &sqlx::Error) -> bool {
@@ -220,6 +232,10 @@ pub struct Batched {
     /// Completions, in autocommit mode only (they adopt a key that is gone or expired). A row for
     /// each key recorded (or recorded before by its token).
     pub complete: Statement,
+    /// Claims and completions of distinct keys in one statement, in autocommit mode only: the
+    /// rows of both, a claim's row marked by a second column `TRUE` before the columns of
+    /// [`Found`], a completion's by `FALSE`.
+    pub both: Option<Statement>,
 }
 
 /// The arrays a batched statement binds: the requests' columns, one element per request, their
@@ -233,7 +249,8 @@ pub struct Arrays<'a> {
     pub outcomes: Vec<&'a str>,
 }
 
-/// The rows of a batched statement: each request's key and, for a claim, its row.
+/// The rows of a batched statement: each request's key and, for a claim, its row (`None`: a
+/// completion's).
 pub type BatchRows = Vec<(String, Option<Result<Found, String>>)>;
 
 /// A batched statement under way.

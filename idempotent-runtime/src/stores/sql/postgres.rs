@@ -61,7 +61,7 @@
 
 use std::sync::Arc;
 
-use sqlx::postgres::PgConnection;
+use sqlx::postgres::{PgConnection, PgRow};
 use sqlx::{Postgres, Row as _};
 
 use super::dialect::TableName;
@@ -209,6 +209,38 @@ impl Backend for PostgresDialect {
         })
     }
 
+    /// A deadlock victim: its statement was rolled back whole. Batches lock their keys in key
+    /// order, but the statement of both locks the completions' keys and the claims' in two
+    /// steps, so two such statements over the same keys can deadlock.
+    fn retryable(error: &sqlx::Error) -> bool {
+        error.as_database_error().is_some_and(|e| e.code().as_deref() == Some("40P01"))
+    }
+
+    fn run_both<'c>(
+        conn: &'c mut PgConnection,
+        statement: &'c Statement,
+        claims: &'c Arrays<'c>,
+        completions: &'c Arrays<'c>,
+    ) -> RunningBatch<'c> {
+        Box::pin(async move {
+            let mut query = sqlx::query::<Postgres>(sqlx::AssertSqlSafe(Arc::clone(&statement.sql)));
+            for arrays in [claims, completions] {
+                query = query
+                    .bind(&arrays.keys)
+                    .bind(&arrays.tokens)
+                    .bind(&arrays.fingerprints)
+                    .bind(&arrays.micros)
+                    .bind(&arrays.outcomes);
+            }
+            let rows = query.fetch_all(&mut *conn).await?;
+            let row = |row: &PgRow| {
+                let claimed: bool = row.try_get(1)?;
+                Ok((row.try_get(0)?, claimed.then(|| found(row, 2))))
+            };
+            rows.iter().map(row).collect()
+        })
+    }
+
     fn run<'c>(conn: &'c mut PgConnection, statement: &'c Statement, params: &'c Params<'c>) -> Running<'c> {
         super::dialect::run::<Postgres>(conn, statement, params, |done| Ran::done(done.rows_affected(), 0))
     }
@@ -238,45 +270,70 @@ impl Backend for PostgresDialect {
 /// which refuses it. Only for the pooled store: in a transaction a completion never adopts.
 fn batched(t: &str) -> Batched {
     // $1 keys, $2 tokens, $3 fingerprints, $4 leases or retentions in microseconds, $5 outcomes
-    // (completions only: a claim binds an empty array, and unnest pads it with NULL).
-    let input = "input AS (SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::text[]) \
-                 AS i(k, tok, fp, micros, outcome))";
+    // (completions only: a claim binds an empty array, and unnest pads it with NULL). The
+    // statement of both binds the claims' five arrays, then the completions' as $6 to $10.
+    let input = |name: &str, first: usize| {
+        let [k, tok, fp, micros, outcome] = [0, 1, 2, 3, 4].map(|i| first + i);
+        format!(
+            "{name} AS (SELECT * FROM unnest(${k}::text[], ${tok}::text[], ${fp}::text[], ${micros}::bigint[], \
+             ${outcome}::text[]) AS i(k, tok, fp, micros, outcome))"
+        )
+    };
     let until = format!("{NOW} + i.micros * INTERVAL '1 microsecond'");
-    let claim = format!(
-        "WITH {input}, \
-         live AS (\
-         SELECT i.k, r.state, r.token, r.fingerprint, r.outcome, r.remaining FROM input i CROSS JOIN LATERAL (\
-         SELECT state, token, fingerprint, outcome, {REMAINING} AS remaining FROM {t} \
-         WHERE idempotency_key = i.k AND expires_at > {NOW} LIMIT 1) r), \
-         claimed AS (\
-         INSERT INTO {t} AS r (idempotency_key, state, token, fingerprint, outcome, expires_at) \
-         SELECT i.k, 'in_progress', i.tok, i.fp, NULL, {until} FROM input i \
-         WHERE NOT EXISTS (SELECT 1 FROM live WHERE live.k = i.k) ORDER BY i.k \
-         ON CONFLICT (idempotency_key) DO UPDATE SET state = 'in_progress', token = EXCLUDED.token, \
-         fingerprint = EXCLUDED.fingerprint, outcome = NULL, expires_at = EXCLUDED.expires_at \
-         WHERE r.expires_at <= {NOW} \
-         RETURNING r.idempotency_key, r.state, r.token, r.fingerprint, r.outcome) \
-         SELECT idempotency_key, state, token, fingerprint, outcome, CAST(0 AS BIGINT) FROM claimed \
-         UNION ALL \
-         SELECT k, state, token, fingerprint, outcome, remaining FROM live"
-    );
+    // The live rows of the claims' keys, and the claims of the keys without one.
+    let claim = |input: &str| {
+        format!(
+            "live AS (\
+             SELECT i.k, r.state, r.token, r.fingerprint, r.outcome, r.remaining FROM {input} i CROSS JOIN LATERAL (\
+             SELECT state, token, fingerprint, outcome, {REMAINING} AS remaining FROM {t} \
+             WHERE idempotency_key = i.k AND expires_at > {NOW} LIMIT 1) r), \
+             claimed AS (\
+             INSERT INTO {t} AS r (idempotency_key, state, token, fingerprint, outcome, expires_at) \
+             SELECT i.k, 'in_progress', i.tok, i.fp, NULL, {until} FROM {input} i \
+             WHERE NOT EXISTS (SELECT 1 FROM live WHERE live.k = i.k) ORDER BY i.k \
+             ON CONFLICT (idempotency_key) DO UPDATE SET state = 'in_progress', token = EXCLUDED.token, \
+             fingerprint = EXCLUDED.fingerprint, outcome = NULL, expires_at = EXCLUDED.expires_at \
+             WHERE r.expires_at <= {NOW} \
+             RETURNING r.idempotency_key, r.state, r.token, r.fingerprint, r.outcome)"
+        )
+    };
     // Completed by this token already: everything stays. Still this token's claim: the outcome
     // and the retention, the claim's fingerprint kept. Gone, or another token's expired row: the
     // whole record.
     let kept = "r.token = EXCLUDED.token AND r.state <> 'in_progress'";
-    let complete = format!(
-        "WITH {input} \
-         INSERT INTO {t} AS r (idempotency_key, state, token, fingerprint, outcome, expires_at) \
-         SELECT i.k, 'completed', i.tok, i.fp, i.outcome, {until} FROM input i ORDER BY i.k \
-         ON CONFLICT (idempotency_key) DO UPDATE SET \
-         outcome = CASE WHEN {kept} THEN r.outcome ELSE EXCLUDED.outcome END, \
-         expires_at = CASE WHEN {kept} THEN r.expires_at ELSE EXCLUDED.expires_at END, \
-         fingerprint = CASE WHEN r.token = EXCLUDED.token THEN r.fingerprint ELSE EXCLUDED.fingerprint END, \
-         state = 'completed', token = EXCLUDED.token \
-         WHERE r.token = EXCLUDED.token OR r.expires_at <= {NOW} \
-         RETURNING r.idempotency_key"
+    let complete = |input: &str| {
+        format!(
+            "INSERT INTO {t} AS r (idempotency_key, state, token, fingerprint, outcome, expires_at) \
+             SELECT i.k, 'completed', i.tok, i.fp, i.outcome, {until} FROM {input} i ORDER BY i.k \
+             ON CONFLICT (idempotency_key) DO UPDATE SET \
+             outcome = CASE WHEN {kept} THEN r.outcome ELSE EXCLUDED.outcome END, \
+             expires_at = CASE WHEN {kept} THEN r.expires_at ELSE EXCLUDED.expires_at END, \
+             fingerprint = CASE WHEN r.token = EXCLUDED.token THEN r.fingerprint ELSE EXCLUDED.fingerprint END, \
+             state = 'completed', token = EXCLUDED.token \
+             WHERE r.token = EXCLUDED.token OR r.expires_at <= {NOW} \
+             RETURNING r.idempotency_key"
+        )
+    };
+    let claimed = "SELECT idempotency_key, state, token, fingerprint, outcome, CAST(0 AS BIGINT) FROM claimed \
+                   UNION ALL SELECT k, state, token, fingerprint, outcome, remaining FROM live";
+    let claim_only = format!("WITH {}, {} {claimed}", input("input", 1), claim("input"));
+    let complete_only = format!("WITH {} {}", input("input", 1), complete("input"));
+    // A row's second column tells a claim's row (TRUE, its columns after it) from a completion's.
+    let both = format!(
+        "WITH {}, {}, recorded AS ({}), {} \
+         SELECT idempotency_key, TRUE, state, token, fingerprint, outcome, CAST(0 AS BIGINT) FROM claimed \
+         UNION ALL SELECT k, TRUE, state, token, fingerprint, outcome, remaining FROM live \
+         UNION ALL SELECT idempotency_key, FALSE, NULL, NULL, NULL, NULL, NULL FROM recorded",
+        input("claims", 1),
+        input("records", 6),
+        complete("records"),
+        claim("claims"),
     );
-    Batched { claim: Statement::row(claim, &[]), complete: Statement::exec(complete, &[]) }
+    Batched {
+        claim: Statement::row(claim_only, &[]),
+        complete: Statement::exec(complete_only, &[]),
+        both: Some(Statement::row(both, &[])),
+    }
 }
 
 /// The clock of every statement.

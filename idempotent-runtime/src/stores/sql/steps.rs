@@ -7,7 +7,7 @@ use sqlx::Database;
 
 use super::CLAIM_ATTEMPTS;
 use super::dialect::Verdict;
-use super::dialect::{Arrays, Backend, BatchRows, ClaimReport, Params, Ran, Statement, Statements};
+use super::dialect::{Arrays, Backend, BatchRows, ClaimReport, Found, Params, Ran, Statement, Statements};
 use crate::{Claim, ClaimRequest, Completion, Fingerprint, Key, StoreError, Token};
 
 type Conn<D> = <<D as Backend>::Db as Database>::Connection;
@@ -151,33 +151,12 @@ pub async fn claim_many<D: Backend>(
     batched: &Statement,
     requests: &[ClaimRequest<'_>],
 ) -> Result<Vec<Result<Claim, StoreError>>, StoreError> {
-    let firsts = Firsts::of(requests.iter().map(|request| Some(request.key.as_str())));
-    let arrays = Arrays {
-        keys: firsts.each(|i| requests[i].key.as_str()),
-        tokens: firsts.each(|i| requests[i].token.as_str()),
-        fingerprints: firsts.each(|i| requests[i].fingerprint.map(Fingerprint::as_str)),
-        micros: firsts.each(|i| super::micros(requests[i].lease)),
-        outcomes: Vec::new(),
-    };
-    let mut answers: Vec<Option<Result<Claim, StoreError>>> = requests.iter().map(|_| None).collect();
-    for (key, row) in run_batch::<D>(session, batched, &arrays).await? {
-        let i = firsts.request(&key)?;
-        let Some(row) = row else { continue };
-        answers[i] = match row.map_err(StoreError::Corrupt).and_then(|found| found.verdict(requests[i].token)) {
-            Ok(Verdict::Mine) => Some(Ok(Claim::Claimed)),
-            Ok(Verdict::Live(claim)) => Some(Ok(claim)),
-            Ok(Verdict::Expired) => None,
-            Err(error) => Some(Err(error)),
-        };
+    let mut claims = Claims::of(requests);
+    let rows = run_batch::<D>(session, batched, &claims.arrays(), None).await?;
+    for (key, row) in rows {
+        claims.answer(&key, row)?;
     }
-    let mut claims = Vec::with_capacity(requests.len());
-    for (request, answer) in requests.iter().zip(answers) {
-        claims.push(match answer {
-            Some(answer) => answer,
-            None => claim::<D>(session, sql, request).await,
-        });
-    }
-    Ok(claims)
+    Ok(claims.rest(session, sql).await)
 }
 
 /// Records `completions` with the dialect's batched statement (`batched`, autocommit mode only):
@@ -190,30 +169,135 @@ pub async fn complete_many<D: Backend>(
     batched: &Statement,
     completions: &[Completion<'_>],
 ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
-    let texts: Vec<_> = completions.iter().map(|completion| super::outcome_text(completion.outcome)).collect();
-    let firsts = Firsts::of(completions.iter().zip(&texts).map(|(c, text)| text.is_ok().then(|| c.key.as_str())));
-    let mut done = vec![false; completions.len()];
-    if !firsts.is_empty() {
-        let arrays = Arrays {
-            keys: firsts.each(|i| completions[i].key.as_str()),
-            tokens: firsts.each(|i| completions[i].token.as_str()),
-            fingerprints: firsts.each(|i| completions[i].fingerprint.map(Fingerprint::as_str)),
-            micros: firsts.each(|i| super::micros(completions[i].retention)),
-            outcomes: firsts.each(|i| texts[i].as_ref().map_or("", |text| *text)),
-        };
-        for (key, _) in run_batch::<D>(session, batched, &arrays).await? {
-            done[firsts.request(&key)?] = true;
+    let mut records = Records::of(completions);
+    if !records.firsts.is_empty() {
+        for (key, _) in run_batch::<D>(session, batched, &records.arrays(), None).await? {
+            records.answer(&key)?;
         }
     }
-    let mut recorded = Vec::with_capacity(completions.len());
-    for ((completion, text), done) in completions.iter().zip(texts).zip(done) {
-        recorded.push(match text {
-            Err(error) => Err(error),
-            Ok(_) if done => Ok(()),
-            Ok(_) => complete::<D>(session, sql, completion).await,
-        });
+    Ok(records.rest(session, sql).await)
+}
+
+/// Claims the keys of `requests` and records `completions` with the dialect's statement of both
+/// (`both`, autocommit mode only), each half as [`claim_many`] and [`complete_many`] do. No key
+/// may be in both halves (one statement cannot write a row twice).
+pub async fn claim_and_complete_many<D: Backend>(
+    session: &mut Session<'_, D>,
+    sql: &Statements,
+    both: &Statement,
+    requests: &[ClaimRequest<'_>],
+    completions: &[Completion<'_>],
+) -> Result<(Vec<Result<Claim, StoreError>>, Vec<Result<(), StoreError>>), StoreError> {
+    let mut claims = Claims::of(requests);
+    let mut records = Records::of(completions);
+    for (key, row) in run_batch::<D>(session, both, &claims.arrays(), Some(&records.arrays())).await? {
+        match row {
+            Some(row) => claims.answer(&key, Some(row))?,
+            None => records.answer(&key)?,
+        }
     }
-    Ok(recorded)
+    Ok((claims.rest(session, sql).await, records.rest(session, sql).await))
+}
+
+/// The claims of a batch: the first request of each key goes to the batched statement, and
+/// each request's answer, once known.
+struct Claims<'r, 'a> {
+    requests: &'r [ClaimRequest<'a>],
+    firsts: Firsts<'r>,
+    /// `None`: left to a single claim.
+    answers: Vec<Option<Result<Claim, StoreError>>>,
+}
+
+impl<'r, 'a> Claims<'r, 'a> {
+    fn of(requests: &'r [ClaimRequest<'a>]) -> Self {
+        let firsts = Firsts::of(requests.iter().map(|request| Some(request.key.as_str())));
+        Claims { requests, firsts, answers: requests.iter().map(|_| None).collect() }
+    }
+
+    fn arrays(&self) -> Arrays<'r> {
+        let requests = self.requests;
+        Arrays {
+            keys: self.firsts.each(|i| requests[i].key.as_str()),
+            tokens: self.firsts.each(|i| requests[i].token.as_str()),
+            fingerprints: self.firsts.each(|i| requests[i].fingerprint.map(Fingerprint::as_str)),
+            micros: self.firsts.each(|i| super::micros(requests[i].lease)),
+            outcomes: Vec::new(),
+        }
+    }
+
+    /// The statement's row for `key` (`None`: a statement that answered without one).
+    fn answer(&mut self, key: &str, row: Option<Result<Found, String>>) -> Result<(), StoreError> {
+        let i = self.firsts.request(key)?;
+        let Some(row) = row else { return Ok(()) };
+        self.answers[i] = match row.map_err(StoreError::Corrupt).and_then(|found| found.verdict(self.requests[i].token))
+        {
+            Ok(Verdict::Mine) => Some(Ok(Claim::Claimed)),
+            Ok(Verdict::Live(claim)) => Some(Ok(claim)),
+            Ok(Verdict::Expired) => None,
+            Err(error) => Some(Err(error)),
+        };
+        Ok(())
+    }
+
+    /// Every request's answer, those the statement left by a single claim each.
+    async fn rest<D: Backend>(self, session: &mut Session<'_, D>, sql: &Statements) -> Vec<Result<Claim, StoreError>> {
+        let mut claims = Vec::with_capacity(self.requests.len());
+        for (request, answer) in self.requests.iter().zip(self.answers) {
+            claims.push(match answer {
+                Some(answer) => answer,
+                None => claim::<D>(session, sql, request).await,
+            });
+        }
+        claims
+    }
+}
+
+/// The completions of a batch: the first completion of each key whose outcome is text goes to
+/// the batched statement, and which of them it recorded.
+struct Records<'r, 'a> {
+    completions: &'r [Completion<'a>],
+    texts: Vec<Result<&'r str, StoreError>>,
+    firsts: Firsts<'r>,
+    done: Vec<bool>,
+}
+
+impl<'r, 'a> Records<'r, 'a> {
+    fn of(completions: &'r [Completion<'a>]) -> Self {
+        let texts: Vec<_> = completions.iter().map(|completion| super::outcome_text(completion.outcome)).collect();
+        let firsts = Firsts::of(completions.iter().zip(&texts).map(|(c, text)| text.is_ok().then(|| c.key.as_str())));
+        Records { completions, texts, firsts, done: vec![false; completions.len()] }
+    }
+
+    fn arrays(&self) -> Arrays<'_> {
+        let completions = self.completions;
+        Arrays {
+            keys: self.firsts.each(|i| completions[i].key.as_str()),
+            tokens: self.firsts.each(|i| completions[i].token.as_str()),
+            fingerprints: self.firsts.each(|i| completions[i].fingerprint.map(Fingerprint::as_str)),
+            micros: self.firsts.each(|i| super::micros(completions[i].retention)),
+            outcomes: self.firsts.each(|i| self.texts[i].as_ref().map_or("", |text| *text)),
+        }
+    }
+
+    /// The statement recorded `key`.
+    fn answer(&mut self, key: &str) -> Result<(), StoreError> {
+        self.done[self.firsts.request(key)?] = true;
+        Ok(())
+    }
+
+    /// Every completion's answer, those the statement did not record by a single completion
+    /// each (which refuses a key another token holds).
+    async fn rest<D: Backend>(self, session: &mut Session<'_, D>, sql: &Statements) -> Vec<Result<(), StoreError>> {
+        let mut recorded = Vec::with_capacity(self.completions.len());
+        for ((completion, text), done) in self.completions.iter().zip(self.texts).zip(self.done) {
+            recorded.push(match text {
+                Err(error) => Err(error),
+                Ok(_) if done => Ok(()),
+                Ok(_) => complete::<D>(session, sql, completion).await,
+            });
+        }
+        recorded
+    }
 }
 
 /// The first request for each key of a batch: what its statement is sent.
@@ -256,14 +340,21 @@ impl<'a> Firsts<'a> {
     }
 }
 
+/// Runs a batched statement with `arrays`, or the statement of both with the claims' `arrays`
+/// and the completions' `completions`.
 async fn run_batch<D: Backend>(
     session: &mut Session<'_, D>,
     statement: &Statement,
     arrays: &Arrays<'_>,
+    completions: Option<&Arrays<'_>>,
 ) -> Result<BatchRows, StoreError> {
     let mut retried = 0;
     loop {
-        match D::run_batch(session.conn, statement, arrays).await {
+        let rows = match completions {
+            None => D::run_batch(session.conn, statement, arrays).await,
+            Some(completions) => D::run_both(session.conn, statement, arrays, completions).await,
+        };
+        match rows {
             Err(e) if session.autocommit && retried < RETRIES && D::retryable(&e) => retried += 1,
             result => return result.map_err(backend::<D>),
         }

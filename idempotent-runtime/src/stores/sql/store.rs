@@ -1,5 +1,6 @@
 //! The SQL store: one implementation over a pool of any of the three dialects.
 
+use std::collections::HashSet;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -11,9 +12,10 @@ use super::dialect::Statements;
 use super::dialect::TableName;
 use super::steps::{self, Session};
 use super::{DEFAULT_TABLE, Dialect, PurgeTask, SqlTxStore, TableNameError, TimedOut};
+use crate::error::BatchFailure;
 use crate::setters::setters;
 use crate::store::DEFAULT_MAX_RECORD_BYTES;
-use crate::{Claim, ClaimRequest, Completion, Detached, Key, Store, StoreError, Token};
+use crate::{BatchAnswers, Claim, ClaimRequest, Completion, Detached, Key, Store, StoreError, Token};
 
 /// How long the statements of one store call may take before it fails with [`TimedOut`] (change
 /// it with [`SqlStore::with_timeout`]).
@@ -303,6 +305,35 @@ impl<D: Dialect> Store for SqlStore<D> {
             self.step("complete", async |s| steps::complete_many(s, &self.sql, &batched.complete, completions).await)
         };
         self.resending(send).await
+    }
+
+    /// One statement for both halves where the dialect has one (PostgreSQL) and no key is in
+    /// both, else the default: the two halves' batches, concurrently.
+    async fn claim_and_complete_many(
+        &self,
+        requests: &[ClaimRequest<'_>],
+        completions: &[Completion<'_>],
+    ) -> (BatchAnswers<Claim>, BatchAnswers<()>) {
+        let both = self.sql.batched.as_ref().and_then(|batched| batched.both.as_ref());
+        let Some(both) = both.filter(|_| !requests.is_empty() && !completions.is_empty()) else {
+            return crate::store::claim_and_complete_each(self, requests, completions).await;
+        };
+        let recorded: HashSet<&Key> = completions.iter().map(|completion| completion.key).collect();
+        if requests.iter().any(|request| recorded.contains(request.key)) {
+            return crate::store::claim_and_complete_each(self, requests, completions).await;
+        }
+        let send = || {
+            self.step("claim", async |s| {
+                steps::claim_and_complete_many(s, &self.sql, both, requests, completions).await
+            })
+        };
+        match self.resending(send).await {
+            Ok((claims, records)) => (Ok(claims), Ok(records)),
+            Err(error) => {
+                let failure = BatchFailure::from(error);
+                (Err(failure.error()), Err(failure.error()))
+            }
+        }
     }
 
     async fn release(&self, key: &Key, token: &Token) -> Result<(), StoreError> {

@@ -32,7 +32,8 @@
 //! cargo run --release -p idempotent-examples --bin consume_load -- --brokers amqp --modes plain,redis
 //! ```
 //!
-//! `--brokers` and `--modes` run a part of the table (for a profile of one mode, say); a mode's
+//! `--batches` sets how many batches each `BatchingStore` has on their way at once (its
+//! `in_flight`, 1 by default). `--brokers` and `--modes` run a part of the table (for a profile of one mode, say); a mode's
 //! ratio needs `plain` in the same run.
 //!
 //! Servers come from `AMQP_URL`, `NATS_URL`, `REDIS_URL` and `POSTGRES_URL` (the test suite's
@@ -57,7 +58,7 @@ use idempotent_runtime::stores::batching::BatchingStore;
 use idempotent_runtime::stores::sql::{PostgresStore, sqlx};
 use idempotent_runtime::{Error, RedisStore, StoreError};
 
-const USAGE: &str = "usage: consume_load [--runs 5] [--messages 20000] [--concurrency 16]
+const USAGE: &str = "usage: consume_load [--runs 5] [--messages 20000] [--concurrency 16] [--batches 1]
                     [--brokers amqp,jetstream] [--modes plain,redis,postgres,postgres-untested,postgres-tx,
                      redis-batching,postgres-batching]";
 
@@ -133,7 +134,7 @@ fn env(var: &str, default: &str) -> String {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let (mut runs, mut messages, mut concurrency) = (5usize, 20_000usize, 16usize);
+    let (mut runs, mut messages, mut concurrency, mut batches) = (5usize, 20_000usize, 16usize, 1usize);
     let mut brokers = vec![Broker::Amqp, Broker::JetStream];
     let mut modes = vec![
         Mode::Plain,
@@ -152,6 +153,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "--runs" => runs = number()?,
             "--messages" => messages = number()?,
             "--concurrency" => concurrency = number()?,
+            "--batches" => batches = number()?,
             "--brokers" => brokers = value.split(',').map(Broker::named).collect::<Option<_>>().ok_or(USAGE)?,
             "--modes" => modes = value.split(',').map(Mode::named).collect::<Option<_>>().ok_or(USAGE)?,
             _ => return Err(USAGE.into()),
@@ -176,8 +178,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let setup = Setup {
         amqp: env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f"),
         nats: env("NATS_URL", "nats://127.0.0.1:4222"),
-        redis_batching: BatchingStore::new(redis.clone()),
-        postgres_batching: BatchingStore::new(postgres[1].clone()),
+        redis_batching: BatchingStore::new(redis.clone()).in_flight(batches),
+        postgres_batching: BatchingStore::new(postgres[1].clone()).in_flight(batches),
         redis,
         postgres: Arc::new(postgres),
         messages,
@@ -210,8 +212,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     sqlx::query("DROP TABLE IF EXISTS idempotent_bench_consume").execute(&pool).await?;
 
     println!(
-        "\n{messages} messages per measurement, {concurrency} in flight, median of {runs} runs \
-         (ratio: measured against `plain` within each run, then the median)\n"
+        "\n{messages} messages per measurement, {concurrency} in flight, {batches} batch(es) on their way per \
+         `BatchingStore`, median of {runs} runs (ratio: measured against `plain` within each run, then the median)\n"
     );
     println!(
         "| broker | consumer | messages/s | vs plain | CPU µs per message: consumer | broker | Redis | PostgreSQL | all five |"

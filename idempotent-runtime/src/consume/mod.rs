@@ -44,7 +44,7 @@
 //!
 //! Each delivery's call claims and records its key on its own: two statements per message on
 //! the PostgreSQL store. Put the store behind a
-//! [`BatchingStore`](crate::stores::batching::BatchingStore) and the claims (and records) of the
+//! [`BatchingStore`](crate::stores::batching::BatchingStore) and the claims and records of the
 //! deliveries in flight reach it together, one statement for many; the more deliveries in flight
 //! ([`concurrency`](Consumer::concurrency)), the larger the batches. Nothing else changes: each
 //! delivery is still settled by its own call's outcome. BENCHMARKS.md has what it measured.

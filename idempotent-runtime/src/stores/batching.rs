@@ -46,9 +46,9 @@
 //! take the other callers' steps with it. Its own step is still sent; a call dropped while
 //! claiming releases its claim as it does on the store, the release made once the claim is
 //! there (a caller of [`Store::claim`] that asks for no release keeps the claim until its lease
-//! ends, as after a claim whose answer was lost). A batch that fails as a whole
-//! (its connection, its statement, the store's code panicking) fails each of its steps with that
-//! error; the next batch is sent as usual.
+//! ends, as after a claim whose answer was lost). A batch, or a half of it (its claims, its
+//! completions), that fails as a whole (its connection, its statement, the store's code
+//! panicking) fails each of its steps with that error; the next batch is sent as usual.
 //!
 //! # When it pays
 //!

@@ -201,13 +201,7 @@ impl Backend for PostgresDialect {
 
     fn run_batch<'c>(conn: &'c mut PgConnection, statement: &'c Statement, arrays: &'c Arrays<'c>) -> RunningBatch<'c> {
         Box::pin(async move {
-            let query = sqlx::query::<Postgres>(sqlx::AssertSqlSafe(Arc::clone(&statement.sql)))
-                .bind(&arrays.keys)
-                .bind(&arrays.tokens)
-                .bind(&arrays.fingerprints)
-                .bind(&arrays.micros)
-                .bind(&arrays.outcomes);
-            let rows = query.fetch_all(&mut *conn).await?;
+            let rows = fetch_batch(conn, statement, &[arrays]).await?;
             rows.iter().map(|row| Ok((row.try_get(0)?, statement.returns_row.then(|| found(row, 1))))).collect()
         })
     }
@@ -226,16 +220,7 @@ impl Backend for PostgresDialect {
         completions: &'c Arrays<'c>,
     ) -> RunningBatch<'c> {
         Box::pin(async move {
-            let mut query = sqlx::query::<Postgres>(sqlx::AssertSqlSafe(Arc::clone(&statement.sql)));
-            for arrays in [claims, completions] {
-                query = query
-                    .bind(&arrays.keys)
-                    .bind(&arrays.tokens)
-                    .bind(&arrays.fingerprints)
-                    .bind(&arrays.micros)
-                    .bind(&arrays.outcomes);
-            }
-            let rows = query.fetch_all(&mut *conn).await?;
+            let rows = fetch_batch(conn, statement, &[claims, completions]).await?;
             let row = |row: &PgRow| {
                 let claimed: bool = row.try_get(1)?;
                 Ok((row.try_get(0)?, claimed.then(|| found(row, 2))))
@@ -247,6 +232,24 @@ impl Backend for PostgresDialect {
     fn run<'c>(conn: &'c mut PgConnection, statement: &'c Statement, params: &'c Params<'c>) -> Running<'c> {
         super::dialect::run::<Postgres>(conn, statement, params, |done| Ran::done(done.rows_affected(), 0))
     }
+}
+
+/// Runs a batched statement with the five arrays of each of `arrays` bound in turn.
+async fn fetch_batch(
+    conn: &mut PgConnection,
+    statement: &Statement,
+    arrays: &[&Arrays<'_>],
+) -> Result<Vec<PgRow>, sqlx::Error> {
+    let mut query = sqlx::query::<Postgres>(sqlx::AssertSqlSafe(Arc::clone(&statement.sql)));
+    for arrays in arrays {
+        query = query
+            .bind(&arrays.keys)
+            .bind(&arrays.tokens)
+            .bind(&arrays.fingerprints)
+            .bind(&arrays.micros)
+            .bind(&arrays.outcomes);
+    }
+    query.fetch_all(conn).await
 }
 
 /// The claim and the completion of many keys, each one statement over arrays (`unnest`); every

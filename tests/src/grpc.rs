@@ -188,6 +188,16 @@ pub struct TestServer {
 impl TestServer {
     /// Serves `bank` under `layer` on a free loopback port.
     pub async fn start<St: Store + 'static>(layer: GrpcIdempotencyLayer<St>, bank: Bank) -> Self {
+        Self::start_with_timeout(layer, bank, None).await
+    }
+
+    /// Serves `bank` under `layer` on a free loopback port, answering a call that `timeout` passes
+    /// with tonic's own deadline answer (`CANCELLED`, "Timeout expired") while the layer runs it on.
+    pub async fn start_with_timeout<St: Store + 'static>(
+        layer: GrpcIdempotencyLayer<St>,
+        bank: Bank,
+        timeout: Option<Duration>,
+    ) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (shutdown, signal) = oneshot::channel::<()>();
@@ -200,10 +210,12 @@ impl TestServer {
             request
         };
         // The first layer is the outermost: it sees every call, the layer's replays included.
-        let server = tonic::transport::Server::builder()
-            .layer(tower::util::MapRequestLayer::new(count))
-            .layer(layer)
-            .add_service(PaymentsServer::new(bank));
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(timeout) = timeout {
+            builder = builder.timeout(timeout);
+        }
+        let server =
+            builder.layer(tower::util::MapRequestLayer::new(count)).layer(layer).add_service(PaymentsServer::new(bank));
         let task = tokio::spawn(async move {
             let signal = async {
                 let _ = signal.await;

@@ -665,6 +665,32 @@ async fn grpc_retry_layer_inside_an_idempotent_body_outlasts_timeouts_with_one_d
     assert_eq!(ledger.len(), 1, "paid once");
 }
 
+/// The same timeout seen by the server first: its deadline (150 ms here, before the payment's 300)
+/// passes before the client's, and tonic's server answers `CANCELLED` ("Timeout expired") while
+/// the layer runs the call on. That answer is no more the call's outcome than the client's own
+/// timer firing: the layer retries it with the same key and gets the recorded receipt. (Which of
+/// the two timers fires first on the test above depends on the machine's load; here the server's
+/// always does, as the client sets no timeout.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_retry_layer_retries_the_servers_deadline_answer_with_the_same_key_memory() {
+    let ledger = Ledger::default();
+    let server = TestServer::start_with_timeout(
+        layer(MemoryStore::new()),
+        Bank::new(ledger.clone(), None),
+        Some(Duration::from_millis(150)),
+    )
+    .await;
+    let mut client = retrying_client(server.addr, &GrpcRetryLayer::new(quick_policy()).method(PAY));
+
+    let receipt = client.pay(pay(None, "uma", 9, "slow")).await.expect("a retry gets the recorded receipt");
+    let noted = attempts(&receipt);
+    assert!(replayed(&receipt), "the receipt is the first attempt's, recorded: {noted:?}");
+    assert_eq!(receipt.get_ref().seq, 1);
+    assert!(noted.count >= 2, "{noted:?}");
+    assert_eq!(server.attempts(&noted.key), usize::try_from(noted.count).unwrap(), "every attempt had the one key");
+    assert_eq!(ledger.runs_for("uma"), 1, "paid once");
+}
+
 /// The server is down for the first 300 ms (the proxy points at a closed port): the attempts
 /// find no answer, and the layer retries them until the server is there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -65,6 +65,7 @@ const MAX_ANSWER_BYTES: usize = 4 * 1024 * 1024 + 5;
 /// | outcome of an attempt | what happens |
 /// |---|---|
 /// | no answer (connection refused or lost, the call's timeout passed, the answer cut off) | retried after a back-off |
+/// | `DEADLINE_EXCEEDED` or `CANCELLED`, not replayed: a server or proxy stopped waiting for the call (tonic's server answers `CANCELLED` when a call's timeout passes), which may have run | retried after a back-off, as the timeout passing on the client is |
 /// | a code in the [retried set](Self::retry_codes) (default `UNAVAILABLE`, `ABORTED`) | retried after the server's `grpc-retry-pushback-ms` if it sent one, else after a back-off |
 /// | the same with a negative pushback | returned ([`Stopped::ServerRefusedRetries`]): the server asks not to retry (gRFC A6) |
 /// | a replayed answer (`idempotent-replayed: true` in its metadata), whatever its code | returned: it is the call's recorded outcome, which another attempt would get again ([`Stopped::Replayed`] if its code is in the retried set) |
@@ -82,7 +83,10 @@ const MAX_ANSWER_BYTES: usize = 4 * 1024 * 1024 + 5;
 /// attempt; the policy's [`max_elapsed`](RetryPolicy::max_elapsed) bounds them all. A call whose
 /// timeout passed may have run on the server: its retry carries the same key, and the server's
 /// layer, which runs each call to its end, answers it with `ABORTED` while the first attempt runs
-/// and with its recorded answer after.
+/// and with its recorded answer after. The server sees the timeout too (tonic's server reads it
+/// from `grpc-timeout`), and on a busy machine its deadline answer can arrive before the client's
+/// own timer fires: that answer is retried the same way, so which of the two comes first does not
+/// change the outcome.
 ///
 /// **Against a server that ignores the key** a retried call can run twice, as any retried call
 /// can: cover only methods whose server honours `idempotency-key`.
@@ -325,6 +329,11 @@ impl Config {
         if is_replayed(&answer.parts.headers) {
             return Verdict::Done(retried.then_some(Stopped::Replayed));
         }
+        // Not the call's outcome: whoever answered stopped waiting for it (its deadline passed, or
+        // its request was cut off), and it may still run. The same key gets its answer.
+        if matches!(code, Code::DeadlineExceeded | Code::Cancelled) {
+            return Verdict::Retry { pushback: None };
+        }
         if !retried {
             return Verdict::Done(None);
         }
@@ -437,6 +446,13 @@ mod tests {
         for value in ["-1", "soon", "1.5", ""] {
             let pushback = [("grpc-status", "14"), ("grpc-retry-pushback-ms", value)];
             assert_eq!(verdict(&answer(200, &[], &pushback)), refused, "{value:?}");
+        }
+        // A deadline's answer (tonic's server answers CANCELLED when a call's timeout passes) is not
+        // the call's outcome, in or out of the retried set; replayed, it is.
+        for code in ["1", "4"] {
+            assert_eq!(verdict(&answer(200, &[("grpc-status", code)], &[])), retry(None), "{code}");
+            let replayed = [("grpc-status", code), ("idempotent-replayed", "true")];
+            assert_eq!(verdict(&answer(200, &replayed, &[])), (false, None, None), "{code}");
         }
         // A replay is the call's outcome, whatever its code.
         let replayed = [("idempotent-replayed", "true")];

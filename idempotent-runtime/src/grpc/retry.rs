@@ -67,7 +67,7 @@ const MAX_ANSWER_BYTES: usize = 4 * 1024 * 1024 + 5;
 /// | no answer (connection refused or lost, the call's timeout passed, the answer cut off) | retried after a back-off |
 /// | `DEADLINE_EXCEEDED` or `CANCELLED`, not replayed: a server or proxy stopped waiting for the call (tonic's server answers `CANCELLED` when a call's timeout passes), which may have run | retried after a back-off, as the timeout passing on the client is |
 /// | a code in the [retried set](Self::retry_codes) (default `UNAVAILABLE`, `ABORTED`) | retried after the server's `grpc-retry-pushback-ms` if it sent one, else after a back-off |
-/// | the same with a negative pushback | returned ([`Stopped::ServerRefusedRetries`]): the server asks not to retry (gRFC A6) |
+/// | either of the two rows above with a negative pushback | returned ([`Stopped::ServerRefusedRetries`]): the server asks not to retry (gRFC A6) |
 /// | a replayed answer (`idempotent-replayed: true` in its metadata), whatever its code | returned: it is the call's recorded outcome, which another attempt would get again ([`Stopped::Replayed`] if its code is in the retried set) |
 /// | any other answer, `OK` or not | returned as it is |
 /// | attempts or time budget used up | the last answer, or the last attempt's error |
@@ -329,12 +329,11 @@ impl Config {
         if is_replayed(&answer.parts.headers) {
             return Verdict::Done(retried.then_some(Stopped::Replayed));
         }
-        // Not the call's outcome: whoever answered stopped waiting for it (its deadline passed, or
-        // its request was cut off), and it may still run. The same key gets its answer.
-        if matches!(code, Code::DeadlineExceeded | Code::Cancelled) {
-            return Verdict::Retry { pushback: None };
-        }
-        if !retried {
+        // A deadline's answer is not the call's outcome, in the retried set or not: whoever
+        // answered stopped waiting for the call (its deadline passed, or its request was cut off),
+        // which may still run. The same key gets its answer, unless the server refuses retries.
+        let deadline = matches!(code, Code::DeadlineExceeded | Code::Cancelled);
+        if !retried && !deadline {
             return Verdict::Done(None);
         }
         // Beside the status; an HTTP proxy's answer has none, and its pushback would be in its headers.
@@ -448,11 +447,14 @@ mod tests {
             assert_eq!(verdict(&answer(200, &[], &pushback)), refused, "{value:?}");
         }
         // A deadline's answer (tonic's server answers CANCELLED when a call's timeout passes) is not
-        // the call's outcome, in or out of the retried set; replayed, it is.
+        // the call's outcome, in or out of the retried set; replayed, it is. A negative pushback
+        // beside it still refuses retries.
         for code in ["1", "4"] {
             assert_eq!(verdict(&answer(200, &[("grpc-status", code)], &[])), retry(None), "{code}");
             let replayed = [("grpc-status", code), ("idempotent-replayed", "true")];
             assert_eq!(verdict(&answer(200, &replayed, &[])), (false, None, None), "{code}");
+            let refusing = [("grpc-status", code), ("grpc-retry-pushback-ms", "-1")];
+            assert_eq!(verdict(&answer(200, &[], &refusing)), (false, None, Some(Stopped::ServerRefusedRetries)));
         }
         // A replay is the call's outcome, whatever its code.
         let replayed = [("idempotent-replayed", "true")];

@@ -27,6 +27,15 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Statements {
     }
 }
 
+/// Installs the counting subscriber, once for the process.
+fn count_statements() {
+    static INSTALLED: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    INSTALLED.get_or_init(|| {
+        tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Statements))
+            .expect("the binary's only subscriber");
+    });
+}
+
 /// `step`'s value, and how many statements sqlx sent while it ran.
 async fn statements_of<T>(step: impl Future<Output = T>) -> (T, usize) {
     let before = STATEMENTS.load(Ordering::Relaxed);
@@ -56,7 +65,7 @@ async fn postgres_batched_steps_are_one_statement_each() {
         return;
     };
     let _alone = ONE_AT_A_TIME.lock().await;
-    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Statements)).unwrap();
+    count_statements();
     let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(&url).await.unwrap();
     let table = format!("idem_batch_{}", uuid::Uuid::new_v4().simple());
     let store = PostgresStore::with_table(pool.clone(), &table).unwrap();
@@ -189,5 +198,81 @@ async fn postgres_batched_statements_never_scan_the_table_whatever_its_size_when
     }
     sqlx::raw_sql("DEALLOCATE ALL; RESET plan_cache_mode").execute(&mut *conn).await.unwrap();
     drop(conn);
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {table}"))).execute(&pool).await.unwrap();
+}
+
+/// A statement of both halves that PostgreSQL chooses as a deadlock victim runs again, and its
+/// answers are the ones a first run would give. Another transaction holds the row of the key the
+/// batch completes; the batch, having inserted the row of the new key it claims, waits for that
+/// row; then the transaction claims the batch's new key by hand, and waits for the batch's insert.
+/// PostgreSQL's deadlock check runs first in the batch (its `deadlock_timeout` is the shorter, and
+/// it has waited longer), and rolls its statement back; the store sends it again, it waits for
+/// the transaction's commit, and answers: the key is held by the transaction's claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_batch_chosen_as_a_deadlock_victim_runs_again() {
+    let Some(url) = idempotent_tests::services::postgres_url("postgres_a_batch_chosen_as_a_deadlock_victim_runs_again")
+    else {
+        return;
+    };
+    let _alone = ONE_AT_A_TIME.lock().await;
+    count_statements();
+    // Which of two waiting sessions PostgreSQL rolls back depends on their `deadlock_timeout`s:
+    // the store's session checks after 1 s (the server's default, set here whatever the server
+    // says), this test's other session after 10 s, so the store's statement is the victim.
+    let options: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+    let options = options.options([("deadlock_timeout", "1s")]);
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect_with(options).await.unwrap();
+    let table = format!("idem_deadlock_{}", uuid::Uuid::new_v4().simple());
+    let store = PostgresStore::with_table(pool.clone(), &table).unwrap();
+    store.create_table().await.unwrap();
+    let lease = Duration::from_secs(30);
+    let (completed, claimed) = (Key::new("deadlock", &"completed").unwrap(), Key::new("deadlock", &"claimed").unwrap());
+    let (owner, newcomer) = (Token::new(), Token::new());
+    let claim = store.claim(&ClaimRequest::new(&completed, &owner, None, lease)).await.unwrap();
+    assert!(matches!(claim, Claim::Claimed));
+
+    // Another session holds the completed key's row, in a transaction it keeps open.
+    let mut other = <sqlx::PgConnection as sqlx::Connection>::connect(&url).await.unwrap();
+    sqlx::raw_sql("SET deadlock_timeout = '10s'; BEGIN").execute(&mut other).await.unwrap();
+    let lock = format!("SELECT 1 FROM {table} WHERE idempotency_key = $1 FOR UPDATE");
+    sqlx::query(sqlx::AssertSqlSafe(lock)).bind(completed.as_str()).execute(&mut other).await.unwrap();
+
+    let batch = {
+        let store = store.clone();
+        let (completed, claimed) = (completed.clone(), claimed.clone());
+        let (owner, newcomer) = (owner.clone(), newcomer.clone());
+        tokio::spawn(async move {
+            let claims = [ClaimRequest::new(&claimed, &newcomer, None, lease)];
+            let completions = [Completion::new(&completed, &owner, None, br#"{"Ok":1}"#, lease)];
+            statements_of(store.claim_and_complete_many(&claims, &completions)).await
+        })
+    };
+    // The batch has inserted the claimed key's row and waits for the completed one; this session
+    // now inserts the claimed key and waits for the batch's insert: a cycle. Once the batch's
+    // statement is rolled back its insert goes through; it commits, and the batch's second run
+    // finds the key held.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let insert = format!(
+        "INSERT INTO {table} (idempotency_key, state, token, expires_at) \
+         VALUES ($1, 'in_progress', 'by-hand', now() + interval '30 seconds')"
+    );
+    let asked = std::time::Instant::now();
+    sqlx::query(sqlx::AssertSqlSafe(insert)).bind(claimed.as_str()).execute(&mut other).await.unwrap();
+    let waited = asked.elapsed();
+    assert!(!batch.is_finished(), "the batch waits for this session's commit (finished: it failed as the victim)");
+    sqlx::raw_sql("COMMIT").execute(&mut other).await.unwrap();
+
+    let ((claims, records), statements) = batch.await.unwrap();
+    let claims = claims.expect("the deadlock victim's statement ran again");
+    assert!(matches!(claims[0], Ok(Claim::InProgress { .. })), "held by the other session's claim: {claims:?}");
+    assert!(records.unwrap()[0].is_ok(), "recorded by its owner");
+    assert!(
+        waited >= Duration::from_millis(300),
+        "this session waited for the batch's insert until PostgreSQL rolled the batch back ({waited:?})"
+    );
+    assert!(statements >= 2, "the statement of both, sent twice: {statements} statements");
+    let replay = store.claim(&ClaimRequest::new(&completed, &newcomer, None, lease)).await.unwrap();
+    assert!(matches!(replay, Claim::Completed(_)), "{replay:?}");
+
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {table}"))).execute(&pool).await.unwrap();
 }

@@ -338,6 +338,45 @@ async fn http_client_timeout_shorter_than_the_handler_gets_409_then_the_replay_a
     api.stop().await;
 }
 
+/// Defaults composed as axum's documentation composes them: a timeout in front of the
+/// idempotency layer (`tower::timeout` with `HandleErrorLayer`, answering `408` after 150 ms)
+/// and a handler that takes 400 ms. The layer runs the request to its end; the client, told
+/// `408`, retries with the same key, gets `409` while the handler runs and then the recorded
+/// response. A client that returned the `408` would report a charge that was made as failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_client_retries_a_servers_408_with_the_same_key_and_gets_the_replay() {
+    let ledger = Ledger::default();
+    let timeout = tower::ServiceBuilder::new()
+        .layer(axum::error_handling::HandleErrorLayer::new(|_: tower::BoxError| async { StatusCode::REQUEST_TIMEOUT }))
+        .layer(tower::timeout::TimeoutLayer::new(ms(150)));
+    let app = Router::new()
+        .route("/charges", post(charge))
+        // A short lease: the 409's Retry-After is the claim's remaining lease.
+        .route_layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .keys_shared_by_all_callers()
+                .scope("charges")
+                .lease(Duration::from_secs(2)),
+        )
+        .layer(timeout)
+        .layer(axum::middleware::from_fn_with_state(ledger.clone(), note_key))
+        .with_state(ledger.clone());
+    let addr = serve(app).await;
+    let response = client(patient())
+        .post(format!("http://{addr}/charges"))
+        .header("content-type", JSON)
+        .header("x-delay-ms", "400")
+        .body(r#"{"amount":100}"#)
+        .send()
+        .await
+        .expect("an answer in the end");
+    assert_eq!(response.status(), StatusCode::CREATED, "the recorded response, not the server's 408");
+    let (attempts, headers, body) = read(response).await;
+    assert_replayed_first_run(&headers, &body);
+    assert!(attempts.count >= 2, "408, then the replay (409s between): {attempts:?}");
+    assert_one_run_one_key(&ledger, &attempts);
+}
+
 #[tokio::test]
 async fn http_client_key_reused_with_another_body_is_a_typed_error() {
     let ledger = Ledger::default();
@@ -451,14 +490,14 @@ async fn http_client_gives_post_and_patch_one_uuid_key_each_and_leaves_other_met
 }
 
 #[tokio::test]
-async fn http_client_retries_5xx_429_and_409_with_the_same_key() {
-    let (script, base) =
-        Script::serve(&[(503, None), (500, None), (429, Some("0")), (409, Some("0")), (502, None), (201, None)]).await;
+async fn http_client_retries_5xx_429_409_and_408_with_the_same_key() {
+    let script = [(503, None), (500, None), (429, Some("0")), (409, Some("0")), (408, None), (502, None), (201, None)];
+    let (script, base) = Script::serve(&script).await;
     let response = client(patient()).post(format!("{base}/orders")).body("order").send().await.unwrap();
     assert_eq!(response.status(), StatusCode::CREATED);
     let attempts = attempts(&response);
-    assert_eq!((attempts.count, attempts.stopped), (6, None));
-    assert_eq!(script.seen().len(), 6);
+    assert_eq!((attempts.count, attempts.stopped), (7, None));
+    assert_eq!(script.seen().len(), 7);
     assert_eq!(script.one_key(), attempts.key);
 }
 
@@ -476,7 +515,7 @@ async fn http_client_retries_a_timed_out_request_with_the_same_key() {
 
 #[tokio::test]
 async fn http_client_never_retries_other_4xx() {
-    for status in [400, 401, 403, 404, 405, 408, 410, 412, 413, 415, 425] {
+    for status in [400, 401, 403, 404, 405, 410, 412, 413, 415, 425] {
         let (script, base) = Script::serve(&[(status, None), (201, None)]).await;
         let response = client(patient()).post(format!("{base}/orders")).body("order").send().await.unwrap();
         assert_eq!(response.status().as_u16(), status);

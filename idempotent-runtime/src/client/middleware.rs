@@ -23,7 +23,7 @@ use crate::retry::{Attempts, RetryPolicy, Stopped};
 /// | outcome of an attempt | what happens |
 /// |---|---|
 /// | connection refused or lost, timeout (no response) | retried after a back-off |
-/// | `409`, `429`, `5xx` | retried after `Retry-After` if sent (at most the time budget), else after a back-off |
+/// | `408`, `409`, `429`, `5xx` | retried after `Retry-After` if sent (at most the time budget), else after a back-off |
 /// | a replayed response (`Idempotent-Replayed: true`), whatever its status | returned as it is: it is the recorded outcome, and another attempt would get it again ([`Stopped::Replayed`] if its status asked for a retry) |
 /// | `422` refusing the key (problem type `urn:idempotent:key-reused`, as [`IdempotencyLayer`](crate::http::IdempotencyLayer) sends it) | [`OutboundError::KeyReused`]: the key was used with another request |
 /// | any other `422` (the handler's own answer, a validation failure) | returned as it is |
@@ -39,15 +39,16 @@ use crate::retry::{Attempts, RetryPolicy, Stopped};
 /// # What it retries, and why that is safe
 ///
 /// It retries an attempt that may not have been processed (no response: the request may or may
-/// not have reached the server), or whose answer says "not now" (`409`: the first attempt with
-/// this key is still running; `429`; `5xx`). Each retry carries the first attempt's key, so
+/// not have reached the server), or whose answer says "not now" (`408`: a timeout in front of the
+/// handler stopped waiting for it; `409`: the first attempt with this key is still running;
+/// `429`; `5xx`). Each retry carries the first attempt's key, so
 /// **against a server that honours `Idempotency-Key`** the request runs at most once, whatever
 /// happened to the attempts before it: a server that already ran it answers with what it recorded
 /// instead of running it again. [`IdempotencyLayer`](crate::http::IdempotencyLayer) is such a
 /// server: with its defaults it records every response its handler produced, `5xx` included,
 /// so a handler that charged and then failed with `500` is not charged again by this retry; the
 /// retry gets the recorded `500` back, marked `Idempotent-Replayed: true`, and this middleware
-/// stops there. A `409`, `429` or `5xx` that the server answers *without* running the handler
+/// stops there. A `408`, `409`, `429` or `5xx` that the server answers *without* running the handler
 /// (its store is down, the key is in use) is not recorded, and the retry is what gets it run.
 ///
 /// Against a server that ignores the header, a retried `POST` can run twice, as any retried

@@ -4,8 +4,8 @@
 //! it carries the same `Idempotency-Key` as the first attempt and the server honours it (as
 //! [`IdempotencyLayer`](crate::http::IdempotencyLayer) does). A fresh key per attempt makes every
 //! retry a new request. [`IdempotentRetry`] is `reqwest-middleware` middleware that gives each
-//! `POST` and `PATCH` one key and retries it, with that key: no response, `409`, `429` or a `5xx`
-//! that is not a replay. That is safe against a server that honours the key (see
+//! `POST` and `PATCH` one key and retries it, with that key: no response, `408`, `409`, `429` or a
+//! `5xx` that is not a replay. That is safe against a server that honours the key (see
 //! [what it retries, and why that is safe](IdempotentRetry#what-it-retries-and-why-that-is-safe)):
 //! the server runs the request once and answers every later attempt with its record.
 //!

@@ -4,12 +4,15 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, StatusCode, header};
 
-/// Whether an HTTP status is worth retrying with the same key: `409` (the first request with
-/// this key is still running), `429` and every `5xx`. No other `4xx` is: the same request
-/// would get the same answer.
+/// Whether an HTTP status is worth retrying with the same key: `408` (the server, or a timeout
+/// in front of its handler, stopped waiting; the handler may still be running, as it is behind
+/// [`IdempotencyLayer`](crate::http::IdempotencyLayer)), `409` (the first request with this key
+/// is still running), `429` and every `5xx`. No other `4xx` is: the same request would get the
+/// same answer.
 #[must_use]
 pub fn is_retryable_status(status: StatusCode) -> bool {
-    status == StatusCode::CONFLICT || status == StatusCode::TOO_MANY_REQUESTS || status.is_server_error()
+    matches!(status, StatusCode::REQUEST_TIMEOUT | StatusCode::CONFLICT | StatusCode::TOO_MANY_REQUESTS)
+        || status.is_server_error()
 }
 
 /// The wait a `Retry-After` header asks for: delay-seconds, or an HTTP date (a date in the past
@@ -31,11 +34,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn retryable_statuses_are_409_429_and_5xx_only() {
-        for code in [409, 429, 500, 502, 503, 504, 599] {
+    fn retryable_statuses_are_408_409_429_and_5xx_only() {
+        for code in [408, 409, 429, 500, 502, 503, 504, 599] {
             assert!(is_retryable_status(StatusCode::from_u16(code).unwrap()), "{code}");
         }
-        for code in [200, 201, 204, 301, 400, 401, 403, 404, 408, 410, 412, 413, 422, 425] {
+        for code in [200, 201, 204, 301, 400, 401, 403, 404, 410, 412, 413, 422, 425] {
             assert!(!is_retryable_status(StatusCode::from_u16(code).unwrap()), "{code}");
         }
     }

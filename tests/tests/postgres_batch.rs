@@ -201,6 +201,27 @@ async fn postgres_batched_statements_never_scan_the_table_whatever_its_size_when
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE {table}"))).execute(&pool).await.unwrap();
 }
 
+/// Returns once a session other than `conn`'s waits for a lock in a statement on `table` (as
+/// `pg_stat_activity` shows it), polling every 10 ms for at most 10 s.
+async fn wait_for_a_lock_wait(conn: &mut sqlx::PgConnection, table: &str) {
+    let pattern = format!("%{table}%");
+    for _ in 0..1000 {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid <> pg_backend_pid() \
+             AND query LIKE $1",
+        )
+        .bind(&pattern)
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("no session waited for a lock on {table} within 10 s");
+}
+
 /// A statement of both halves that PostgreSQL chooses as a deadlock victim runs again, and its
 /// answers are the ones a first run would give. Another transaction holds the row of the key the
 /// batch completes; the batch, having inserted the row of the new key it claims, waits for that
@@ -251,7 +272,7 @@ async fn postgres_a_batch_chosen_as_a_deadlock_victim_runs_again() {
     // now inserts the claimed key and waits for the batch's insert: a cycle. Once the batch's
     // statement is rolled back its insert goes through; it commits, and the batch's second run
     // finds the key held.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    wait_for_a_lock_wait(&mut other, &table).await;
     let insert = format!(
         "INSERT INTO {table} (idempotency_key, state, token, expires_at) \
          VALUES ($1, 'in_progress', 'by-hand', now() + interval '30 seconds')"

@@ -65,7 +65,7 @@ const MAX_ANSWER_BYTES: usize = 4 * 1024 * 1024 + 5;
 /// | outcome of an attempt | what happens |
 /// |---|---|
 /// | no answer (connection refused or lost, the call's timeout passed, the answer cut off) | retried after a back-off |
-/// | `DEADLINE_EXCEEDED` or `CANCELLED`, not replayed: a server or proxy stopped waiting for the call (tonic's server answers `CANCELLED` when a call's timeout passes), which may have run | retried after a back-off, as the timeout passing on the client is |
+/// | `DEADLINE_EXCEEDED` or `CANCELLED`, not replayed: a server or proxy stopped waiting for the call (tonic's server answers `CANCELLED` when a call's timeout passes), which may have run | retried as the timeout passing on the client is: after the server's `grpc-retry-pushback-ms` if it sent a positive one, else after a back-off |
 /// | a code in the [retried set](Self::retry_codes) (default `UNAVAILABLE`, `ABORTED`) | retried after the server's `grpc-retry-pushback-ms` if it sent one, else after a back-off |
 /// | either of the two rows above with a negative pushback | returned ([`Stopped::ServerRefusedRetries`]): the server asks not to retry (gRFC A6) |
 /// | a replayed answer (`idempotent-replayed: true` in its metadata), whatever its code | returned: it is the call's recorded outcome, which another attempt would get again ([`Stopped::Replayed`] if its code is in the retried set) |

@@ -363,11 +363,17 @@ fn main() {
         file
     });
     let mut rows = Vec::new();
-    for store in &options.stores {
-        for &concurrency in &options.concurrency {
-            for run in 1..=options.runs {
-                let measured = runtime.block_on(measure(store, concurrency, run, &options));
-                match measured {
+    // Run by run, every store in turn: the stores' run `n`s are measured seconds apart, so that
+    // a comparison between two stores (ours and the peer's) is one of measurements taken side by
+    // side, not of one store's five runs against another's five taken minutes later.
+    let mut skipped: Vec<&str> = Vec::new();
+    for &concurrency in &options.concurrency {
+        for run in 1..=options.runs {
+            for store in &options.stores {
+                if skipped.contains(&store.as_str()) {
+                    continue;
+                }
+                match runtime.block_on(measure(store, concurrency, run, &options)) {
                     Ok(measured) => {
                         for row in measured {
                             if let Some(file) = csv.as_mut() {
@@ -378,13 +384,14 @@ fn main() {
                     }
                     Err(e) => {
                         eprintln!("load: {store} skipped: {e}");
-                        break;
+                        skipped.push(store);
                     }
                 }
             }
         }
     }
     print!("{}", summary(&rows));
+    print!("{}", beside_the_peer(&rows));
 }
 
 /// One run of the three phases on a freshly opened `store`.
@@ -481,6 +488,67 @@ async fn phases<T: Target>(
     Ok(rows)
 }
 
+/// Each store and concurrency measured, in the order of their first rows.
+fn groups(rows: &[Row]) -> Vec<(&'static str, usize)> {
+    let mut groups = Vec::new();
+    for row in rows {
+        if !groups.contains(&(row.store, row.concurrency)) {
+            groups.push((row.store, row.concurrency));
+        }
+    }
+    groups
+}
+
+/// Our Redis store beside the peer's (`redis` and `redis-peer`), run by run: each run's rates
+/// and ratios to its own raw write, and ours over the peer's. Empty unless both were measured.
+fn beside_the_peer(rows: &[Row]) -> String {
+    let mut out = String::new();
+    let of = |store: &str, concurrency: usize, run: usize, phase: Phase| {
+        rows.iter().find(|r| r.store == store && r.concurrency == concurrency && r.run == run && r.phase == phase)
+    };
+    let concurrencies: Vec<usize> = groups(rows).into_iter().filter(|g| g.0 == "redis-peer").map(|g| g.1).collect();
+    for concurrency in concurrencies {
+        let _ = writeln!(
+            out,
+            "\nBeside the peer, c={concurrency}, run by run (each run of ours and of the peer's measured one after \
+             the other)\n\n| run | first/s ours | first/s peer | ours ÷ peer | first÷raw ours | first÷raw peer \
+             | replay/s ours | replay/s peer | ours ÷ peer | replay÷raw ours | replay÷raw peer |\n\
+             |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
+        let (mut runs, mut ahead_first, mut ahead_replay) = (0, 0, 0);
+        for run in rows.iter().map(|r| r.run).collect::<std::collections::BTreeSet<_>>() {
+            let phases = |store| [Phase::Raw, Phase::First, Phase::Replay].map(|p| of(store, concurrency, run, p));
+            let ([Some(raw), Some(first), Some(replay)], [Some(peer_raw), Some(peer_first), Some(peer_replay)]) =
+                (phases("redis"), phases("redis-peer"))
+            else {
+                continue;
+            };
+            runs += 1;
+            ahead_first += usize::from(first.rate > peer_first.rate);
+            ahead_replay += usize::from(replay.rate > peer_replay.rate);
+            let _ = writeln!(
+                out,
+                "| {run} | {:.0} | {:.0} | {:.2} | {:.3} | {:.3} | {:.0} | {:.0} | {:.2} | {:.3} | {:.3} |",
+                first.rate,
+                peer_first.rate,
+                first.rate / peer_first.rate,
+                first.rate / raw.rate,
+                peer_first.rate / peer_raw.rate,
+                replay.rate,
+                peer_replay.rate,
+                replay.rate / peer_replay.rate,
+                replay.rate / raw.rate,
+                peer_replay.rate / peer_raw.rate,
+            );
+        }
+        let _ = writeln!(
+            out,
+            "\nOurs ahead of the peer: first executions in {ahead_first} of {runs} runs, replays in {ahead_replay} of {runs}."
+        );
+    }
+    out
+}
+
 /// The Markdown summary: medians over runs; ratios are computed within each run, then the median.
 fn summary(rows: &[Row]) -> String {
     let mut out = String::new();
@@ -490,9 +558,8 @@ fn summary(rows: &[Row]) -> String {
          | raw p50/p99 µs | first p50/p99 µs | replay p50/p99 µs | first p50 ÷ 2·raw p50 | replay p50 ÷ raw p50 |"
     );
     let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    let mut groups: Vec<(&str, usize)> = rows.iter().map(|r| (r.store, r.concurrency)).collect();
-    groups.dedup();
-    for (store, concurrency) in groups {
+    let measured = groups(rows);
+    for (store, concurrency) in measured {
         let of = |phase: Phase| -> HashMap<usize, &Row> {
             rows.iter()
                 .filter(|r| r.store == store && r.concurrency == concurrency && r.phase == phase)
@@ -529,9 +596,8 @@ fn summary(rows: &[Row]) -> String {
          | store | conc. | raw client | raw server | raw info | first client | first server | first info | replay client | replay server | replay info |\n\
          |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
-    let mut groups: Vec<(&str, usize)> = rows.iter().map(|r| (r.store, r.concurrency)).collect();
-    groups.dedup();
-    for (store, concurrency) in groups {
+    let measured = groups(rows);
+    for (store, concurrency) in measured {
         let cpu = |phase: Phase, f: fn(&Row) -> f64| {
             median(
                 rows.iter()

@@ -37,6 +37,7 @@
 //! | `idempotent_store_step_seconds` | histogram | `store` ([`Store::name`], e.g. `redis`), `step` (`claim`, `complete`, `release`, `extend`) |
 //! | `idempotent_cache_lookups_total` | counter | `result` (`hit`, `miss`): [`CachedStore`](crate::stores::cache::CachedStore) only |
 //! | `idempotent_steps_total` | counter | `result` (`executed`: the step ran and was recorded; `replayed`: an earlier run's record was returned) |
+//! | `idempotent_batch_steps` | histogram | `store` (the store behind it): the claims and completions of each batch a [`BatchingStore`](crate::stores::batching::BatchingStore) sent, one sample per batch |
 //!
 //! A step's latency is recorded whether the step succeeded or failed.
 //!
@@ -327,6 +328,19 @@ pub(crate) fn cache_lookup(hit: bool) {
 #[cfg(all(not(feature = "metrics"), feature = "cache"))]
 pub(crate) fn cache_lookup(_hit: bool) {}
 
+/// Records in `idempotent_batch_steps` that a [`BatchingStore`](crate::stores::batching::BatchingStore)
+/// sent `steps` claims and completions to `store` as one batch (feature `metrics`).
+#[cfg(feature = "metrics")]
+#[allow(clippy::cast_precision_loss, reason = "a batch holds far fewer than 2^52 steps")]
+pub(crate) fn batch_sent(store: &'static str, steps: usize) {
+    describe();
+    metrics::histogram!("idempotent_batch_steps", "store" => store).record(steps as f64);
+}
+
+/// Without the feature `metrics`, nothing.
+#[cfg(not(feature = "metrics"))]
+pub(crate) fn batch_sent(_store: &'static str, _steps: usize) {}
+
 /// Adds one to the library's counter `key`.
 #[cfg(feature = "metrics")]
 fn increment(key: &metrics::Key) {
@@ -469,6 +483,11 @@ fn describe() {
         metrics::describe_counter!(
             "idempotent_cache_lookups_total",
             "Lookups in a CachedStore's local replay cache, by result (hit, miss)."
+        );
+        metrics::describe_histogram!(
+            "idempotent_batch_steps",
+            metrics::Unit::Count,
+            "Claims and completions a BatchingStore sent to its store as one batch, by store."
         );
     });
 }

@@ -283,6 +283,34 @@ fn memory_metrics_count_cache_lookups_by_result() {
     assert_eq!(lookups, expected, "{metrics:#?}");
 }
 
+/// A `BatchingStore` records the size of every batch it sends, labelled with the store behind
+/// it: each claim and each completion is in exactly one batch, and calls made together share one.
+#[test]
+#[allow(clippy::float_cmp, clippy::cast_precision_loss, reason = "the samples are small counts, exact in an f64")]
+fn memory_metrics_record_the_size_of_each_batch() {
+    use idempotent_runtime::stores::batching::BatchingStore;
+    const CALLS: usize = 8;
+    let metrics = metrics_of(async {
+        let store = BatchingStore::new(MemoryStore::new());
+        let calls = (0..CALLS).map(|i| {
+            let store = store.clone();
+            async move { Call::new("batched", &i).run(&store, async { Ok::<_, Error>(i) }).await.unwrap() }
+        });
+        futures_util::future::join_all(calls).await;
+    });
+    let batches: Vec<f64> = metrics
+        .iter()
+        .filter(|(name, ..)| name == "idempotent_batch_steps")
+        .flat_map(|(_, labels, value)| {
+            assert_eq!(labels, &[("store".to_owned(), "memory".to_owned())], "{metrics:#?}");
+            let DebugValue::Histogram(samples) = value else { panic!("not a histogram: {value:?}") };
+            samples.iter().map(|s| s.into_inner()).collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(batches.iter().sum::<f64>(), (2 * CALLS) as f64, "every claim and completion once: {batches:?}");
+    assert!(batches.iter().any(|&steps| steps > 1.0), "calls made together share a batch: {batches:?}");
+}
+
 // ---------------------------------------------------------------- spans
 
 #[derive(Debug, Clone, Default)]

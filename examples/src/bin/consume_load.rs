@@ -20,6 +20,11 @@
 //!   store behind a `BatchingStore`, which sends the claims (and the completions) of the
 //!   deliveries in flight to the store together: one pipeline, one statement.
 //!
+//! The `BatchingStore` modes also give the mean size of the batches they sent (claims and
+//! completions per batch, from the runtime's `idempotent_batch_steps` histogram): the program
+//! installs a `metrics` recorder that keeps that histogram and hands every other metric a no-op
+//! handle, as the default recorder does.
+//!
 //! The modes alternate within each run, so the ratios compare measurements taken a few seconds
 //! apart. It prints a Markdown table of medians over the runs, with the CPU time per message that
 //! each process spent while the consumer drained the queue (from `/proc/PID/stat`): this consumer,
@@ -126,6 +131,8 @@ struct Setup {
     postgres_batching: BatchingStore<PostgresStore>,
     messages: usize,
     concurrency: usize,
+    /// The batch sizes the `BatchingStore`s report, through the process's recorder.
+    batch_sizes: Arc<BatchSizes>,
 }
 
 fn env(var: &str, default: &str) -> String {
@@ -162,6 +169,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // A ratio is taken against `plain` of the same run: it runs first whenever it is chosen.
     modes.sort();
     println!("uptime at start: {}", uptime());
+    let batch_sizes = Arc::new(BatchSizes::default());
+    metrics::set_global_recorder(BatchRecorder(Arc::clone(&batch_sizes))).map_err(|e| e.to_string())?;
     let redis = RedisStore::connect(&env("REDIS_URL", "redis://127.0.0.1:6379"))
         .await?
         .with_prefix(format!("idempotent-consume-load:{}:", std::process::id()))?;
@@ -184,19 +193,27 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         postgres: Arc::new(postgres),
         messages,
         concurrency,
+        batch_sizes,
     };
 
     let mut rates: BTreeMap<(Broker, Mode), Vec<f64>> = BTreeMap::new();
     let mut ratios: BTreeMap<(Broker, Mode), Vec<f64>> = BTreeMap::new();
     let mut cpu: BTreeMap<(Broker, Mode, usize), Vec<f64>> = BTreeMap::new();
+    let mut batch: BTreeMap<(Broker, Mode), Vec<f64>> = BTreeMap::new();
     for run in 1..=runs {
         sqlx::query("DROP TABLE IF EXISTS idempotent_bench_consume").execute(&pool).await?;
         setup.postgres[0].create_table().await?;
         for &broker in &brokers {
             let mut plain = f64::NAN;
             for &mode in &modes {
-                let Measured { rate, cpu: used } = setup.measure(broker, mode, run).await?;
-                eprintln!("run {run}: {broker:?} {mode:?}: {rate:.0} messages/s, CPU µs per message {used:.1?}");
+                let Measured { rate, cpu: used, batch: steps } = setup.measure(broker, mode, run).await?;
+                eprintln!(
+                    "run {run}: {broker:?} {mode:?}: {rate:.0} messages/s, CPU µs per message {used:.1?}, steps per \
+                     batch {steps:.1?}"
+                );
+                if let Some(steps) = steps {
+                    batch.entry((broker, mode)).or_default().push(steps);
+                }
                 for (i, used) in used.iter().enumerate() {
                     cpu.entry((broker, mode, i)).or_default().push(*used);
                 }
@@ -216,12 +233,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
          `BatchingStore`, median of {runs} runs (ratio: measured against `plain` within each run, then the median)\n"
     );
     println!(
-        "| broker | consumer | messages/s | vs plain | CPU µs per message: consumer | broker | Redis | PostgreSQL | all five |"
+        "| broker | consumer | messages/s | vs plain | CPU µs per message: consumer | broker | Redis | PostgreSQL | all five \
+         | steps per batch (mean) |"
     );
-    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for ((broker, mode), values) in &rates {
         let ratio = ratios.get(&(*broker, *mode)).map_or("1".to_owned(), |r| format!("{:.2}", median(r.clone())));
         let used = |i: usize| median(cpu.get(&(*broker, *mode, i)).cloned().unwrap_or_default());
+        let steps = batch.get(&(*broker, *mode)).map_or("—".to_owned(), |b| format!("{:.1}", median(b.clone())));
         let own_broker = if *broker == Broker::Amqp { used(1) } else { used(2) };
         let all: f64 = (0..CONSUMER_PROCESSES.len()).map(used).sum();
         let cpu = format!("{:.1} | {own_broker:.1} | {:.1} | {:.1} | {all:.1}", used(0), used(3), used(4));
@@ -238,7 +257,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             Mode::RedisBatching => "idempotent, Redis store behind `BatchingStore`",
             Mode::PostgresBatching => "idempotent, PostgreSQL store (that pool) behind `BatchingStore`",
         };
-        println!("| {broker} | {mode} | {:.0} | {ratio} | {cpu} |", median(values.clone()));
+        println!("| {broker} | {mode} | {:.0} | {ratio} | {cpu} | {steps} |", median(values.clone()));
     }
     println!("\nuptime at end: {}", uptime());
     Ok(())
@@ -366,7 +385,8 @@ impl Setup {
         let cpu_after = consumer_processes_ticks();
         assert_eq!(handled.load(Ordering::SeqCst), total, "every message handled once");
         let per_message = |i: usize| (cpu_after[i] - cpu_before[i]) * 10_000.0 / total as f64;
-        Ok(Measured { rate: total as f64 / elapsed.as_secs_f64(), cpu: std::array::from_fn(per_message) })
+        let batch = self.batch_sizes.take();
+        Ok(Measured { rate: total as f64 / elapsed.as_secs_f64(), cpu: std::array::from_fn(per_message), batch })
     }
 }
 
@@ -375,6 +395,52 @@ impl Setup {
 struct Measured {
     rate: f64,
     cpu: [f64; CONSUMER_PROCESSES.len()],
+    /// The mean number of steps per batch a `BatchingStore` sent, in its modes.
+    batch: Option<f64>,
+}
+
+/// The samples of `idempotent_batch_steps` recorded since the last [`BatchSizes::take`].
+#[derive(Default)]
+struct BatchSizes(Mutex<Vec<f64>>);
+
+impl BatchSizes {
+    /// The mean of the samples since the last call, if any, and forgets them.
+    fn take(&self) -> Option<f64> {
+        let samples = std::mem::take(&mut *self.0.lock().unwrap());
+        (!samples.is_empty()).then(|| samples.iter().sum::<f64>() / samples.len() as f64)
+    }
+}
+
+impl metrics::HistogramFn for BatchSizes {
+    fn record(&self, value: f64) {
+        self.0.lock().unwrap().push(value);
+    }
+}
+
+/// A recorder that keeps `idempotent_batch_steps` in a [`BatchSizes`] and gives every other
+/// metric a no-op handle.
+struct BatchRecorder(Arc<BatchSizes>);
+
+impl metrics::Recorder for BatchRecorder {
+    fn describe_counter(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn describe_gauge(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn describe_histogram(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+
+    fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        metrics::Counter::noop()
+    }
+
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+
+    fn register_histogram(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Histogram {
+        if key.name() == "idempotent_batch_steps" {
+            metrics::Histogram::from_arc(Arc::clone(&self.0))
+        } else {
+            metrics::Histogram::noop()
+        }
+    }
 }
 
 /// The id of a consumer's message type.

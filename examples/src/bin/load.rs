@@ -558,8 +558,7 @@ fn summary(rows: &[Row]) -> String {
          | raw p50/p99 µs | first p50/p99 µs | replay p50/p99 µs | first p50 ÷ 2·raw p50 | replay p50 ÷ raw p50 |"
     );
     let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    let measured = groups(rows);
-    for (store, concurrency) in measured {
+    for (store, concurrency) in groups(rows) {
         let of = |phase: Phase| -> HashMap<usize, &Row> {
             rows.iter()
                 .filter(|r| r.store == store && r.concurrency == concurrency && r.phase == phase)
@@ -596,8 +595,7 @@ fn summary(rows: &[Row]) -> String {
          | store | conc. | raw client | raw server | raw info | first client | first server | first info | replay client | replay server | replay info |\n\
          |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
-    let measured = groups(rows);
-    for (store, concurrency) in measured {
+    for (store, concurrency) in groups(rows) {
         let cpu = |phase: Phase, f: fn(&Row) -> f64| {
             median(
                 rows.iter()

@@ -58,10 +58,8 @@
 //!
 //! With the feature `metrics`, every batch sent is a sample of the histogram
 //! `idempotent_batch_steps` (label `store`, the store behind it): how many claims and
-//! completions it held. Batches that stay near one step gain nothing over the single steps;
-//! batches that are always [`max_batch`](BatchingStore::max_batch) steps long wait for each
-//! other, and a larger `max_batch` or more batches [`in_flight`](BatchingStore::in_flight) may
-//! serve them sooner.
+//! completions it held: near one, the calls seldom overlap and the queue only adds its
+//! hand-over; always [`max_batch`](BatchingStore::max_batch), steps wait for room in a batch.
 
 use std::collections::HashMap;
 use std::future::Future;

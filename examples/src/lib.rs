@@ -17,7 +17,8 @@ pub mod measure {
         Some((comm, ticks))
     }
 
-    /// The CPU ticks so far of every process named `name` (its command name in `/proc`), summed.
+    /// The CPU ticks so far of every process named `name` (its command name in `/proc`; several
+    /// names separated by `|`), summed.
     #[must_use]
     pub fn ticks_of_processes_named(name: &str) -> f64 {
         std::fs::read_dir("/proc")
@@ -25,7 +26,7 @@ pub mod measure {
             .flatten()
             .flatten()
             .filter_map(|entry| process_ticks(&entry.path().join("stat").to_string_lossy()))
-            .filter(|(comm, _)| comm == name)
+            .filter(|(comm, _)| name.split('|').any(|name| comm == name))
             .map(|(_, ticks)| ticks)
             .sum()
     }

@@ -818,3 +818,108 @@ async fn redis_replica_acks_of_a_resent_completion_wait_for_the_replica() {
         assert_eq!(on_replica, Some(format!("idempotent/1 done {} -\n{{\"Ok\":2}}", owner.as_str())));
     }
 }
+
+/// Whether the server behind `raw` has `SET`'s `IFEQ` option (Valkey 8.1, Redis 8.4): a `SET ...
+/// IFEQ` on a key that does not exist writes nothing either way, and an older server refuses it.
+async fn has_set_ifeq(raw: &mut redis::aio::MultiplexedConnection) -> bool {
+    let probe = format!("idempotent-test:{}:ifeq-probe", uuid::Uuid::new_v4().simple());
+    let reply: redis::RedisResult<Option<String>> =
+        redis::cmd("SET").arg(&probe).arg("x").arg("IFEQ").arg("y").query_async(raw).await;
+    match reply {
+        Ok(None) => true,
+        Err(e) if e.to_string().contains("syntax error") => false,
+        other => panic!("unexpected reply to SET ... IFEQ on a missing key: {other:?}"),
+    }
+}
+
+/// On a server with `SET ... IFEQ`, the usual completion (the key still holds the call's claim)
+/// is that one native command, no script: a user refused `EVAL` and `EVALSHA` by an ACL
+/// completes calls, one by one and in a batch, and a store told not to use the native command
+/// cannot (which shows the ACL does refuse the script). On an older server the first
+/// completion's refused `SET` costs nothing: the script completes the call, and the store sends
+/// the script only from then on. `IDEMPOTENT_EXPECT_SET_IFEQ=1` (set by `scripts/valkey`) makes a
+/// server without the option a failure instead of the second case.
+#[tokio::test]
+async fn redis_completions_are_one_native_set_where_the_server_has_ifeq() {
+    let test = "redis_completions_are_one_native_set_where_the_server_has_ifeq";
+    let Some(url) = idempotent_tests::services::redis_url(test) else { return };
+    let (store, mut raw) = setup(&url).await;
+    let key = Key::new("native", &"k").unwrap();
+    let outcome = br#"{"Ok":"receipt"}"#;
+
+    if !has_set_ifeq(&mut raw).await {
+        assert!(
+            std::env::var("IDEMPOTENT_EXPECT_SET_IFEQ").as_deref() != Ok("1"),
+            "IDEMPOTENT_EXPECT_SET_IFEQ=1, but the server at {url} refuses SET ... IFEQ"
+        );
+        eprintln!("{test}: this server has no SET ... IFEQ; checking the fallback to the script");
+        let owner = Token::new();
+        assert_eq!(claim(&store, &key, &owner, None, LEASE).await, Claim::Claimed);
+        assert!(format!("{store:?}").contains("native_completion: true"), "{store:?}");
+        store.complete_as(&key, &owner, outcome, LEASE).await.expect("the script completes the call");
+        assert!(format!("{store:?}").contains("native_completion: false"), "{store:?}");
+        let replay = claim(&store, &key, &Token::new(), None, LEASE).await;
+        assert_eq!(replay, Claim::Completed(Record::new(None, outcome.to_vec())));
+        cleanup(&mut raw, store.prefix()).await;
+        return;
+    }
+
+    let user = format!("idempotent-test-noscript-{}", uuid::Uuid::new_v4().simple());
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg(&user)
+        .arg("on")
+        .arg("nopass")
+        .arg("~*")
+        .arg("&*")
+        .arg("+@all")
+        .arg("-eval")
+        .arg("-evalsha")
+        .query_async(&mut raw)
+        .await
+        .expect("create the ACL user");
+    let port = url.rsplit(':').next().and_then(|p| p.trim_end_matches('/').parse::<u16>().ok()).unwrap_or(6379);
+    let as_user = format!("redis://{user}:any@127.0.0.1:{port}");
+    let noscript =
+        RedisStore::connect(&as_user).await.expect("connect as the user").with_prefix(store.prefix()).unwrap();
+
+    // One by one, with a fingerprint.
+    let (owner, fp) = (Token::new(), Fingerprint::of(&("alice", 100)).unwrap());
+    assert_eq!(claim(&noscript, &key, &owner, Some(&fp), LEASE).await, Claim::Claimed);
+    let completion = Completion::new(&key, &owner, Some(&fp), outcome, LEASE);
+    noscript.complete(&completion).await.expect("completed by SET ... IFEQ, no script");
+    let replay = claim(&noscript, &key, &Token::new(), None, LEASE).await;
+    assert_eq!(replay, Claim::Completed(Record::new(Some(fp), outcome.to_vec())));
+
+    // A batch.
+    let keys: Vec<Key> = (0..5).map(|i| Key::new("native-batch", &i).unwrap()).collect();
+    let tokens: Vec<Token> = keys.iter().map(|_| Token::new()).collect();
+    let claims: Vec<ClaimRequest<'_>> =
+        keys.iter().zip(&tokens).map(|(key, token)| ClaimRequest::new(key, token, None, LEASE)).collect();
+    for claimed in noscript.claim_many(&claims).await.expect("claim the batch") {
+        assert_eq!(claimed.expect("claim"), Claim::Claimed);
+    }
+    let completions: Vec<Completion<'_>> =
+        keys.iter().zip(&tokens).map(|(key, token)| Completion::new(key, token, None, outcome, LEASE)).collect();
+    for completed in noscript.complete_many(&completions).await.expect("complete the batch") {
+        completed.expect("completed by SET ... IFEQ, no script");
+    }
+    for key in &keys {
+        assert_eq!(
+            claim(&noscript, key, &Token::new(), None, LEASE).await,
+            Claim::Completed(Record::new(None, outcome.to_vec()))
+        );
+    }
+
+    // The same user, told not to use the native command, is refused the script.
+    let scripted = noscript.clone().with_native_completion(false);
+    let (other, owner) = (Key::new("native", &"scripted").unwrap(), Token::new());
+    assert_eq!(claim(&scripted, &other, &owner, None, LEASE).await, Claim::Claimed);
+    let refused = scripted.complete_as(&other, &owner, outcome, LEASE).await;
+    let refused_script =
+        matches!(&refused, Err(e @ StoreError::Rejected { .. }) if e.to_string().contains("'evalsha'"));
+    assert!(refused_script, "{refused:?}");
+
+    let _: () = redis::cmd("ACL").arg("DELUSER").arg(&user).query_async(&mut raw).await.unwrap();
+    cleanup(&mut raw, store.prefix()).await;
+}

@@ -16,7 +16,9 @@
 //! this process's memory, with no round trip, so they can beat the raw write. The store
 //! `redis-peer` runs the same function through the crates.io `idempotent` 0.3.0 crate's Redis
 //! store (the best other Rust crate; a dependency of this program only), so its ratios to the same
-//! raw write can be set beside ours. It prints one CSV row per
+//! raw write can be set beside ours. The store `redis-script` is ours with
+//! `with_native_completion(false)`: on a server with `SET ... IFEQ` (Valkey 8.1), it completes by
+//! the script as on an older server, to set the two beside each other. It prints one CSV row per
 //! phase (to `--csv`) and a Markdown table of medians over the runs, with the ratios measured side
 //! by side in each run. `--rss-keys N` instead measures the memory store's resident memory with `N`
 //! completed keys, and after they expire and are purged.
@@ -55,10 +57,13 @@ use idempotent_runtime::stores::sql::{MySqlStore, PostgresStore, SqliteStore, sq
 use idempotent_runtime::{Call, Error, MemoryStore, RedisStore, Store, idempotent};
 
 const USAGE: &str = "\
-usage: load [--store memory|redis|redis-peer|redis-cached|redis-cluster|redis-cluster-wait|postgres|mysql|sqlite|all]
+usage: load [--store memory|redis|redis-script|redis-peer|redis-cached|redis-cluster|redis-cluster-wait|postgres|mysql|sqlite|all]
             [--concurrency 1,16,64]
             [--seconds 3] [--slices 1] [--runs 3] [--warmup-ms 300] [--csv PATH]
        load --rss-keys 1000000";
+
+/// The process names of a Redis server, for its CPU time: Redis's own or Valkey's.
+const REDIS_SERVERS: &str = "redis-server|valkey-server";
 
 /// The function under test: trivial, so what is measured is the idempotency layer.
 #[idempotent(key = id, store = store, scope = "load", retention = "10m")]
@@ -398,7 +403,10 @@ fn main() {
 async fn measure(store: &str, concurrency: usize, run: usize, options: &Options) -> Result<Vec<Row>, String> {
     match store {
         "memory" => phases(Arc::new(MemoryTarget::new()), "memory", concurrency, run, options).await,
-        "redis" => phases(Arc::new(RedisTarget::open().await?), "redis", concurrency, run, options).await,
+        "redis" => phases(Arc::new(RedisTarget::open(true).await?), "redis", concurrency, run, options).await,
+        "redis-script" => {
+            phases(Arc::new(RedisTarget::open(false).await?), "redis-script", concurrency, run, options).await
+        }
         "redis-peer" => phases(Arc::new(PeerRedisTarget::open().await?), "redis-peer", concurrency, run, options).await,
         "redis-cached" => {
             phases(Arc::new(CachedRedisTarget::open().await?), "redis-cached", concurrency, run, options).await
@@ -416,7 +424,7 @@ async fn measure(store: &str, concurrency: usize, run: usize, options: &Options)
         "mysql" => phases(Arc::new(MySqlTarget::open(concurrency).await?), "mysql", concurrency, run, options).await,
         "sqlite" => phases(Arc::new(SqliteTarget::open().await?), "sqlite", concurrency, run, options).await,
         other => Err(format!(
-            "unknown store {other:?} (expected memory, redis, redis-peer, redis-cached, redis-cluster, redis-cluster-wait, \
+            "unknown store {other:?} (expected memory, redis, redis-script, redis-peer, redis-cached, redis-cluster, redis-cluster-wait, \
              postgres, mysql or sqlite)"
         )),
     }
@@ -662,9 +670,11 @@ struct RedisTarget {
 }
 
 impl RedisTarget {
-    async fn open() -> Result<Self, String> {
+    /// Our store; with `native` false, its completions are the script even where the server has
+    /// `SET ... IFEQ` (the store `redis-script`).
+    async fn open(native: bool) -> Result<Self, String> {
         let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-        let store = RedisStore::connect(&url).await.map_err(|e| format!("{url}: {e}"))?;
+        let store = RedisStore::connect(&url).await.map_err(|e| format!("{url}: {e}"))?.with_native_completion(native);
         let store = store.with_prefix("idempotent-bench:").map_err(|e| e.to_string())?;
         let connection = store.connection();
         Ok(RedisTarget { store, connection })
@@ -672,7 +682,7 @@ impl RedisTarget {
 }
 
 impl Target for RedisTarget {
-    const SERVER: Option<&'static str> = Some("redis-server");
+    const SERVER: Option<&'static str> = Some(REDIS_SERVERS);
 
     fn call(&self, key: &str) -> impl Future<Output = Result<(), String>> + Send {
         ours(&self.store, key)
@@ -711,7 +721,7 @@ impl PeerRedisTarget {
 }
 
 impl Target for PeerRedisTarget {
-    const SERVER: Option<&'static str> = Some("redis-server");
+    const SERVER: Option<&'static str> = Some(REDIS_SERVERS);
 
     async fn call(&self, key: &str) -> Result<(), String> {
         use peer::entry::ExistingEntry;
@@ -792,7 +802,7 @@ impl RedisClusterTarget {
 }
 
 impl Target for RedisClusterTarget {
-    const SERVER: Option<&'static str> = Some("redis-server");
+    const SERVER: Option<&'static str> = Some(REDIS_SERVERS);
 
     fn call(&self, key: &str) -> impl Future<Output = Result<(), String>> + Send {
         ours(&self.store, key)
@@ -823,14 +833,14 @@ struct CachedRedisTarget {
 
 impl CachedRedisTarget {
     async fn open() -> Result<Self, String> {
-        let redis = RedisTarget::open().await?;
+        let redis = RedisTarget::open(true).await?;
         let store = CachedStore::new(redis.store.clone()).with_max_entries(8_000_000).with_max_bytes(2 << 30);
         Ok(CachedRedisTarget { redis, store })
     }
 }
 
 impl Target for CachedRedisTarget {
-    const SERVER: Option<&'static str> = Some("redis-server");
+    const SERVER: Option<&'static str> = Some(REDIS_SERVERS);
 
     fn call(&self, key: &str) -> impl Future<Output = Result<(), String>> + Send {
         ours(&self.store, key)

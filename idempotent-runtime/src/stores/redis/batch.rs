@@ -1,7 +1,9 @@
 //! The batched steps on one server: a batch's commands in one pipeline, one round trip.
 //!
-//! Each command is the single step's own (the claim's `SET ... NX PX ... GET`, the completion
-//! script), so each key is answered as its single step would answer it; Redis runs a pipeline's
+//! Each command is the single step's own (the claim's `SET ... NX PX ... GET`, the completion's
+//! `SET ... IFEQ ... GET` or its script), so each key is answered as its single step would answer
+//! it; a completion the native command does not decide is finished by the script, as a single
+//! completion is, with a step of its own; Redis runs a pipeline's
 //! commands in order, so of two claims of one key in a batch the first wins. A claim that finds
 //! another call running asks for that call's remaining lease as a single claim does, with a step
 //! of its own. A pipeline whose connection was refused or lost is sent once more, whole: with the
@@ -11,8 +13,8 @@ use futures_util::future::join_all;
 use redis::{Pipeline, RedisResult, Value};
 
 use super::{
-    COMPLETE, RedisConnection, RedisStore, ReplicaAcks, ReplicasMissing, backend, claim_cmd, completed, is_noscript,
-    parse_claim, record, resend, script_cmd,
+    COMPLETE, RedisConnection, RedisStore, backend, claim_cmd, completed, is_noscript, native_complete_cmd,
+    parse_claim, record, replicas_have_it, resend, script_cmd,
 };
 use crate::{Claim, ClaimRequest, Completion, StoreError};
 
@@ -51,6 +53,9 @@ impl<C: RedisConnection> RedisStore<C> {
         completions: &[Completion<'_>],
     ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
         let args: Vec<_> = completions.iter().map(|completion| self.complete_args(completion)).collect();
+        if self.completes_natively() {
+            return self.complete_many_natively(completions, args).await;
+        }
         let pipeline = |eval: bool| {
             let mut pipeline = redis::pipe();
             pipeline.ignore_errors();
@@ -90,6 +95,50 @@ impl<C: RedisConnection> RedisStore<C> {
         Ok(recorded)
     }
 
+    /// The batch's completions as native `SET ... IFEQ ... GET` commands in one pipeline; those
+    /// the command does not decide then go to the script, concurrently.
+    async fn complete_many_natively(
+        &self,
+        completions: &[Completion<'_>],
+        args: Vec<Result<super::CompleteArgs<'_>, StoreError>>,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let mut pipeline = redis::pipe();
+        pipeline.ignore_errors();
+        for (completion, args) in completions.iter().zip(&args) {
+            if let Ok(args) = args {
+                pipeline.add_command(native_complete_cmd(&self.key_arg(completion.key), args));
+            }
+        }
+        if let Some(acks) = self.replica_acks {
+            pipeline.cmd("WAIT").arg(acks.replicas).arg(acks.timeout_ms);
+        }
+        let mut replies = self.send(&pipeline).await.map_err(backend)?;
+        let waited = self.replica_acks.map(|acks| (acks, replies.pop()));
+        let mut replies = replies.into_iter();
+        // Each completion's answer, or its arguments for the script.
+        let mut decided = Vec::with_capacity(completions.len());
+        for args in args {
+            decided.push(match args {
+                Ok(args) => {
+                    let reply = replies.next().ok_or_else(|| fewer("completions"))?;
+                    match self.natively_completed(reply, &args) {
+                        Some(answer) => Ok(answer.and_then(|()| match &waited {
+                            Some((acks, reply)) => replicas_have_it(*acks, reply.as_ref()),
+                            None => Ok(()),
+                        })),
+                        None => Err(args),
+                    }
+                }
+                Err(error) => Ok(Err(error)),
+            });
+        }
+        let finished = completions.iter().zip(decided).map(async |(completion, decided)| match decided {
+            Ok(answer) => answer,
+            Err(args) => self.complete_by_script(&self.key_arg(completion.key), &args).await,
+        });
+        Ok(join_all(finished).await)
+    }
+
     /// Sends `pipeline`, and once more if the connection failed under it ([`resend`]).
     async fn send(&self, pipeline: &Pipeline) -> RedisResult<Vec<RedisResult<Value>>> {
         let mut connection = self.connection.get();
@@ -103,16 +152,4 @@ impl<C: RedisConnection> RedisStore<C> {
 /// A pipeline that got fewer replies than the `steps` it held.
 fn fewer(steps: &str) -> StoreError {
     StoreError::Corrupt(format!("a pipeline of {steps} got fewer replies than {steps}"))
-}
-
-/// Whether `WAIT`'s reply says enough replicas acknowledged the batch's records.
-fn replicas_have_it(acks: ReplicaAcks, waited: Option<&RedisResult<Value>>) -> Result<(), StoreError> {
-    match waited {
-        Some(Ok(Value::Int(n))) if *n >= i64::from(acks.replicas) => Ok(()),
-        Some(Ok(Value::Int(acknowledged))) => Err(StoreError::backend(
-            "redis",
-            ReplicasMissing { acknowledged: *acknowledged, wanted: acks.replicas, timeout_ms: acks.timeout_ms },
-        )),
-        other => Err(StoreError::backend("redis", format!("unexpected reply to WAIT: {other:?}"))),
-    }
 }

@@ -40,14 +40,24 @@
 //!   therefore exactly one `SET`, the same command as a plain `SET NX PX`. Only when another call
 //!   is running does the claim make a second, read-only, step (a script reading the value and its
 //!   `PTTL` together) to report the running call's remaining lease in [`Claim::InProgress`].
-//! - **complete**, **release**, **extend**: one `EVALSHA` each, of a script that reads the value
-//!   once, compares its start with `idempotent/1 running <token> `, and then makes one write (`SET
-//!   ... PX <retention>`, `DEL`, `PEXPIRE`). So each is atomic and fenced by the owner token. A
-//!   completion finding the record already completed *by the same token* succeeds without writing
-//!   (its earlier attempt's reply was lost). A lease that ran out is Redis's own expiry: the key
-//!   is gone, so a late renewal or release gets [`StoreError::NotOwner`], while a late completion
-//!   writes its record (nobody holds the key; the request's fingerprint travels with the
-//!   completion for that case). A completion is refused only when another token holds the key.
+//! - **complete**: on a server whose `SET` has the `IFEQ` option (Valkey 8.1 and newer; Redis
+//!   8.4 has the same option, untested here), one native `SET key <completed record> PX
+//!   <retention> IFEQ <running record> GET`: it writes the record only if the key still holds
+//!   this call's claim byte for byte, and returns what it found either way. That is the usual
+//!   case, a completion in one native command. Anything else it finds (nothing, the record this
+//!   token already wrote, a claim made with another fingerprint, another token's claim) leaves the
+//!   key as it was and goes to the completion script below, a second step. A server without
+//!   `IFEQ` refuses the command with a syntax error, having done nothing: the store then completes
+//!   by the script, and sends the script only from then on ([`RedisStore::with_native_completion`]).
+//! - **complete** (the script), **release**, **extend**: one `EVALSHA` each, of a script that reads
+//!   the value once, compares its start with `idempotent/1 running <token> `, and then makes one
+//!   write (`SET ... PX <retention>`, `DEL`, `PEXPIRE`). So each is atomic and fenced by the owner
+//!   token. A completion finding the record already completed *by the same token* succeeds
+//!   without writing (its earlier attempt's reply was lost). A lease that ran out is Redis's own
+//!   expiry: the key is gone, so a late renewal or release gets [`StoreError::NotOwner`], while a
+//!   late completion writes its record (nobody holds the key; the request's fingerprint travels
+//!   with the completion for that case). A completion is refused only when another token holds
+//!   the key.
 //!   A claim whose `SET` finds the caller's *own* running record (the client resent it after
 //!   losing the first reply, as the cluster client does) is that caller's claim.
 //!
@@ -59,9 +69,11 @@
 //!   twice to two and a half times the CPU per key (`batch_load`, BENCHMARKS.md). On a cluster,
 //!   whose keys live on different nodes, a batch is its single steps, sent concurrently.
 //!
-//! A first execution costs two round trips (claim, complete), a replay one. When a server does not
-//! know a script yet (after a restart, a failover or `SCRIPT FLUSH`), the step is sent once more
-//! as `EVAL` with the script's text, which also caches it.
+//! A first execution costs two round trips (claim, complete), a replay one; on a server with
+//! `IFEQ` both of a first execution's steps are native commands (BENCHMARKS.md measures them
+//! beside the script). When a server does not know a script yet (after a restart, a failover or
+//! `SCRIPT FLUSH`), the step is sent once more as `EVAL` with the script's text, which also
+//! caches it.
 //!
 //! # Redis Cluster
 //!
@@ -95,7 +107,8 @@
 //! - **Redis 7.0 or newer** ([`MIN_REDIS_VERSION`]): the claim is `SET ... NX PX ... GET`.
 //!   [`RedisStore::connect`] and [`RedisClusterStore::connect_cluster`] read the server's `INFO`
 //!   and refuse an older server with [`StoreError::Rejected`]. Tested by `.ci/run` on Redis
-//!   7.0.15 and 8.2.3 (and the cluster on 7.0.15).
+//!   7.0.15 and 8.2.3 (completions by the script) and Valkey 8.1.1 (completions by `SET ...
+//!   IFEQ`), and the cluster on 7.0.15.
 //! - **`maxmemory-policy noeviction`** (Redis's default). Under any evicting policy (`allkeys-*`,
 //!   and `volatile-*` too: every key of this store has an expiry) a server short of memory drops
 //!   keys: a dropped record makes its key run again, and a dropped claim lets a duplicate run
@@ -151,6 +164,7 @@ mod connection;
 mod record;
 mod server;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -319,6 +333,9 @@ pub struct RedisStore<C = ConnectionManager> {
     max_record_bytes: usize,
     replica_acks: Option<ReplicaAcks>,
     timeout: Duration,
+    /// Whether completions try the server's `SET ... IFEQ ... GET` first; shared by clones, and
+    /// turned off for good when the server refuses the option.
+    native_completion: Arc<AtomicBool>,
 }
 
 /// How many replicas must acknowledge each completion, and for how long to wait for them.
@@ -394,7 +411,23 @@ impl<C: RedisConnection> RedisStore<C> {
             max_record_bytes: DEFAULT_MAX_RECORD_BYTES,
             replica_acks: None,
             timeout: DEFAULT_STEP_TIMEOUT,
+            native_completion: Arc::new(AtomicBool::new(true)),
         }
+    }
+
+    /// Whether a completion first tries the server's own compare-and-set, `SET <key> <record> PX
+    /// <retention> IFEQ <claim> GET` (default `true`; see [Commands and round
+    /// trips](self#commands-and-round-trips)).
+    ///
+    /// A server without the `IFEQ` option answers that command with a syntax error and does
+    /// nothing; the store then completes by its script, and from then on this store and its
+    /// clones send the script only, so an older server costs one refused command per store. Turn
+    /// it off to measure the script, or where a proxy in front of the server passes `SET`'s
+    /// options on to servers of different versions.
+    #[must_use]
+    pub fn with_native_completion(mut self, enabled: bool) -> Self {
+        self.native_completion = Arc::new(AtomicBool::new(enabled));
+        self
     }
 
     /// Bounds every store step by `timeout` (default [`DEFAULT_STEP_TIMEOUT`]), on top of the
@@ -535,11 +568,23 @@ impl<C: RedisConnection> RedisStore<C> {
         acks: ReplicaAcks,
         args: impl Fn(&mut Cmd),
     ) -> Result<Value, StoreError> {
+        let replies = self.with_wait(|eval| script_cmd(script, eval, key, &args), acks).await.map_err(backend)?;
+        let [reply, waited] = step_and_wait(replies)?;
+        match waited {
+            // Not recorded by us (another owner, or another type): nothing to wait for.
+            Value::Int(_) if matches!(reply, Value::Int(0 | -1)) => Ok(reply),
+            waited => replicas_have_it(acks, Some(&Ok(waited))).map(|()| reply),
+        }
+    }
+
+    /// Sends `step` (built for `EVAL` when given `true`, after a `NOSCRIPT`) and then `WAIT` for
+    /// the replicas `acks` asks for, in one pipeline: one round trip, on the same node.
+    async fn with_wait(&self, step: impl Fn(bool) -> Cmd, acks: ReplicaAcks) -> RedisResult<Vec<Value>> {
         // A cluster connection sends a pipeline to the node of its first keyed command: the
         // record's master, on the connection that wrote it, which is what `WAIT` counts.
         let pipeline = |eval: bool| {
             let mut pipeline = redis::pipe();
-            pipeline.add_command(script_cmd(script, eval, key, &args));
+            pipeline.add_command(step(eval));
             pipeline.cmd("WAIT").arg(acks.replicas).arg(acks.timeout_ms);
             pipeline
         };
@@ -550,24 +595,69 @@ impl<C: RedisConnection> RedisStore<C> {
                 result => result,
             }
         };
-        let replies = match send(pipeline(false)).await {
+        match send(pipeline(false)).await {
             Err(e) if is_noscript(&e) => send(pipeline(true)).await,
             result => result,
         }
-        .map_err(backend)?;
-        let [reply, waited] = <[Value; 2]>::try_from(replies)
-            .map_err(|r| StoreError::Corrupt(format!("unexpected replies to a script and WAIT: {r:?}")))?;
-        match waited {
-            Value::Int(n) if n >= i64::from(acks.replicas) => Ok(reply),
-            // Not recorded by us (another owner, or another type): nothing to wait for.
-            Value::Int(_) if matches!(reply, Value::Int(0 | -1)) => Ok(reply),
-            Value::Int(acknowledged) => Err(StoreError::backend(
-                "redis",
-                ReplicasMissing { acknowledged, wanted: acks.replicas, timeout_ms: acks.timeout_ms },
-            )),
-            other => Err(StoreError::backend("redis", format!("unexpected reply to WAIT: {other:?}"))),
+    }
+
+    /// Whether completions still try `SET ... IFEQ ... GET` first.
+    fn completes_natively(&self) -> bool {
+        self.native_completion.load(Ordering::Relaxed)
+    }
+
+    /// What a native completion's reply (or error) means: `Some` answer when it decided the
+    /// completion (recorded, or failed on the way), `None` when the script must decide (the key
+    /// did not hold this call's claim, or the server has no `IFEQ`, after which the store stops
+    /// trying it).
+    fn natively_completed(&self, reply: RedisResult<Value>, args: &CompleteArgs<'_>) -> Option<Result<(), StoreError>> {
+        match reply {
+            Ok(Value::BulkString(old)) if args.claimed.is(&old) => Some(Ok(())),
+            Ok(_) => None,
+            Err(e) if refuses_ifeq(&e) => {
+                if self.native_completion.swap(false, Ordering::Relaxed) {
+                    tracing::info!(
+                        target: "idempotent", error = %e,
+                        "this Redis server has no `SET ... IFEQ` (Redis 8.4, Valkey 8.1); the store completes \
+                         calls with its script from now on"
+                    );
+                }
+                None
+            }
+            // The script reports a key of another type, naming it.
+            Err(e) if e.code() == Some("WRONGTYPE") => None,
+            Err(e) => Some(Err(backend(e))),
         }
     }
+}
+
+/// The replies of a step sent with `WAIT`.
+fn step_and_wait(replies: Vec<Value>) -> Result<[Value; 2], StoreError> {
+    <[Value; 2]>::try_from(replies)
+        .map_err(|r| StoreError::Corrupt(format!("unexpected replies to a step and WAIT: {r:?}")))
+}
+
+/// Whether `WAIT`'s reply says enough replicas acknowledged the records written before it.
+fn replicas_have_it(acks: ReplicaAcks, waited: Option<&RedisResult<Value>>) -> Result<(), StoreError> {
+    match waited {
+        Some(Ok(Value::Int(n))) if *n >= i64::from(acks.replicas) => Ok(()),
+        Some(Ok(Value::Int(acknowledged))) => Err(StoreError::backend(
+            "redis",
+            ReplicasMissing { acknowledged: *acknowledged, wanted: acks.replicas, timeout_ms: acks.timeout_ms },
+        )),
+        other => Err(StoreError::backend("redis", format!("unexpected reply to WAIT: {other:?}"))),
+    }
+}
+
+/// Whether `error` is a server's refusal of `SET`'s `IFEQ` option: Redis before 8.4 and Valkey
+/// before 8.1 answer `ERR syntax error`, having done nothing. The native completion is the first
+/// command of its pipeline when `WAIT` follows it, and a pipeline's error lists its commands'.
+fn refuses_ifeq(error: &RedisError) -> bool {
+    error.clone().into_server_errors().is_some_and(|errors| {
+        errors.iter().any(|(at, error)| {
+            *at == 0 && error.code() == "ERR" && error.details().is_some_and(|detail| detail.contains("syntax error"))
+        })
+    })
 }
 
 /// A step's reply, and whether its connection was lost with a send in flight, so that the step
@@ -617,6 +707,23 @@ fn claim_cmd(key: &KeyArg<'_>, request: &ClaimRequest<'_>) -> Cmd {
     cmd
 }
 
+/// The usual completion as one native command: `SET <key> <completed record> PX <retention> IFEQ
+/// <running record> GET`. It writes the record only if the key still holds this call's claim,
+/// byte for byte, and returns the value it found whatever it did; any other value leaves the
+/// completion to the script.
+fn native_complete_cmd(key: &KeyArg<'_>, args: &CompleteArgs<'_>) -> Cmd {
+    let mut cmd = Cmd::with_capacity(9, COMMAND_BYTES);
+    cmd.arg("SET")
+        .arg(key)
+        .arg(&args.completed)
+        .arg("PX")
+        .arg(args.retention)
+        .arg("IFEQ")
+        .arg(&args.claimed)
+        .arg("GET");
+    cmd
+}
+
 /// `EVALSHA <sha> 1 <key> <args...>`, or `EVAL <script> 1 <key> <args...>`.
 fn script_cmd(script: &Lua, eval: bool, key: &KeyArg<'_>, args: &impl Fn(&mut Cmd)) -> Cmd {
     let mut cmd = Cmd::with_capacity(8, COMMAND_BYTES);
@@ -636,6 +743,7 @@ impl<C> std::fmt::Debug for RedisStore<C> {
             .field("max_record_bytes", &self.max_record_bytes)
             .field("replica_acks", &self.replica_acks)
             .field("timeout", &self.timeout)
+            .field("native_completion", &self.native_completion.load(Ordering::Relaxed))
             .finish_non_exhaustive()
     }
 }
@@ -853,11 +961,32 @@ impl<C: RedisConnection> RedisStore<C> {
     async fn complete_now(&self, completion: &Completion<'_>) -> Result<(), StoreError> {
         let args = self.complete_args(completion)?;
         let key = self.key_arg(completion.key);
+        if self.completes_natively() {
+            let cmd = native_complete_cmd(&key, &args);
+            let answer = match self.replica_acks {
+                None => self.natively_completed(self.query(&cmd).await, &args),
+                Some(acks) => match self.with_wait(|_| cmd.clone(), acks).await.map(step_and_wait) {
+                    Ok(Ok([reply, waited])) => self
+                        .natively_completed(Ok(reply), &args)
+                        .map(|answer| answer.and_then(|()| replicas_have_it(acks, Some(&Ok(waited))))),
+                    Ok(Err(unexpected)) => Some(Err(unexpected)),
+                    Err(e) => self.natively_completed(Err(e), &args),
+                },
+            };
+            if let Some(answer) = answer {
+                return answer;
+            }
+        }
+        self.complete_by_script(&key, &args).await
+    }
+
+    /// A completion by [`COMPLETE_LUA`], which decides every case.
+    async fn complete_by_script(&self, key: &KeyArg<'_>, args: &CompleteArgs<'_>) -> Result<(), StoreError> {
         let reply = match self.replica_acks {
-            None => self.eval(&COMPLETE, &key, |cmd| args.write(cmd)).await.map_err(backend)?,
-            Some(acks) => self.eval_and_wait(&COMPLETE, &key, acks, |cmd| args.write(cmd)).await?,
+            None => self.eval(&COMPLETE, key, |cmd| args.write(cmd)).await.map_err(backend)?,
+            Some(acks) => self.eval_and_wait(&COMPLETE, key, acks, |cmd| args.write(cmd)).await?,
         };
-        completed(reply, &key)
+        completed(reply, key)
     }
 
     /// The completion script's arguments for `completion`.

@@ -43,6 +43,18 @@ impl Header<'_> {
     fn parts(&self) -> [&[u8]; 5] {
         [self.state.as_bytes(), self.token, b" ", self.fingerprint.unwrap_or(b"-"), b"\n"]
     }
+
+    /// Whether `value` is exactly this header: the running record this call's claim wrote, say.
+    pub(super) fn is(&self, value: &[u8]) -> bool {
+        let mut rest = value;
+        self.parts().iter().all(|part| match rest.split_at_checked(part.len()) {
+            Some((head, tail)) if head == *part => {
+                rest = tail;
+                true
+            }
+            _ => false,
+        }) && rest.is_empty()
+    }
 }
 
 impl ToRedisArgs for Header<'_> {
@@ -243,6 +255,30 @@ mod tests {
             written(&Owned { state: DONE, token: TOKEN.as_bytes() }),
             format!("idempotent/1 done {TOKEN} ").into_bytes()
         );
+    }
+
+    /// What a native completion compares the value `SET ... GET` returned with: the exact
+    /// running record this call's claim wrote, and nothing longer, shorter or else.
+    #[test]
+    fn redis_headers_match_only_their_exact_bytes() {
+        let fp = "ab".repeat(32);
+        let header = Header { state: RUNNING, token: TOKEN.as_bytes(), fingerprint: Some(fp.as_bytes()) };
+        let exact = written(&header);
+        assert!(header.is(&exact));
+        assert!(!header.is(&exact[..exact.len() - 1]), "shorter");
+        assert!(!header.is(&[exact.as_slice(), b"{}"].concat()), "longer: a completed record's header and outcome");
+        assert!(!header.is(b""));
+        let done = written(&Header { state: DONE, token: TOKEN.as_bytes(), fingerprint: Some(fp.as_bytes()) });
+        assert!(!header.is(&done), "another state");
+        let bare = Header { state: RUNNING, token: TOKEN.as_bytes(), fingerprint: None };
+        assert!(!bare.is(&exact), "another fingerprint");
+        assert!(bare.is(format!("idempotent/1 running {TOKEN} -\n").as_bytes()));
+        let other = "1".repeat(32);
+        assert!(!header.is(&written(&Header {
+            state: RUNNING,
+            token: other.as_bytes(),
+            fingerprint: Some(fp.as_bytes())
+        })));
     }
 
     #[test]

@@ -42,9 +42,10 @@ pub mod measure {
     }
 
     /// The processes whose CPU time the consumer benchmarks count: the program itself, then, by
-    /// the command name `/proc` gives them, RabbitMQ, NATS, Redis and PostgreSQL (all of its
-    /// processes).
-    pub const CONSUMER_PROCESSES: [&str; 5] = ["this program", "beam.smp", "nats-server", "redis-server", "postgres"];
+    /// the command name `/proc` gives them, RabbitMQ, NATS, Redis (or Valkey) and PostgreSQL (all
+    /// of its processes).
+    pub const CONSUMER_PROCESSES: [&str; 5] =
+        ["this program", "beam.smp", "nats-server", "redis-server|valkey-server", "postgres"];
 
     /// The CPU ticks so far of this process and of each server of [`CONSUMER_PROCESSES`], summed
     /// per name.

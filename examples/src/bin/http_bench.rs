@@ -5,6 +5,8 @@
 //! - `POST /plain`: the handler alone.
 //! - `POST /memory`: behind the layer on a `MemoryStore`.
 //! - `POST /redis`: behind the layer on the Redis store at `REDIS_URL` (if it answers).
+//! - `POST /redis-script`: the same store with `with_native_completion(false)`: on a server with
+//!   `SET ... IFEQ` (Valkey 8.1), completions by the script, as on an older server.
 //! - `POST /redis-cached`: the same Redis store behind a `CachedStore` (local replay cache).
 //!
 //! ```text
@@ -44,10 +46,15 @@ async fn main() {
         Ok(store) => {
             let store = store.with_prefix("idempotent-http-bench:").expect("a valid prefix");
             let cached = CachedStore::new(store.clone()).with_max_entries(4_000_000).with_max_bytes(1 << 30);
+            let script = store.clone().with_native_completion(false);
             app = app
                 .route(
                     "/redis",
                     post(echo).layer(IdempotencyLayer::new(store).keys_shared_by_all_callers().retention(RETENTION)),
+                )
+                .route(
+                    "/redis-script",
+                    post(echo).layer(IdempotencyLayer::new(script).keys_shared_by_all_callers().retention(RETENTION)),
                 )
                 .route(
                     "/redis-cached",

@@ -49,6 +49,9 @@
 //!   key as it was and goes to the completion script below, a second step. A server without
 //!   `IFEQ` refuses the command with a syntax error, having done nothing: the store then completes
 //!   by the script, and sends the script only from then on ([`RedisStore::with_native_completion`]).
+//!   Any other refusal of the command (a proxy that does not pass the option on, say) also leaves
+//!   that completion to the script; a failed connection or a server that cannot write now
+//!   (`LOADING`, `READONLY`, a redirection) fails the completion, as the script would.
 //! - **complete** (the script), **release**, **extend**: one `EVALSHA` each, of a script that reads
 //!   the value once, compares its start with `idempotent/1 running <token> `, and then makes one
 //!   write (`SET ... PX <retention>`, `DEL`, `PEXPIRE`). So each is atomic and fenced by the owner
@@ -607,26 +610,68 @@ impl<C: RedisConnection> RedisStore<C> {
     }
 
     /// What a native completion's reply (or error) means: `Some` answer when it decided the
-    /// completion (recorded, or failed on the way), `None` when the script must decide (the key
-    /// did not hold this call's claim, or the server has no `IFEQ`, after which the store stops
-    /// trying it).
+    /// completion (recorded, or failed on the way), `None` when the script must decide: the key
+    /// did not hold this call's claim, or the server refused the command (see
+    /// [`NativeRefusal`]; a server without `IFEQ` stops the store trying it).
     fn natively_completed(&self, reply: RedisResult<Value>, args: &CompleteArgs<'_>) -> Option<Result<(), StoreError>> {
         match reply {
             Ok(Value::BulkString(old)) if args.claimed.is(&old) => Some(Ok(())),
             Ok(_) => None,
-            Err(e) if refuses_ifeq(&e) => {
-                if self.native_completion.swap(false, Ordering::Relaxed) {
-                    tracing::info!(
-                        target: "idempotent", error = %e,
-                        "this Redis server has no `SET ... IFEQ` (Redis 8.4, Valkey 8.1); the store completes \
-                         calls with its script from now on"
-                    );
+            Err(e) => match NativeRefusal::of(&e) {
+                NativeRefusal::NoIfeq => {
+                    if self.native_completion.swap(false, Ordering::Relaxed) {
+                        tracing::info!(
+                            target: "idempotent", error = %e,
+                            "this Redis server has no `SET ... IFEQ` (Redis 8.4, Valkey 8.1); the store completes \
+                             calls with its script from now on"
+                        );
+                    }
+                    None
                 }
-                None
+                NativeRefusal::Refused => None,
+                NativeRefusal::NotRefused => Some(Err(backend(e))),
+            },
+        }
+    }
+}
+
+/// Why a native completion failed, which decides whether the script is sent after it.
+#[derive(Debug, PartialEq, Eq)]
+enum NativeRefusal {
+    /// `ERR syntax error`: Redis before 8.4 and Valkey before 8.1 have no `IFEQ`; the command did
+    /// nothing, and the store stops trying it.
+    NoIfeq,
+    /// Another reply the server (or a proxy in front of it) refused the command with: a key of
+    /// another type (the script names it), an option a proxy does not pass on, a permission.
+    /// The command did nothing; the script decides, as it would have without the attempt.
+    Refused,
+    /// The connection failed or timed out, or the server cannot write now (`LOADING`,
+    /// `READONLY`, `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, a redirection): the script would meet
+    /// the same, and the completion fails as it would have.
+    NotRefused,
+}
+
+impl NativeRefusal {
+    /// `error`'s kind. The native completion is the first command of its pipeline when `WAIT`
+    /// follows it, and a pipeline's error lists its commands' errors by position.
+    fn of(error: &RedisError) -> Self {
+        use redis::ServerErrorKind as Kind;
+        let Some(errors) = error.clone().into_server_errors() else { return NativeRefusal::NotRefused };
+        let Some((_, first)) = errors.iter().find(|(at, _)| *at == 0) else { return NativeRefusal::NotRefused };
+        match first.kind() {
+            Some(Kind::ResponseError) if first.details().is_some_and(|detail| detail.contains("syntax error")) => {
+                NativeRefusal::NoIfeq
             }
-            // The script reports a key of another type, naming it.
-            Err(e) if e.code() == Some("WRONGTYPE") => None,
-            Err(e) => Some(Err(backend(e))),
+            Some(
+                Kind::BusyLoading
+                | Kind::TryAgain
+                | Kind::ClusterDown
+                | Kind::MasterDown
+                | Kind::ReadOnly
+                | Kind::Moved
+                | Kind::Ask,
+            ) => NativeRefusal::NotRefused,
+            _ => NativeRefusal::Refused,
         }
     }
 }
@@ -647,17 +692,6 @@ fn replicas_have_it(acks: ReplicaAcks, waited: Option<&RedisResult<Value>>) -> R
         )),
         other => Err(StoreError::backend("redis", format!("unexpected reply to WAIT: {other:?}"))),
     }
-}
-
-/// Whether `error` is a server's refusal of `SET`'s `IFEQ` option: Redis before 8.4 and Valkey
-/// before 8.1 answer `ERR syntax error`, having done nothing. The native completion is the first
-/// command of its pipeline when `WAIT` follows it, and a pipeline's error lists its commands'.
-fn refuses_ifeq(error: &RedisError) -> bool {
-    error.clone().into_server_errors().is_some_and(|errors| {
-        errors.iter().any(|(at, error)| {
-            *at == 0 && error.code() == "ERR" && error.details().is_some_and(|detail| detail.contains("syntax error"))
-        })
-    })
 }
 
 /// A step's reply, and whether its connection was lost with a send in flight, so that the step
@@ -1044,6 +1078,43 @@ mod tests {
         assert_eq!(expiry_millis(Duration::from_micros(1500)), 2);
         assert_eq!(expiry_millis(Duration::from_mins(1)), 60_000);
         assert_eq!(expiry_millis(Duration::MAX), MAX_EXPIRY_MILLIS);
+    }
+
+    /// A native completion's error sends the script after it only when the server answered with
+    /// a refusal of the command itself; a server without `IFEQ` also stops the attempts.
+    #[test]
+    fn redis_native_completion_refusals_go_to_the_script() {
+        let error = |reply: &[u8]| redis::parse_redis_value(reply).unwrap().extract_error().unwrap_err();
+        assert_eq!(NativeRefusal::of(&error(b"-ERR syntax error\r\n")), NativeRefusal::NoIfeq);
+        for refused in [
+            &b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n"[..],
+            b"-ERR unknown option for SET\r\n",
+            b"-NOPERM this user has no permissions to run the 'set' command\r\n",
+            b"-OOM command not allowed when used memory > 'maxmemory'.\r\n",
+        ] {
+            assert_eq!(
+                NativeRefusal::of(&error(refused)),
+                NativeRefusal::Refused,
+                "{}",
+                String::from_utf8_lossy(refused)
+            );
+        }
+        for transient in [
+            &b"-LOADING Redis is loading the dataset in memory\r\n"[..],
+            b"-READONLY You can't write against a read only replica.\r\n",
+            b"-TRYAGAIN Multiple keys request during rehashing of slot\r\n",
+            b"-CLUSTERDOWN The cluster is down\r\n",
+            b"-MOVED 3999 127.0.0.1:6381\r\n",
+        ] {
+            assert_eq!(
+                NativeRefusal::of(&error(transient)),
+                NativeRefusal::NotRefused,
+                "{}",
+                String::from_utf8_lossy(transient)
+            );
+        }
+        let io = RedisError::from(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset"));
+        assert_eq!(NativeRefusal::of(&io), NativeRefusal::NotRefused);
     }
 
     #[test]

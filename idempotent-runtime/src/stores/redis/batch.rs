@@ -2,12 +2,12 @@
 //!
 //! Each command is the single step's own (the claim's `SET ... NX PX ... GET`, the completion's
 //! `SET ... IFEQ ... GET` or its script), so each key is answered as its single step would answer
-//! it; a completion the native command does not decide is finished by the script, as a single
-//! completion is, with a step of its own; Redis runs a pipeline's
-//! commands in order, so of two claims of one key in a batch the first wins. A claim that finds
-//! another call running asks for that call's remaining lease as a single claim does, with a step
-//! of its own. A pipeline whose connection was refused or lost is sent once more, whole: with the
-//! same tokens, each command meets its own first send and answers as that would have.
+//! it. Redis runs a pipeline's commands in order, so of two claims of one key in a batch the first
+//! wins. A claim that finds another call running asks for that call's remaining lease as a single
+//! claim does, with a step of its own, and a completion the native command does not decide is
+//! finished by the script as a single completion is, also with a step of its own. A pipeline
+//! whose connection was refused or lost is sent once more, whole: with the same tokens, each
+//! command meets its own first send and answers as that would have.
 
 use futures_util::future::join_all;
 use redis::{Pipeline, RedisResult, Value};

@@ -424,9 +424,10 @@ impl<C: RedisConnection> RedisStore<C> {
     ///
     /// A server without the `IFEQ` option answers that command with a syntax error and does
     /// nothing; the store then completes by its script, and from then on this store and its
-    /// clones send the script only, so an older server costs one refused command per store. Turn
-    /// it off to measure the script, or where a proxy in front of the server passes `SET`'s
-    /// options on to servers of different versions.
+    /// clones send the script only, so an older server costs one refused command per store. Any
+    /// other refusal (a proxy that does not pass the option on) leaves that one completion to the
+    /// script. Turn it off to measure the script beside it, or to spare a server that refuses
+    /// the command its refusals.
     #[must_use]
     pub fn with_native_completion(mut self, enabled: bool) -> Self {
         self.native_completion = Arc::new(AtomicBool::new(enabled));

@@ -1,5 +1,6 @@
 //! A real Redis Cluster on loopback for the tests: 3 masters and 3 replicas started from the
-//! installed `redis-server` in a temporary directory, joined with
+//! installed `redis-server` (or the server `REDIS_SERVER_BIN` names: `scripts/valkey` runs the
+//! cluster group on Valkey) in a temporary directory, joined with
 //! `redis-cli --cluster create ... --cluster-replicas 1 --cluster-yes`.
 //!
 //! The servers run under a small shell supervisor whose standard input is a pipe held by the test
@@ -35,7 +36,7 @@ const BASES: [u16; 8] = [7100, 7200, 7300, 7400, 7500, 7600, 7700, 7800];
 const SUPERVISOR: &str = r#"
 dir=$1; shift
 start() {
-  redis-server --port "$1" --bind 127.0.0.1 --cluster-enabled yes --cluster-config-file "nodes-$1.conf" \
+  "${REDIS_SERVER_BIN:-redis-server}" --port "$1" --bind 127.0.0.1 --cluster-enabled yes --cluster-config-file "nodes-$1.conf" \
     --cluster-node-timeout "$NODE_TIMEOUT" --dir "$dir" --save '' --appendonly no \
     --logfile "$dir/$1.log" --daemonize no &
 }
@@ -77,7 +78,8 @@ impl Cluster {
     /// When the servers are installed but the cluster does not come up.
     #[must_use]
     pub fn start(test: &str) -> Option<Cluster> {
-        if !crate::services::programs_installed(test, &["redis-server", "redis-cli"]) {
+        let server = std::env::var("REDIS_SERVER_BIN").unwrap_or_else(|_| "redis-server".into());
+        if !crate::services::programs_installed(test, &[&server, "redis-cli"]) {
             return None;
         }
         let _starting = STARTING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);

@@ -213,3 +213,89 @@ async fn redis_cluster_any_store_opens_from_a_url() {
     let bad = idempotent_runtime::stores::any::AnyStore::from_url("redis+cluster://127.0.0.1:7100,,x").await;
     assert!(bad.unwrap_err().to_string().contains("seed nodes"));
 }
+
+/// The cluster store completes calls with one native `SET ... IFEQ ... GET` where its servers
+/// have the option (`scripts/valkey` runs this group on Valkey 8.1): a user refused `EVAL` and
+/// `EVALSHA` by an ACL on every node completes calls on keys spread over every master, and the
+/// same user with the native completion turned off is refused. On servers without the option
+/// the completion falls back to the script (the conformance suite covers it) and this test only
+/// says so, unless `IDEMPOTENT_EXPECT_SET_IFEQ=1`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_completions_are_one_native_set_where_the_servers_have_ifeq() {
+    use idempotent_runtime::StoreError;
+    use idempotent_tests::services::redis_query;
+
+    let test = "redis_cluster_completions_are_one_native_set_where_the_servers_have_ifeq";
+    let Some(cluster) = Cluster::shared(test) else { return };
+    // `SET ... IFEQ` on a missing key writes nothing; an older server refuses the option.
+    let mut connection = patient_store_on(cluster, &prefix()).await.connection();
+    let probe: redis::RedisResult<Option<String>> = redis::cmd("SET")
+        .arg(format!("{}ifeq-probe", prefix()))
+        .arg("x")
+        .arg("IFEQ")
+        .arg("y")
+        .query_async(&mut connection)
+        .await;
+    if probe.as_ref().is_err_and(|e| e.to_string().contains("syntax error")) {
+        assert!(
+            std::env::var("IDEMPOTENT_EXPECT_SET_IFEQ").as_deref() != Ok("1"),
+            "IDEMPOTENT_EXPECT_SET_IFEQ=1, but the cluster's servers refuse SET ... IFEQ"
+        );
+        eprintln!("{test}: these servers have no SET ... IFEQ; the completions use the script");
+        return;
+    }
+
+    let user = format!("idempotent-test-noscript-{}", idempotent_tests::fresh::suffix());
+    for &port in cluster.ports() {
+        let acl = redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg(&user)
+            .arg("on")
+            .arg("nopass")
+            .arg("~*")
+            .arg("&*")
+            .arg("+@all")
+            .arg("-eval")
+            .arg("-evalsha")
+            .clone();
+        redis_query::<()>(port, &acl).expect("create the ACL user on every node");
+    }
+    let urls: Vec<String> = cluster.ports().iter().map(|p| format!("redis://{user}:any@127.0.0.1:{p}")).collect();
+    let prefix = prefix();
+    let store =
+        RedisClusterStore::connect_cluster(&urls).await.expect("connect as the user").with_prefix(&prefix).unwrap();
+
+    let keys: Vec<Key> = (0..30).map(|i| Key::new("native", &i).unwrap()).collect();
+    let outcome = br#"{"Ok":1}"#;
+    for key in &keys {
+        let owner = Token::new();
+        assert_eq!(
+            store.claim(&ClaimRequest::new(key, &owner, None, Duration::from_secs(60))).await.unwrap(),
+            Claim::Claimed
+        );
+        store
+            .complete_as(key, &owner, outcome, Duration::from_secs(600))
+            .await
+            .expect("completed by SET ... IFEQ, no script");
+        let replay = store.claim(&ClaimRequest::new(key, &Token::new(), None, Duration::from_secs(60))).await.unwrap();
+        assert_eq!(replay, Claim::Completed(Record::new(None, outcome.to_vec())));
+    }
+    let spread = cluster.keys_per_master(&prefix);
+    assert_eq!(spread.len(), 3, "the keys reached every master: {spread:?}");
+
+    let scripted = store.clone().with_native_completion(false);
+    let (key, owner) = (Key::new("native", &"scripted").unwrap(), Token::new());
+    assert_eq!(
+        scripted.claim(&ClaimRequest::new(&key, &owner, None, Duration::from_secs(60))).await.unwrap(),
+        Claim::Claimed
+    );
+    let refused = scripted.complete_as(&key, &owner, outcome, Duration::from_secs(600)).await;
+    let refused_script =
+        matches!(&refused, Err(e @ StoreError::Rejected { .. }) if e.to_string().contains("'evalsha'"));
+    assert!(refused_script, "{refused:?}");
+
+    for &port in cluster.ports() {
+        redis_query::<()>(port, redis::cmd("ACL").arg("DELUSER").arg(&user)).expect("delete the ACL user");
+    }
+    cluster.delete_prefix(&prefix);
+}

@@ -111,7 +111,7 @@
 //!   [`RedisStore::connect`] and [`RedisClusterStore::connect_cluster`] read the server's `INFO`
 //!   and refuse an older server with [`StoreError::Rejected`]. Tested by `.ci/run` on Redis
 //!   7.0.15 and 8.2.3 (completions by the script) and Valkey 8.1.1 (completions by `SET ...
-//!   IFEQ`), and the cluster on 7.0.15.
+//!   IFEQ`), and the cluster on 7.0.15 and Valkey 8.1.1.
 //! - **`maxmemory-policy noeviction`** (Redis's default). Under any evicting policy (`allkeys-*`,
 //!   and `volatile-*` too: every key of this store has an expiry) a server short of memory drops
 //!   keys: a dropped record makes its key run again, and a dropped claim lets a duplicate run

@@ -187,6 +187,17 @@ pub fn redis_query<T: idempotent_runtime::stores::redis::redis::FromRedisValue>(
     cmd.query(&mut connection)
 }
 
+/// `ACL SETUSER <user>`: a user allowed every command but `EVAL` and `EVALSHA`, with any password.
+/// A store connected as that user can complete a call only with the native `SET ... IFEQ`, so
+/// the tests that show the completion needs no script connect as it.
+#[cfg(feature = "redis")]
+#[must_use]
+pub fn acl_user_without_scripts(user: &str) -> idempotent_runtime::stores::redis::redis::Cmd {
+    let mut cmd = idempotent_runtime::stores::redis::redis::cmd("ACL");
+    cmd.arg("SETUSER").arg(user).arg("on").arg("nopass").arg("~*").arg("&*").arg("+@all").arg("-eval").arg("-evalsha");
+    cmd
+}
+
 /// Polls `condition` every 50 ms until it holds.
 ///
 /// # Panics

@@ -865,16 +865,7 @@ async fn redis_completions_are_one_native_set_where_the_server_has_ifeq() {
     }
 
     let user = format!("idempotent-test-noscript-{}", uuid::Uuid::new_v4().simple());
-    let _: () = redis::cmd("ACL")
-        .arg("SETUSER")
-        .arg(&user)
-        .arg("on")
-        .arg("nopass")
-        .arg("~*")
-        .arg("&*")
-        .arg("+@all")
-        .arg("-eval")
-        .arg("-evalsha")
+    let _: () = idempotent_tests::services::acl_user_without_scripts(&user)
         .query_async(&mut raw)
         .await
         .expect("create the ACL user");

@@ -247,17 +247,7 @@ async fn redis_cluster_completions_are_one_native_set_where_the_servers_have_ife
 
     let user = format!("idempotent-test-noscript-{}", idempotent_tests::fresh::suffix());
     for &port in cluster.ports() {
-        let acl = redis::cmd("ACL")
-            .arg("SETUSER")
-            .arg(&user)
-            .arg("on")
-            .arg("nopass")
-            .arg("~*")
-            .arg("&*")
-            .arg("+@all")
-            .arg("-eval")
-            .arg("-evalsha")
-            .clone();
+        let acl = idempotent_tests::services::acl_user_without_scripts(&user);
         redis_query::<()>(port, &acl).expect("create the ACL user on every node");
     }
     let urls: Vec<String> = cluster.ports().iter().map(|p| format!("redis://{user}:any@127.0.0.1:{p}")).collect();

@@ -997,10 +997,10 @@ impl<C: RedisConnection> RedisStore<C> {
         let args = self.complete_args(completion)?;
         let key = self.key_arg(completion.key);
         if self.completes_natively() {
-            let cmd = native_complete_cmd(&key, &args);
             let answer = match self.replica_acks {
-                None => self.natively_completed(self.query(&cmd).await, &args),
-                Some(acks) => match self.with_wait(|_| cmd.clone(), acks).await.map(step_and_wait) {
+                None => self.natively_completed(self.query(&native_complete_cmd(&key, &args)).await, &args),
+                Some(acks) => match self.with_wait(|_| native_complete_cmd(&key, &args), acks).await.map(step_and_wait)
+                {
                     Ok(Ok([reply, waited])) => self
                         .natively_completed(Ok(reply), &args)
                         .map(|answer| answer.and_then(|()| replicas_have_it(acks, Some(&Ok(waited))))),

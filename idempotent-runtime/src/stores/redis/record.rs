@@ -47,13 +47,11 @@ impl Header<'_> {
     /// Whether `value` is exactly this header: the running record this call's claim wrote, say.
     pub(super) fn is(&self, value: &[u8]) -> bool {
         let mut rest = value;
-        self.parts().iter().all(|part| match rest.split_at_checked(part.len()) {
-            Some((head, tail)) if head == *part => {
-                rest = tail;
-                true
-            }
-            _ => false,
-        }) && rest.is_empty()
+        for part in self.parts() {
+            let Some(tail) = rest.strip_prefix(part) else { return false };
+            rest = tail;
+        }
+        rest.is_empty()
     }
 }
 
